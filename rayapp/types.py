@@ -1,0 +1,176 @@
+"""The data model shared by every layer (spec §2-§4), as msgspec Structs.
+
+Struct constructors do not type-check: whatever comes from outside (layouts, recipes, dataset rows,
+HTTP bodies) goes through ``msgspec.convert``/``decode`` first, as ``rayapp.core.layout`` does.
+Structs pickle, so they cross Ray calls as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class Status(enum.StrEnum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+
+
+class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Supply or demand of one thing that the pool gates: a GPU fraction (or whole GPUs), an
+    asyncio concurrency ceiling, CPU cores and memory. ``gpu`` in (0, 1] shares one GPU; above 1 it
+    must be a whole number of GPUs on one node."""
+
+    gpu: float = 0.0
+    concurrency: int = 1
+    cpu: float = 0.0
+    memory_gb: float = 0.0
+
+    def peak(self, other: Resource) -> Resource:
+        """Per-field max: the most one sample holds when it runs ``self`` then ``other``."""
+        return Resource(
+            gpu=max(self.gpu, other.gpu),
+            concurrency=max(self.concurrency, other.concurrency),
+            cpu=max(self.cpu, other.cpu),
+            memory_gb=max(self.memory_gb, other.memory_gb),
+        )
+
+
+class StoppingCriteria(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When an episode stops. ``None`` means "not set at this level" in the cascade (spec §2);
+    after resolution a ``None`` left over means "no limit"."""
+
+    max_turns: int | None = None
+    max_context_len: int | None = None  # prompt + response tokens
+    timeout_s: float | None = None  # wall clock of the run phase
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Generation settings handed to the inference engine; ``None`` as in StoppingCriteria."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None  # per turn
+    stop: list[str] | None = None
+    seed: int | None = None
+
+
+class TaskConfig(msgspec.Struct, forbid_unknown_fields=True):
+    task_type: str
+    evaluator_id: str | None = None  # defaults to task_type
+    n_samples: int = 1  # samples in this task's group (GRPO-style)
+    expected_len: float | None = None  # expected episode length, read by longest_first_batching
+
+
+class Task(msgspec.Struct, forbid_unknown_fields=True):
+    task_id: str
+    prompt: str | list[dict[str, Any]]
+    config: TaskConfig
+    label: Any = None
+    metadata: dict[str, Any] = {}
+
+    @property
+    def evaluator_id(self) -> str:
+        return self.config.evaluator_id or self.config.task_type
+
+
+class Batch(msgspec.Struct):
+    task_type: str
+    tasks: list[Task] = []
+
+    @property
+    def evaluator_id(self) -> str:
+        return self.tasks[0].evaluator_id if self.tasks else self.task_type
+
+    @property
+    def n_samples(self) -> int:
+        return sum(t.config.n_samples for t in self.tasks)
+
+
+class Sample(msgspec.Struct):
+    """One episode's outcome, shaped for the trainer. ``tokens`` is prompt + response;
+    ``loss_mask`` and ``rollout_log_probs`` cover the last ``response_length`` tokens."""
+
+    task_id: str
+    index: int  # position in the task's group
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    status: Status = Status.PENDING
+    tokens: list[int] = []
+    response: str = ""
+    response_length: int = 0
+    rollout_log_probs: list[float] = []
+    loss_mask: list[int] = []
+    reward: dict[str, float] = {}
+    metadata: dict[str, Any] = {}
+    remove_sample: bool = False
+
+
+class Token(msgspec.Struct, frozen=True, gc=False):
+    """One placement token: what one running sample holds, and where. ``gpu`` is the fraction
+    held on each of ``gpu_ids`` (1.0 for whole GPUs)."""
+
+    token_id: int
+    node: str
+    gpu_ids: tuple[int, ...]
+    gpu: float
+    cpu: float
+    memory_gb: float
+
+
+class AgentResult(msgspec.Struct):
+    """What an agent's run phase returns (spec §4); the evaluator copies the token data onto the
+    sample. ``tokens`` is prompt + response as in Sample."""
+
+    tokens: list[int]
+    response_length: int
+    response: str = ""
+    rollout_log_probs: list[float] = []
+    loss_mask: list[int] = []
+    turns: int = 1
+    termination_reason: str | None = None  # the agent's own: "stop", "max_turns", ...
+    truncated: bool = False
+    metadata: dict[str, Any] = {}
+
+
+class EpisodeContext(msgspec.Struct):
+    """What the evaluator hands an agent for one sample: its token, its resolved settings."""
+
+    rollout_id: int
+    token: Token | None
+    stopping: StoppingCriteria
+    sampling: SamplingParams
+
+
+class EvaluatorSpec(msgspec.Struct):
+    """Binds a handler (the agent that owns the episode) to a resource model (spec §4).
+    ``resource`` is the per-evaluator budget; ``run_resource``/``eval_resource`` what one sample
+    needs in each phase."""
+
+    evaluator_id: str
+    handler: Any
+    resource: Resource = Resource()
+    run_resource: Resource = Resource()
+    eval_resource: Resource = Resource()
+    batch_size: int | None = None
+    default_stopping: StoppingCriteria = StoppingCriteria()
+    default_sampling: SamplingParams = SamplingParams()
+    eval_timeout_s: float = 300.0
+
+    @property
+    def sample_resource(self) -> Resource:
+        """The peak one sample holds: run and eval never overlap, so the per-field max."""
+        return self.run_resource.peak(self.eval_resource)
+
+
+class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One node of a cluster layout (spec §3)."""
+
+    gpus: tuple[int, ...] = ()
+    cpu: float = 0.0
+    memory_gb: float = 0.0

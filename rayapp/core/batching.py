@@ -1,0 +1,97 @@
+"""Batch composition: the scheduler's one pluggable decision (spec §2).
+
+A strategy is any callable ``(tasks, specs) -> batches``; everything downstream is uniform. Every
+strategy keeps two invariants the scheduler relies on: each task lands in exactly one batch, and a
+batch holds tasks of one task_type only. ``specs`` is keyed by task_type, as ``fifo_batching``
+reads it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from rayapp.core.pool import budget_tokens
+from rayapp.types import Batch, EvaluatorSpec, Task
+
+BatchingStrategy = Callable[[list[Task], dict[str, EvaluatorSpec]], list[Batch]]
+
+
+def fifo_batching(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]:
+    """Group by task_type in encounter order, sealing a batch at the matching spec's batch_size."""
+    batches: list[Batch] = []
+    open_batch: dict[str, Batch] = {}
+    for task in tasks:
+        ttype = task.config.task_type
+        batch_size = specs[ttype].batch_size if ttype in specs else None
+        if ttype not in open_batch:  # start a batch for this type
+            b = Batch(task_type=ttype)
+            open_batch[ttype] = b
+            batches.append(b)
+        open_batch[ttype].tasks.append(task)
+        if batch_size is not None and len(open_batch[ttype].tasks) >= batch_size:
+            del open_batch[ttype]  # seal -> the next task of this type opens a new one
+    return batches
+
+
+def longest_first_batching(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]:
+    """fifo_batching over the tasks sorted by ``config.expected_len``, longest first.
+
+    Long episodes start in the first batches, so the step's tail is made of short ones instead of
+    one straggler that every other batch waits on. Tasks without an estimate keep their order
+    after the estimated ones (the sort is stable).
+    """
+    ordered = sorted(tasks, key=lambda t: -(t.config.expected_len or 0.0))
+    return fifo_batching(ordered, specs)
+
+
+def budget_batching(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]:
+    """Pack each batch to what its spec's resource budget admits at once.
+
+    A batch is sealed when the next task's samples would exceed the tokens the budget grants
+    (``budget_tokens(spec.resource, spec.sample_resource)``), or at batch_size if that comes
+    first. Every batch then runs in one wave: no sample waits inside an admitted batch for a token
+    while it holds the batch's whole reservation. A task larger than the budget gets a batch of
+    its own (its group must stay together).
+    """
+    batches: list[Batch] = []
+    open_batch: dict[str, Batch] = {}
+    for task in tasks:
+        ttype = task.config.task_type
+        spec = specs.get(ttype)
+        cap = budget_tokens(spec.resource, spec.sample_resource) if spec else None
+        size = spec.batch_size if spec else None
+        b = open_batch.get(ttype)
+        if b is not None and cap is not None and b.n_samples + task.config.n_samples > cap:
+            b = None  # the budget is full: seal and open a new one
+        if b is None:
+            b = open_batch[ttype] = Batch(task_type=ttype)
+            batches.append(b)
+        b.tasks.append(task)
+        if size is not None and len(b.tasks) >= size:
+            del open_batch[ttype]
+    return batches
+
+
+STRATEGIES: dict[str, BatchingStrategy] = {
+    "fifo": fifo_batching,
+    "longest_first": longest_first_batching,
+    "budget": budget_batching,
+}
+
+
+def load_strategy(name: str) -> BatchingStrategy:
+    """A shipped strategy by short name, or any callable by dotted path (``pkg.mod.fn`` or
+    ``pkg.mod:fn``), as recipes name plugins."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    module, sep, attr = name.replace(":", ".").rpartition(".")
+    if not sep or not module:
+        raise ValueError(f"batching strategy {name!r}: not one of {sorted(STRATEGIES)} nor a dotted path")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"batching strategy {name!r}: cannot import: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"batching strategy {name!r}: {type(fn).__name__} is not callable")
+    return fn

@@ -1,0 +1,60 @@
+"""Step metrics: eval accuracy and pass@k per dataset, failure-class counts (spec §5).
+
+pass@k is the unbiased estimator of Chen et al. 2021 (the HumanEval paper): for a prompt with n
+samples of which c pass, ``1 - C(n-c, k) / C(n, k)``, averaged over prompts. Aborted samples stay
+in the counts as failures: dropping them would flatter the figures.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from math import comb
+
+from rayapp.core.termination import FailureClass, classify_termination
+from rayapp.types import Sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n passes."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def is_correct(sample: Sample, threshold: float = 1.0) -> bool:
+    return sample.reward.get("score", 0.0) >= threshold
+
+
+def eval_metrics(
+    samples_by_dataset: dict[str, list[Sample]], n_copies: int, threshold: float = 1.0
+) -> dict[str, float]:
+    """``eval/{name}/accuracy`` for every dataset and, when n_copies > 1, ``eval/{name}/pass@k``
+    for k = 1 and k = n_copies (and the powers of two between)."""
+    metrics: dict[str, float] = {}
+    ks = sorted({1, n_copies} | {2**i for i in range(1, n_copies.bit_length()) if 2**i < n_copies})
+    for name, samples in samples_by_dataset.items():
+        if not samples:
+            continue
+        metrics[f"eval/{name}/accuracy"] = sum(is_correct(s, threshold) for s in samples) / len(samples)
+        metrics[f"eval/{name}/n_samples"] = float(len(samples))
+        if n_copies > 1:
+            groups: dict[str, list[Sample]] = defaultdict(list)
+            for s in samples:
+                groups[s.task_id].append(s)
+            for k in ks:
+                scores = [pass_at_k(len(g), sum(is_correct(s, threshold) for s in g), k)
+                          for g in groups.values() if len(g) >= k]
+                if scores:
+                    metrics[f"eval/{name}/pass@{k}"] = sum(scores) / len(scores)
+    return metrics
+
+
+def failure_summary(samples: Iterable[Sample]) -> dict[str, int]:
+    """Count of samples per failure class (the eight of ``FailureClass``, zeros included)."""
+    counts = Counter(
+        classify_termination(s.reward, s.metadata.get("_termination_reason")).value for s in samples
+    )
+    return {fc.value: counts.get(fc.value, 0) for fc in FailureClass}

@@ -1,0 +1,125 @@
+"""Why an episode ended (spec §4): abort classification and the eight failure classes.
+
+``classify_abort`` maps an exception raised inside an episode to one transport class. It reads the
+exception's type first (the exception types below, builtin timeouts and connection errors, and
+their causes), then its message, so wrapped or stringified errors from remote processes still
+classify. ``classify_termination`` folds a finished sample's reward and reason into one of the
+eight ``FailureClass`` values that summaries count.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+
+class AbortReason(enum.StrEnum):
+    AGENT_TIMEOUT = "agent_timeout"  # the episode or a step of it ran out of time
+    INFRA_CONN = "infra_conn"  # the inference engine (or another service) could not be reached
+    INFRA_SANDBOX = "infra_sandbox"  # the sandbox crashed, was killed or ran out of memory
+    INFRA_OTHER = "infra_other"  # anything else: a bug, a bad result shape, ...
+
+
+class FailureClass(enum.StrEnum):
+    """One class per sample. The first two are the episode's own outcome; the next two are the
+    agent's limits; the last four are aborts."""
+
+    SUCCESS = "success"  # positive score
+    WRONG_ANSWER = "wrong_answer"  # finished on its own, score <= 0
+    MAX_TURNS = "max_turns"  # stopped by StoppingCriteria.max_turns
+    MAX_CONTEXT = "max_context"  # stopped by max_context_len or a length cut
+    AGENT_TIMEOUT = "agent_timeout"
+    INFRA_CONN = "infra_conn"
+    INFRA_SANDBOX = "infra_sandbox"
+    INFRA_OTHER = "infra_other"
+
+
+class EpisodeError(Exception):
+    """Base of the errors that agents, sandboxes and engine clients raise on purpose."""
+
+    reason: AbortReason = AbortReason.INFRA_OTHER
+
+
+class AgentTimeout(EpisodeError):
+    reason = AbortReason.AGENT_TIMEOUT
+
+
+class EngineConnectionError(EpisodeError):
+    reason = AbortReason.INFRA_CONN
+
+
+class SandboxError(EpisodeError):
+    reason = AbortReason.INFRA_SANDBOX
+
+
+# Message patterns, most specific first: a message naming a sandbox OOM is a sandbox fault even
+# when it also says "killed after timeout".
+_MESSAGE_RULES: list[tuple[re.Pattern[str], AbortReason]] = [
+    (re.compile(r"sandbox|container|docker|out of memory|\boom\b|oomkilled|sigkill|exit code 137", re.I),
+     AbortReason.INFRA_SANDBOX),
+    (re.compile(r"timed? ?out|timeout|deadline exceeded", re.I), AbortReason.AGENT_TIMEOUT),
+    (re.compile(r"connection|connect |econnrefused|unreachable|broken pipe|remote end closed|"
+                r"actor (?:died|unavailable)|replica|service unavailable|\b50[234]\b", re.I),
+     AbortReason.INFRA_CONN),
+]
+
+# Types checked in order; subclasses before their bases (TimeoutError is an OSError).
+# asyncio.TimeoutError is TimeoutError on Python 3.11+.
+_TYPE_RULES: list[tuple[type[BaseException], AbortReason]] = [
+    (TimeoutError, AbortReason.AGENT_TIMEOUT),
+    (ConnectionError, AbortReason.INFRA_CONN),
+    (MemoryError, AbortReason.INFRA_SANDBOX),
+]
+
+
+def _by_type(exc: BaseException) -> AbortReason | None:
+    if isinstance(exc, EpisodeError) and type(exc).reason is not AbortReason.INFRA_OTHER:
+        return type(exc).reason
+    for kind, reason in _TYPE_RULES:
+        if isinstance(exc, kind):
+            return reason
+    return None
+
+
+def classify_abort(error: BaseException | str) -> AbortReason:
+    """agent_timeout / infra_conn / infra_sandbox / infra_other, by type first, message second.
+
+    The exception's ``__cause__``/``__context__`` chain is walked for a known type, since a
+    remote call re-raises the original inside its own wrapper."""
+    if isinstance(error, BaseException):
+        seen: set[int] = set()
+        exc: BaseException | None = error
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            reason = _by_type(exc)
+            if reason is not None:
+                return reason
+            exc = exc.__cause__ or exc.__context__
+        message = f"{type(error).__name__}: {error}"
+    else:
+        message = error
+    for pattern, reason in _MESSAGE_RULES:
+        if pattern.search(message):
+            return reason
+    return AbortReason.INFRA_OTHER
+
+
+_LIMIT_REASONS = {
+    "max_turns": FailureClass.MAX_TURNS,
+    "max_context_len": FailureClass.MAX_CONTEXT,
+    "max_context": FailureClass.MAX_CONTEXT,
+    "length": FailureClass.MAX_CONTEXT,
+}
+
+
+def classify_termination(reward: dict[str, float] | float | None, reason: str | None) -> FailureClass:
+    """Fold a sample's (reward, termination reason) into one FailureClass.
+
+    Aborts win (their reason is a transport class); then a positive score is a success whatever
+    limit ended the episode; then the limit that stopped it; else a wrong answer."""
+    if reason in AbortReason._value2member_map_:
+        return FailureClass(reason)
+    score = reward.get("score", 0.0) if isinstance(reward, dict) else (reward or 0.0)
+    if score > 0:
+        return FailureClass.SUCCESS
+    return _LIMIT_REASONS.get(reason or "", FailureClass.WRONG_ANSWER)

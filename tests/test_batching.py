@@ -1,0 +1,75 @@
+import pytest
+
+from rayapp.core.batching import budget_batching, fifo_batching, load_strategy, longest_first_batching
+from rayapp.types import EvaluatorSpec, Resource, Task, TaskConfig
+
+
+def task(i, ttype="a", n=1, expected_len=None):
+    return Task(f"{ttype}{i}", "p", TaskConfig(ttype, n_samples=n, expected_len=expected_len))
+
+
+def spec(sid, batch_size=None, concurrency=8):
+    """A budget of ``concurrency`` one-cpu samples."""
+    return EvaluatorSpec(sid, handler=None, batch_size=batch_size,
+                         resource=Resource(concurrency=concurrency, cpu=concurrency), run_resource=Resource(cpu=1))
+
+
+def ids(batches):
+    return [[t.task_id for t in b.tasks] for b in batches]
+
+
+def test_fifo_groups_by_type_in_encounter_order_and_seals_at_batch_size():
+    tasks = [task(0, "a"), task(0, "b"), task(1, "a"), task(2, "a"), task(1, "b"), task(0, "c")]
+    batches = fifo_batching(tasks, {"a": spec("a", batch_size=2), "b": spec("b")})
+    assert ids(batches) == [["a0", "a1"], ["b0", "b1"], ["a2"], ["c0"]]
+    assert [b.task_type for b in batches] == ["a", "b", "a", "c"]
+
+
+def test_fifo_without_a_spec_or_batch_size_makes_one_batch_per_type():
+    tasks = [task(i, "x") for i in range(5)]
+    assert ids(fifo_batching(tasks, {})) == [[f"x{i}" for i in range(5)]]
+    assert fifo_batching([], {}) == []
+
+
+def test_longest_first_puts_long_episodes_in_the_first_batches():
+    lens = [1, 50, 3, None, 20, 7]
+    tasks = [task(i, "a", expected_len=n) for i, n in enumerate(lens)]
+    specs = {"a": spec("a", batch_size=2)}
+    assert ids(fifo_batching(tasks, specs)) == [["a0", "a1"], ["a2", "a3"], ["a4", "a5"]]
+    # what it changes: the 50- and 20-step episodes start together in the first wave
+    assert ids(longest_first_batching(tasks, specs)) == [["a1", "a4"], ["a5", "a2"], ["a0", "a3"]]
+
+
+def test_budget_batching_packs_each_batch_to_what_the_budget_admits_at_once():
+    tasks = [task(i, "a", n=2) for i in range(5)]
+    specs = {"a": spec("a", concurrency=5)}  # five 1-cpu tokens at once
+    assert ids(fifo_batching(tasks, specs)) == [[f"a{i}" for i in range(5)]]  # one batch of 10 samples
+    packed = budget_batching(tasks, specs)
+    assert ids(packed) == [["a0", "a1"], ["a2", "a3"], ["a4"]]  # 4 + 4 + 2 samples, each <= 5
+    assert all(b.n_samples <= 5 for b in packed)
+
+
+def test_budget_batching_gives_an_oversized_group_its_own_batch_and_respects_batch_size():
+    tasks = [task(0, "a", n=1), task(1, "a", n=9), task(2, "a", n=1), task(3, "a", n=1)]
+    specs = {"a": spec("a", concurrency=4, batch_size=1)}
+    assert ids(budget_batching(tasks, specs)) == [["a0"], ["a1"], ["a2"], ["a3"]]
+    specs = {"a": spec("a", concurrency=4)}
+    assert ids(budget_batching(tasks, specs)) == [["a0"], ["a1"], ["a2", "a3"]]
+
+
+@pytest.mark.parametrize("strategy", [fifo_batching, longest_first_batching, budget_batching])
+def test_every_strategy_keeps_each_task_once_and_one_type_per_batch(strategy):
+    tasks = [task(i, t, n=1 + i % 3, expected_len=i % 4) for i in range(12) for t in "abc"]
+    batches = strategy(tasks, {"a": spec("a", batch_size=3), "b": spec("b", concurrency=4)})
+    flat = [t for b in batches for t in b.tasks]
+    assert sorted(map(id, flat)) == sorted(map(id, tasks))
+    assert all({t.config.task_type for t in b.tasks} == {b.task_type} for b in batches)
+
+
+def test_load_strategy_by_short_name_or_dotted_path():
+    assert load_strategy("fifo") is fifo_batching
+    assert load_strategy("rayapp.core.batching.budget_batching") is budget_batching
+    assert load_strategy("rayapp.core.batching:longest_first_batching") is longest_first_batching
+    for bad in ["nope", "rayapp.core.batching.nope", "no_such_module.fn", "rayapp.core.batching.STRATEGIES"]:
+        with pytest.raises(ValueError, match="batching strategy"):
+            load_strategy(bad)

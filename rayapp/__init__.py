@@ -1,0 +1,55 @@
+"""rayapp: a Ray-native rollout scheduler for agentic RL training of language models.
+
+The public API, re-exported from the pure core (``rayapp.core``) and the data model."""
+
+from rayapp.core.agent import AgentHandler, FunctionAgent
+from rayapp.core.batching import (
+    STRATEGIES,
+    BatchingStrategy,
+    budget_batching,
+    fifo_batching,
+    load_strategy,
+    longest_first_batching,
+)
+from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, resolve_stopping
+from rayapp.core.evaluator import Evaluator, Group
+from rayapp.core.layout import LayoutError, parse_cluster_layout
+from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
+from rayapp.core.pool import PlacementPool, PoolError, budget_tokens
+from rayapp.core.scheduler import DeadlockError, EvalResult, RolloutResult, TaskScheduler, interleave
+from rayapp.core.termination import (
+    AbortReason,
+    AgentTimeout,
+    EngineConnectionError,
+    EpisodeError,
+    FailureClass,
+    SandboxError,
+    classify_abort,
+    classify_termination,
+)
+from rayapp.types import (
+    AgentResult,
+    Batch,
+    EpisodeContext,
+    EvaluatorSpec,
+    NodeSpec,
+    Resource,
+    Sample,
+    SamplingParams,
+    Status,
+    StoppingCriteria,
+    Task,
+    TaskConfig,
+    Token,
+)
+
+__all__ = [
+    "STRATEGIES", "AbortReason", "AgentHandler", "AgentResult", "AgentTimeout", "Batch", "BatchingStrategy",
+    "CascadeError", "DeadlockError", "EngineConnectionError", "EpisodeContext", "EpisodeError", "EvalResult",
+    "Evaluator", "EvaluatorSpec", "FailureClass", "FunctionAgent", "Group", "LayoutError", "NodeSpec",
+    "PlacementPool", "PoolError", "Resource", "RolloutResult", "Sample", "SamplingParams", "SandboxError",
+    "Status", "StoppingCriteria", "Task", "TaskConfig", "TaskScheduler", "Token", "budget_batching",
+    "budget_tokens", "build_sampling_params", "cascade", "classify_abort", "classify_termination",
+    "eval_metrics", "failure_summary", "fifo_batching", "interleave", "load_strategy",
+    "longest_first_batching", "parse_cluster_layout", "pass_at_k", "resolve_stopping",
+]

@@ -1,0 +1,44 @@
+"""The handler an EvaluatorSpec binds (spec §4): the agent that owns one sample's episode.
+
+Two phases run under the one token the sample holds: ``run`` (the episode, returns an
+AgentResult) and ``evaluate`` (the verifier, returns the reward dict). While it runs, an agent may
+keep ``sample.metadata["_turns"]`` and ``["_termination_reason"]`` current, so that an abort
+mid-episode still reports how far it got.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
+
+from rayapp.types import AgentResult, EpisodeContext, Sample
+
+
+@runtime_checkable
+class AgentHandler(Protocol):
+    async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult: ...
+
+    async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]: ...
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class FunctionAgent:
+    """An AgentHandler made of two plain functions (sync or async):
+    ``run_fn(sample, ctx) -> AgentResult`` and ``verify_fn(sample, result) -> reward dict``."""
+
+    def __init__(
+        self,
+        run_fn: Callable[[Sample, EpisodeContext], AgentResult | Awaitable[AgentResult]],
+        verify_fn: Callable[[Sample, AgentResult], dict[str, float] | Awaitable[dict[str, float]]],
+    ):
+        self.run_fn, self.verify_fn = run_fn, verify_fn
+
+    async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
+        return await _maybe_await(self.run_fn(sample, ctx))
+
+    async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
+        return await _maybe_await(self.verify_fn(sample, result))

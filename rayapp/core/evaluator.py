@@ -1,0 +1,158 @@
+"""One batch's episodes (spec §4): created per batch, drains its queue, discarded.
+
+Invariants it keeps:
+- at most ``spec.resource.concurrency`` samples run at once (an asyncio.Semaphore);
+- each running sample holds exactly one token of the batch's local pool across run AND eval,
+  given back in ``finally`` whatever happens, so the batch returns every token it was granted;
+- a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
+  ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
+- ``on_task_done`` fires once per task, as soon as that task's group is finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from rayapp.core.termination import classify_abort
+from rayapp.types import (
+    AgentResult,
+    EpisodeContext,
+    EvaluatorSpec,
+    Sample,
+    SamplingParams,
+    Status,
+    StoppingCriteria,
+    Task,
+    Token,
+)
+
+log = logging.getLogger(__name__)
+
+OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None] | None]
+
+DUMMY_TOKENS = [0, 0]  # the aborted sample's stand-in: one "prompt" and one masked response token
+
+
+@dataclass
+class Group:
+    """One task's samples and the settings the cascade resolved for them."""
+
+    task: Task
+    samples: list[Sample]
+    stopping: StoppingCriteria
+    sampling: SamplingParams
+
+
+def _populate_token_data(sample: Sample, result: AgentResult) -> None:
+    """Copy the trainer's token data off the agent result, checking the shapes line up."""
+    n = result.response_length
+    if not 0 <= n <= len(result.tokens):
+        raise ValueError(f"response_length {n} outside 0..{len(result.tokens)} tokens")
+    loss_mask = result.loss_mask if result.loss_mask else [1] * n
+    if len(loss_mask) != n:
+        raise ValueError(f"loss_mask has {len(loss_mask)} entries for {n} response tokens")
+    if result.rollout_log_probs and len(result.rollout_log_probs) != n:
+        raise ValueError(f"rollout_log_probs has {len(result.rollout_log_probs)} entries for {n} response tokens")
+    sample.tokens = list(result.tokens)
+    sample.response = result.response
+    sample.response_length = n
+    sample.loss_mask = list(loss_mask)
+    sample.rollout_log_probs = list(result.rollout_log_probs)
+
+
+class Evaluator:
+    def __init__(
+        self,
+        spec: EvaluatorSpec,
+        *,
+        rollout_id: int,
+        tokens: list[Token] | None,
+        on_task_done: OnTaskDone | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.spec = spec
+        self.rollout_id = rollout_id
+        self.on_task_done = on_task_done
+        self.clock = clock
+        self._sem = asyncio.Semaphore(max(1, spec.resource.concurrency))
+        # The short-lived local pool: the batch's tokens, one handed to each running sample.
+        self._local: asyncio.Queue[Token] | None = None
+        if tokens is not None:
+            if not tokens:
+                raise ValueError(f"evaluator {spec.evaluator_id!r}: a gated batch needs at least one token")
+            self._local = asyncio.Queue()
+            for t in tokens:
+                self._local.put_nowait(t)
+
+    async def run(self, groups: list[Group]) -> None:
+        """Run every group's samples concurrently; fills the samples in place."""
+        await asyncio.gather(*(self._run_group(g) for g in groups))
+
+    async def _run_group(self, group: Group) -> None:
+        await asyncio.gather(*(self._execute_sample(s, group) for s in group.samples))
+        if self.on_task_done is not None:
+            done = self.on_task_done(group.task, group.samples)
+            if inspect.isawaitable(done):
+                await done
+
+    async def _execute_sample(self, sample: Sample, group: Group) -> None:
+        async with self._sem:
+            token = await self._local.get() if self._local is not None else None
+            phase, started = "run", self.clock()
+            try:
+                if token is not None:
+                    sample.metadata["_placement"] = {"node": token.node, "gpu_ids": list(token.gpu_ids),
+                                                     "gpu": token.gpu}
+                ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling)
+                result = await asyncio.wait_for(self.spec.handler.run(sample, ctx), group.stopping.timeout_s)
+                if not isinstance(result, AgentResult):
+                    raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
+                sample.metadata["_turns"] = result.turns
+                sample.metadata["_termination_reason"] = result.termination_reason
+                sample.metadata.update(result.metadata)
+                phase = "eval"
+                reward = await asyncio.wait_for(
+                    self.spec.handler.evaluate(sample, result, ctx), self.spec.eval_timeout_s
+                )
+                if not isinstance(reward, dict) or "score" not in reward:
+                    raise TypeError(f"handler.evaluate returned {reward!r}, not a dict with a 'score'")
+                _populate_token_data(sample, result)
+                sample.reward = {k: float(v) for k, v in reward.items()}
+                sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
+            except Exception as e:
+                self._abort(sample, e, phase, started, token)
+            finally:
+                if self._local is not None and token is not None:
+                    self._local.put_nowait(token)
+
+    def _abort(self, sample: Sample, e: Exception, phase: str, started: float, token: Token | None) -> None:
+        agent_reason = sample.metadata.get("_termination_reason")
+        if agent_reason is not None:
+            sample.metadata["_termination_reason_agent"] = agent_reason  # kept for diagnostics
+        reason = classify_abort(e)
+        sample.metadata["_termination_reason"] = reason.value
+        ended = self.clock()
+        sample.metadata["_abort"] = {  # _annotate_abort: what a failure summary needs
+            "phase": phase,
+            "window": [started, ended],
+            "elapsed_s": round(ended - started, 3),
+            "node": token.node if token else None,
+            "gpu_ids": list(token.gpu_ids) if token else [],
+            "turns": sample.metadata.get("_turns", 0),
+            "error": f"{type(e).__name__}: {e}"[:2000],
+        }
+        sample.status = Status.ABORTED
+        sample.reward = {"score": 0.0}
+        sample.tokens = list(DUMMY_TOKENS)
+        sample.response = ""
+        sample.response_length = 1
+        sample.loss_mask = [0]  # zero gradient
+        sample.rollout_log_probs = [0.0]
+        sample.remove_sample = True
+        log.warning("sample %s/%d aborted in %s phase (%s): %s", sample.task_id, sample.index, phase,
+                    reason.value, sample.metadata["_abort"]["error"])

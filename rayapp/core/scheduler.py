@@ -1,0 +1,261 @@
+"""The TaskScheduler: drives a rollout step (spec §1-§3). Plain asyncio, no Ray.
+
+Every step makes the same four moves: fetch -> distribute -> batch -> run. ``run_all`` checks
+first that the pool can ever admit the largest batch each spec will ask for (fail fast instead of
+hanging), then runs the batches concurrently; each batch waits for an all-or-nothing admission,
+runs one Evaluator, and gives its tokens back in ``finally``. Results stream out through
+``on_task_done`` as each task finishes, and come back whole at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from itertools import chain, zip_longest
+from typing import Any, Protocol
+
+import msgspec
+from tqdm.auto import tqdm
+
+from rayapp.core.batching import BatchingStrategy, fifo_batching
+from rayapp.core.cascade import build_sampling_params, resolve_stopping
+from rayapp.core.evaluator import Evaluator, Group, OnTaskDone
+from rayapp.core.metrics import eval_metrics, failure_summary
+from rayapp.core.pool import budget_tokens
+from rayapp.types import Batch, EvaluatorSpec, Resource, Sample, SamplingParams, StoppingCriteria, Task, Token
+
+log = logging.getLogger(__name__)
+
+
+class DeadlockError(RuntimeError):
+    """A spec asks for more placement tokens than the pool can ever provide."""
+
+
+class Pool(Protocol):
+    """What the scheduler needs of a placement pool (the core ledger, or the Ray actor's client).
+    ``max_tokens_for`` may be sync or async."""
+
+    async def acquire_batch(self, budget: Resource, per_sample: Resource, max_tokens: int, *,
+                            timeout: float | None = None) -> list[Token]: ...
+
+    async def release_batch(self, tokens: list[Token]) -> None: ...
+
+    def max_tokens_for(self, per_sample: Resource) -> Any: ...
+
+
+class DataSource(Protocol):
+    def get_tasks(self, n: int) -> Any: ...  # list[Task], or an awaitable of one
+
+
+class RolloutResult(msgspec.Struct):
+    rollout_id: int
+    groups: list[list[Sample]]  # one group per task, in fetch order
+    metrics: dict[str, float] = {}
+
+
+class EvalResult(msgspec.Struct):
+    rollout_id: int
+    metrics: dict[str, float]
+    samples: dict[str, list[Sample]]  # by dataset name
+
+
+async def _resolve(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def interleave(per_dataset: Sequence[Sequence[Task]]) -> list[Task]:
+    """Round-robin across datasets: ABCABC..., then the longer ones' rest."""
+    return [t for t in chain.from_iterable(zip_longest(*per_dataset)) if t is not None]
+
+
+class TaskScheduler:
+    def __init__(
+        self,
+        specs: Sequence[EvaluatorSpec] | dict[str, EvaluatorSpec],
+        data_source: DataSource | None = None,
+        pool: Pool | None = None,
+        *,
+        batching_strategy: BatchingStrategy | None = None,
+        rollout_batch_size: int = 8,
+        eval_datasets: dict[str, Sequence[Task]] | None = None,
+        n_samples_per_eval_prompt: int = 1,
+        global_stopping: StoppingCriteria = StoppingCriteria(),
+        global_sampling: SamplingParams = SamplingParams(),
+        on_task_done: OnTaskDone | None = None,
+        acquire_timeout_s: float | None = None,
+        progress: bool = True,
+        clock: Callable[[], float] = time.time,
+    ):
+        spec_list = list(specs.values()) if isinstance(specs, dict) else list(specs)
+        if not spec_list:
+            raise ValueError("TaskScheduler needs at least one EvaluatorSpec")
+        self.specs: dict[str, EvaluatorSpec] = {}
+        for s in spec_list:
+            if s.evaluator_id in self.specs:
+                raise ValueError(f"two EvaluatorSpecs share evaluator_id {s.evaluator_id!r}")
+            self.specs[s.evaluator_id] = s
+        if rollout_batch_size < 1 or n_samples_per_eval_prompt < 1:
+            raise ValueError("rollout_batch_size and n_samples_per_eval_prompt must be >= 1")
+        self.data_source, self.pool = data_source, pool
+        self.batching_strategy = batching_strategy or fifo_batching
+        self.rollout_batch_size = rollout_batch_size
+        self.eval_datasets = dict(eval_datasets or {})
+        self.n_samples_per_eval_prompt = n_samples_per_eval_prompt
+        self.global_stopping, self.global_sampling = global_stopping, global_sampling
+        self.on_task_done = on_task_done
+        self.acquire_timeout_s = acquire_timeout_s
+        self.progress, self.clock = progress, clock
+        self._warned: set[str] = set()
+        self._status: dict[str, Any] = {"phase": "idle"}
+
+    # -- the four moves ----------------------------------------------------------------------
+
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
+        if self.data_source is None:
+            raise ValueError("execute_rollout needs a data_source")
+        fetched = await _resolve(self.data_source.get_tasks(self.rollout_batch_size))  # fetch
+        # Samples are grouped per task object: a task fetched twice gets a group of its own.
+        tasks: list[Task] = []
+        seen: set[int] = set()
+        for t in fetched:
+            tasks.append(msgspec.structs.replace(t) if id(t) in seen else t)
+            seen.add(id(t))
+        groups = self._distribute(rollout_id, tasks)
+        batches = self.batching_strategy(tasks, self.specs)  # batch
+        await self.run_all(rollout_id, batches, groups, on_task_done, phase="rollout")  # run
+        samples = [groups[id(t)].samples for t in tasks]
+        return RolloutResult(rollout_id, samples, {f"rollout/{k}": float(v) for k, v in
+                                                   failure_summary(chain.from_iterable(samples)).items()})
+
+    async def execute_eval(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> EvalResult:
+        """Every (prompt x copy) sample, interleaved round-robin across datasets, in one run_all."""
+        if not self.eval_datasets:
+            raise ValueError("execute_eval needs eval_datasets")
+        per_dataset = []
+        for name, tasks in self.eval_datasets.items():
+            copies = []
+            for task in tasks:
+                for copy in range(self.n_samples_per_eval_prompt):
+                    meta = {**task.metadata, "_eval_dataset_name": name, "_eval_copy": copy}
+                    config = msgspec.structs.replace(task.config, n_samples=1)
+                    copies.append(msgspec.structs.replace(task, config=config, metadata=meta))
+            per_dataset.append(copies)
+        tasks = interleave(per_dataset)
+        groups = self._distribute(rollout_id, tasks)
+        batches = self.batching_strategy(tasks, self.specs)
+        await self.run_all(rollout_id, batches, groups, on_task_done, phase="eval")
+        by_name: dict[str, list[Sample]] = {name: [] for name in self.eval_datasets}
+        for t in tasks:  # split apart by _eval_dataset_name
+            by_name[t.metadata["_eval_dataset_name"]].extend(groups[id(t)].samples)
+        metrics = eval_metrics(by_name, self.n_samples_per_eval_prompt)
+        return EvalResult(rollout_id, metrics, by_name)
+
+    def _distribute(self, rollout_id: int, tasks: list[Task]) -> dict[int, Group]:
+        """One group of samples per task, with settings resolved now so a bad dataset config
+        fails the step before anything runs."""
+        groups: dict[int, Group] = {}
+        for task in tasks:
+            if task.config.n_samples < 1:
+                raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
+            first = task.metadata.get("_eval_copy", 0)
+            samples = [
+                Sample(task.task_id, first + i, task.prompt, task.label,
+                       metadata={**task.metadata, "_rollout_id": rollout_id})
+                for i in range(task.config.n_samples)
+            ]
+            spec = self._resolve_spec_id(task.evaluator_id)
+            groups[id(task)] = Group(
+                task, samples,
+                resolve_stopping(self.global_stopping, spec.default_stopping, samples[0]),
+                build_sampling_params(self.global_sampling, spec.default_sampling, samples[0]),
+            )
+        return groups
+
+    def _resolve_spec_id(self, evaluator_id: str) -> EvaluatorSpec:
+        """Exact evaluator_id match, else one warning per unknown id and the first spec."""
+        spec = self.specs.get(evaluator_id)
+        if spec is None:
+            spec = next(iter(self.specs.values()))
+            if evaluator_id not in self._warned:
+                self._warned.add(evaluator_id)
+                log.warning("no EvaluatorSpec %r; falling back to the first spec %r", evaluator_id,
+                            spec.evaluator_id)
+        return spec
+
+    def _resolve_spec(self, batch: Batch) -> EvaluatorSpec:
+        return self._resolve_spec_id(batch.evaluator_id)
+
+    # -- run -----------------------------------------------------------------------------------
+
+    async def _check_deadlock(self, batches: list[Batch]) -> None:
+        """Fail fast unless the pool can meet the largest per-spec demand it will ever request."""
+        max_batch_samples: dict[str, int] = {}
+        for b in batches:
+            sid = self._resolve_spec(b).evaluator_id
+            max_batch_samples[sid] = max(max_batch_samples.get(sid, 0), b.n_samples)
+        for sid, biggest in max_batch_samples.items():
+            spec = self.specs[sid]
+            budget = budget_tokens(spec.resource, spec.sample_resource)
+            if budget < 1:
+                raise DeadlockError(f"EvaluatorSpec '{sid}': its resource budget {spec.resource} admits no "
+                                    f"sample of {spec.sample_resource}")
+            tokens_needed = min(budget, biggest)
+            pool_capacity = await _resolve(self.pool.max_tokens_for(spec.sample_resource))
+            if pool_capacity < tokens_needed:
+                raise DeadlockError(
+                    f"Deadlock: EvaluatorSpec '{sid}' needs {tokens_needed} placement tokens but the pool "
+                    f"can only provide {pool_capacity} (per-sample resource {spec.sample_resource}); "
+                    f"lower its batch_size or resource budget, or grow the cluster layout")
+
+    async def run_all(self, rollout_id: int, batches: list[Batch], groups: dict[int, Group],
+                      on_task_done: OnTaskDone | None = None, phase: str = "rollout") -> None:
+        if self.pool is not None:
+            await self._check_deadlock(batches)
+        callback = on_task_done or self.on_task_done
+        n_tasks = sum(len(b.tasks) for b in batches)
+        st = self._status = {"phase": phase, "rollout_id": rollout_id, "batches": len(batches),
+                             "batches_waiting": len(batches), "batches_running": 0, "batches_done": 0,
+                             "tasks": n_tasks, "tasks_done": 0, "samples_done": 0, "started_at": self.clock()}
+        bar = tqdm(total=n_tasks, desc=f"{phase} {rollout_id}", unit="task", disable=not self.progress)
+
+        async def task_done(task: Task, samples: list[Sample]) -> None:
+            st["tasks_done"] += 1
+            st["samples_done"] += len(samples)
+            bar.update(1)
+            if callback is not None:
+                await _resolve(callback(task, samples))
+
+        try:
+            async with asyncio.TaskGroup() as tg:  # one failing batch cancels the rest
+                for b in batches:
+                    tg.create_task(self._run_batch(rollout_id, b, groups, task_done))
+        finally:
+            bar.close()
+            st["phase"] = f"{phase} done" if st["tasks_done"] == n_tasks else f"{phase} failed"
+
+    async def _run_batch(self, rollout_id: int, batch: Batch, groups: dict[int, Group],
+                         task_done: OnTaskDone) -> None:
+        spec = self._resolve_spec(batch)
+        st = self._status
+        tokens: list[Token] | None = None
+        if self.pool is not None:
+            tokens = await self.pool.acquire_batch(spec.resource, spec.sample_resource, batch.n_samples,
+                                                   timeout=self.acquire_timeout_s)
+        st["batches_waiting"] -= 1
+        st["batches_running"] += 1
+        try:
+            evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, on_task_done=task_done,
+                                  clock=self.clock)
+            await evaluator.run([groups[id(t)] for t in batch.tasks])
+        finally:
+            st["batches_running"] -= 1
+            st["batches_done"] += 1
+            if tokens is not None:
+                await self.pool.release_batch(tokens)
+
+    def status(self) -> dict[str, Any]:
+        """Counts of the step in flight (or the last one), for progress displays and the manager."""
+        return dict(self._status)

@@ -1,0 +1,192 @@
+import asyncio
+
+import pytest
+from conftest import run
+
+from rayapp.core.agent import FunctionAgent
+from rayapp.core.evaluator import Evaluator, Group
+from rayapp.types import (
+    AgentResult,
+    EvaluatorSpec,
+    Resource,
+    Sample,
+    SamplingParams,
+    Status,
+    StoppingCriteria,
+    Task,
+    TaskConfig,
+    Token,
+)
+
+
+def make_groups(n_tasks, n_samples, stopping=StoppingCriteria()):
+    groups = []
+    for i in range(n_tasks):
+        task = Task(f"t{i}", "p", TaskConfig("x", n_samples=n_samples), label="1")
+        samples = [Sample(task.task_id, j, "p", "1") for j in range(n_samples)]
+        groups.append(Group(task, samples, stopping, SamplingParams()))
+    return groups
+
+
+def tokens(n):
+    return [Token(i, f"node{i % 2}", (i,), 0.5, 1.0, 2.0) for i in range(n)]
+
+
+def ok_result(n_resp=3):
+    return AgentResult(tokens=[1, 2] + [5] * n_resp, response_length=n_resp, response="1",
+                       rollout_log_probs=[-0.1] * n_resp, loss_mask=[1] * n_resp, termination_reason="stop")
+
+
+class Recorder:
+    """An agent that checks the one-token-per-running-sample rule while it runs."""
+
+    def __init__(self, delay=0.01):
+        self.delay, self.running, self.peak, self.in_use, self.seen = delay, 0, 0, set(), {}
+
+    async def run(self, sample, ctx):
+        key = (sample.task_id, sample.index)
+        tid = ctx.token.token_id if ctx.token else None
+        assert tid not in self.in_use, "two running samples share a token"
+        self.in_use.add(tid)
+        self.seen[key] = tid
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        await asyncio.sleep(self.delay)
+        self.running -= 1
+        return ok_result()
+
+    async def evaluate(self, sample, result, ctx):
+        # the same token is still held in the eval phase
+        assert (ctx.token.token_id if ctx.token else None) == self.seen[(sample.task_id, sample.index)]
+        await asyncio.sleep(self.delay)
+        self.in_use.discard(ctx.token.token_id if ctx.token else None)
+        return {"score": 1.0}
+
+
+def spec(handler, concurrency=2, eval_timeout_s=5.0):
+    return EvaluatorSpec("x", handler=handler, resource=Resource(concurrency=concurrency),
+                         eval_timeout_s=eval_timeout_s)
+
+
+def test_concurrency_ceiling_and_one_token_held_across_run_and_eval():
+    agent = Recorder()
+    ev = Evaluator(spec(agent, concurrency=3), rollout_id=0, tokens=tokens(3))
+    groups = make_groups(4, 3)
+    run(ev.run(groups))
+    assert agent.peak == 3
+    assert ev._local.qsize() == 3  # every token back in the local pool
+    for g in groups:
+        for s in g.samples:
+            assert s.status is Status.COMPLETED and s.reward == {"score": 1.0}
+            assert s.tokens == [1, 2, 5, 5, 5] and s.response_length == 3
+            assert s.loss_mask == [1, 1, 1] and s.rollout_log_probs == [-0.1] * 3
+            assert s.metadata["_placement"]["node"] in {"node0", "node1"}
+            assert not s.remove_sample
+
+
+def test_fewer_tokens_than_concurrency_limits_running_samples_to_the_tokens():
+    agent = Recorder()
+    run(Evaluator(spec(agent, concurrency=4), rollout_id=0, tokens=tokens(2)).run(make_groups(3, 2)))
+    assert agent.peak == 2
+
+
+def test_on_task_done_fires_per_task_as_it_finishes_not_at_the_end():
+    async def scenario():
+        gate = asyncio.Event()
+        done = []
+
+        async def run_fn(sample, ctx):
+            if sample.task_id == "t1":  # the slow task only ends after t0 was reported
+                await asyncio.wait_for(gate.wait(), 5)
+            return ok_result()
+
+        def on_done(task, samples):
+            done.append(task.task_id)
+            assert all(s.status is Status.COMPLETED for s in samples)
+            gate.set()
+
+        agent = FunctionAgent(run_fn, lambda s, r: {"score": 1.0})
+        await Evaluator(spec(agent, concurrency=4), rollout_id=0, tokens=None, on_task_done=on_done).run(
+            make_groups(2, 2))
+        return done
+
+    assert run(scenario()) == ["t0", "t1"]
+
+
+def failing_agent(exc, phase="run", reason_before="stop"):
+    async def run_fn(sample, ctx):
+        sample.metadata["_termination_reason"] = reason_before
+        sample.metadata["_turns"] = 4
+        if phase == "run":
+            raise exc
+        return ok_result()
+
+    def verify(sample, result):
+        raise exc
+
+    return FunctionAgent(run_fn, verify)
+
+
+@pytest.mark.parametrize(("exc", "phase", "reason"), [
+    (ConnectionRefusedError("engine down"), "run", "infra_conn"),
+    (RuntimeError("sandbox crashed"), "eval", "infra_sandbox"),
+    (KeyError("x"), "run", "infra_other"),
+])
+def test_a_failing_sample_becomes_a_classified_aborted_dummy(exc, phase, reason):
+    groups = make_groups(1, 2)
+    toks = tokens(2)
+    ev = Evaluator(spec(failing_agent(exc, phase)), rollout_id=7, tokens=toks)
+    run(ev.run(groups))
+    for s in groups[0].samples:
+        assert s.status is Status.ABORTED
+        assert s.reward == {"score": 0.0}
+        assert s.tokens == [0, 0] and s.response_length == 1 and s.loss_mask == [0]
+        assert s.remove_sample
+        assert s.metadata["_termination_reason"] == reason
+        assert s.metadata["_termination_reason_agent"] == "stop"
+        diag = s.metadata["_abort"]
+        assert diag["phase"] == phase and diag["node"] in {"node0", "node1"}
+        assert diag["turns"] == (4 if phase == "run" else 1)  # the agent's progress, or its result's
+        assert diag["window"][0] <= diag["window"][1]
+    assert ev._local.qsize() == 2
+
+
+def test_run_phase_timeout_from_stopping_criteria_is_an_agent_timeout():
+    async def slow(sample, ctx):
+        await asyncio.sleep(10)
+
+    groups = make_groups(1, 1, StoppingCriteria(timeout_s=0.05))
+    run(Evaluator(spec(FunctionAgent(slow, lambda s, r: {"score": 1.0})), rollout_id=0, tokens=None).run(groups))
+    s = groups[0].samples[0]
+    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "agent_timeout"
+    assert "_termination_reason_agent" not in s.metadata
+
+
+@pytest.mark.parametrize(("result", "reward"), [
+    (AgentResult(tokens=[1, 2], response_length=3), {"score": 1.0}),
+    (AgentResult(tokens=[1, 2, 3], response_length=2, loss_mask=[1]), {"score": 1.0}),
+    (AgentResult(tokens=[1, 2, 3], response_length=2, rollout_log_probs=[0.0]), {"score": 1.0}),
+    ({"tokens": [1]}, {"score": 1.0}),
+    (AgentResult(tokens=[1, 2, 3], response_length=2), {"reward": 1.0}),
+])
+def test_malformed_results_abort_as_infra_other(result, reward):
+    groups = make_groups(1, 1)
+    agent = FunctionAgent(lambda s, c: result, lambda s, r: reward)
+    run(Evaluator(spec(agent), rollout_id=0, tokens=None).run(groups))
+    s = groups[0].samples[0]
+    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
+
+
+def test_truncated_episode_and_default_loss_mask():
+    res = AgentResult(tokens=[1, 2, 3, 4], response_length=2, truncated=True, termination_reason="max_turns")
+    groups = make_groups(1, 1)
+    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 0})), rollout_id=0,
+                  tokens=None).run(groups))
+    s = groups[0].samples[0]
+    assert s.status is Status.TRUNCATED and s.loss_mask == [1, 1] and s.reward == {"score": 0.0}
+    assert s.metadata["_termination_reason"] == "max_turns"
+
+
+def test_a_gated_batch_without_tokens_is_refused():
+    with pytest.raises(ValueError, match="at least one token"):
+        Evaluator(spec(Recorder()), rollout_id=0, tokens=[])

@@ -1,0 +1,218 @@
+import asyncio
+import logging
+
+import msgspec
+import pytest
+from conftest import run
+
+from rayapp.core.agent import FunctionAgent
+from rayapp.core.scheduler import DeadlockError, TaskScheduler, interleave
+from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
+
+ONE_NODE = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'
+TWO_NODES = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}, "n1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
+
+
+def test_rollout_runs_every_task_and_returns_groups_in_fetch_order(make_pool):
+    pool = make_pool(TWO_NODES)
+    streamed = []
+    sched = TaskScheduler([arithmetic_spec(batch_size=2)], ArithmeticSource(seed=3, n_samples=3), pool,
+                          rollout_batch_size=5, progress=False)
+    result = run(sched.execute_rollout(0, on_task_done=lambda t, ss: streamed.append(t.task_id)))
+    assert [g[0].task_id for g in result.groups] == [f"arithmetic-3-{i}" for i in range(5)]
+    assert sorted(streamed) == sorted(g[0].task_id for g in result.groups)
+    for group in result.groups:
+        assert [s.index for s in group] == [0, 1, 2]
+        for s in group:
+            assert s.status is Status.COMPLETED
+            as_verified = verify(s, AgentResult(tokens=[], response_length=0, response=s.response))
+            assert s.reward["score"] == as_verified["score"]
+            assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
+            assert s.metadata["_placement"]["node"] in {"n0", "n1"}
+    assert result.metrics["rollout/success"] + result.metrics["rollout/wrong_answer"] == 15
+    st = sched.status()
+    assert st["tasks_done"] == st["tasks"] == 5 and st["samples_done"] == 15 and st["phase"] == "rollout done"
+
+
+def test_no_pool_means_ungated_batches():
+    seen = []
+
+    def run_fn(sample, ctx):
+        seen.append(ctx.token)
+        return AgentResult(tokens=[1, 2], response_length=1, response="x")
+
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 1.0}))
+    result = run(TaskScheduler([spec], ArithmeticSource(), None, rollout_batch_size=3,
+                               progress=False).execute_rollout(1))
+    assert len(result.groups) == 3 and seen == [None, None, None]
+
+
+def test_deadlock_check_fails_fast_naming_the_spec_and_both_numbers(make_pool):
+    pool = make_pool(ONE_NODE)  # one GPU: four quarter-GPU tokens at most
+    spec = arithmetic_spec("arith", concurrency=8, batch_size=8, gpu=0.25)
+    calls = []
+    spec.handler.run_fn = lambda s, c: calls.append(s)
+    source = ArithmeticSource(task_type="arith")
+    sched = TaskScheduler([spec], source, pool, rollout_batch_size=8, progress=False)
+    with pytest.raises(DeadlockError, match=r"EvaluatorSpec 'arith' needs 8 placement tokens but the pool can "
+                                            r"only provide 4"):
+        run(sched.execute_rollout(0))
+    assert calls == []  # nothing ran
+
+
+def test_deadlock_check_counts_only_what_the_budget_asks_for(make_pool):
+    # a budget of 4 tokens fits the 4-token pool, even though the batch has 8 samples
+    pool = make_pool(ONE_NODE)
+    sched = TaskScheduler([arithmetic_spec(concurrency=4, batch_size=8, gpu=0.25)], ArithmeticSource(), pool,
+                          rollout_batch_size=8, progress=False)
+    assert len(run(sched.execute_rollout(0)).groups) == 8
+
+
+def test_a_budget_that_admits_nothing_is_reported(make_pool):
+    spec = EvaluatorSpec("arithmetic", None, resource=Resource(cpu=0), run_resource=Resource(cpu=1))
+    sched = TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), progress=False)
+    with pytest.raises(DeadlockError, match="admits no sample"):
+        run(sched.execute_rollout(0))
+
+
+def test_oversubscribed_batches_wait_and_are_admitted_when_others_release(make_pool):
+    pool = make_pool(ONE_NODE)
+    running, peak = [0], [0]
+
+    async def run_fn(sample, ctx):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await asyncio.sleep(0.02)
+        running[0] -= 1
+        return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label))
+
+    # each batch's budget takes the whole GPU, so batches must run one after another
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), batch_size=4,
+                         resource=Resource(gpu=1.0, concurrency=4, cpu=4, memory_gb=8),
+                         run_resource=Resource(gpu=0.25, cpu=1, memory_gb=2))
+    result = run(TaskScheduler([spec], ArithmeticSource(), pool, rollout_batch_size=12,
+                               progress=False).execute_rollout(0))
+    assert all(s.status is Status.COMPLETED and s.reward["score"] == 1.0 for g in result.groups for s in g)
+    assert peak[0] == 4  # never more than one batch's worth at once
+
+
+def test_one_failing_sample_never_fails_the_step(make_pool):
+    def run_fn(sample, ctx):
+        if sample.task_id.endswith("-1"):
+            raise ConnectionResetError("engine went away")
+        return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label))
+
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), resource=Resource(concurrency=2, cpu=2),
+                         run_resource=Resource(cpu=1))
+    result = run(TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), rollout_batch_size=3,
+                               progress=False).execute_rollout(0))
+    statuses = [g[0].status for g in result.groups]
+    assert statuses == [Status.COMPLETED, Status.ABORTED, Status.COMPLETED]
+    assert result.groups[1][0].metadata["_termination_reason"] == "infra_conn"
+    assert result.metrics["rollout/infra_conn"] == 1
+
+
+def test_a_failing_callback_fails_the_step_and_every_token_is_returned(make_pool):
+    pool = make_pool(TWO_NODES)
+
+    def on_done(task, samples):
+        raise RuntimeError("collector broke")
+
+    sched = TaskScheduler([arithmetic_spec(batch_size=1)], ArithmeticSource(), pool, rollout_batch_size=6,
+                          on_task_done=on_done, progress=False)
+    with pytest.raises(ExceptionGroup) as info:
+        run(sched.execute_rollout(0))
+    assert info.group_contains(RuntimeError, match="collector broke")
+    assert sched.status()["phase"] == "rollout failed"
+
+
+def test_unknown_evaluator_id_warns_once_and_falls_back_to_the_first_spec(make_pool, caplog):
+    tasks = [Task(f"t{i}", "What is 1 + 1?", TaskConfig("mystery"), label="2") for i in range(3)]
+
+    class Source:
+        def get_tasks(self, n):
+            return tasks[:n]
+
+    sched = TaskScheduler([arithmetic_spec("first", error_rate=0), arithmetic_spec("second")], Source(),
+                          make_pool(TWO_NODES), rollout_batch_size=3, progress=False)
+    with caplog.at_level(logging.WARNING):
+        result = run(sched.execute_rollout(0))
+    assert sum("no EvaluatorSpec 'mystery'" in r.message for r in caplog.records) == 1
+    assert all(g[0].reward["score"] == 1.0 for g in result.groups)
+
+
+def test_a_task_fetched_twice_gets_a_group_of_its_own():
+    task = Task("same", "What is 2 + 2?", TaskConfig("arithmetic"), label="4")
+
+    class Source:
+        async def get_tasks(self, n):  # an async data source works too
+            return [task, task]
+
+    sched = TaskScheduler([arithmetic_spec(error_rate=0)], Source(), None, progress=False)
+    result = run(sched.execute_rollout(0))
+    assert len(result.groups) == 2 and result.groups[0][0] is not result.groups[1][0]
+
+
+def test_cascade_reaches_the_agent_and_a_bad_dataset_cfg_fails_before_anything_runs(make_pool):
+    seen = []
+
+    def run_fn(sample, ctx):
+        seen.append((ctx.stopping.max_turns, ctx.stopping.max_context_len, ctx.sampling.temperature))
+        return AgentResult(tokens=[1, 2], response_length=1)
+
+    task = Task("t", "p", TaskConfig("arithmetic"), metadata={"_dataset_cfg": {"max_turns": 9}})
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 0.0}),
+                         default_stopping=StoppingCriteria(max_context_len=100))
+    sched = TaskScheduler([spec], type("S", (), {"get_tasks": lambda self, n: [task]})(), None,
+                          global_stopping=StoppingCriteria(max_turns=1, max_context_len=10), progress=False)
+    run(sched.execute_rollout(0))
+    assert seen == [(9, 100, None)]
+    bad = msgspec.structs.replace(task, metadata={"_dataset_cfg": {"max_turns": "lots"}})
+    sched.data_source = type("S", (), {"get_tasks": lambda self, n: [bad]})()
+    with pytest.raises(ValueError, match="max_turns"):
+        run(sched.execute_rollout(1))
+    assert len(seen) == 1
+
+
+def test_interleave_is_round_robin():
+    assert interleave([["a1", "a2", "a3"], ["b1"], ["c1", "c2"]]) == ["a1", "b1", "c1", "a2", "c2", "a3"]
+    assert interleave([]) == []
+
+
+def test_eval_interleaves_datasets_and_reports_accuracy_and_pass_at_k(make_pool):
+    order = []
+
+    def run_fn(sample, ctx):
+        order.append(sample.metadata["_eval_dataset_name"])
+        # right only on copy 0 for dataset "a"; always right for "b"; never for "c"
+        name = sample.metadata["_eval_dataset_name"]
+        good = name == "b" or (name == "a" and sample.index == 0)
+        return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label) if good else "x")
+
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), resource=Resource(concurrency=1, cpu=1),
+                         run_resource=Resource(cpu=1))
+    datasets = {"a": ArithmeticSource(1).get_tasks(2), "b": ArithmeticSource(2).get_tasks(2),
+                "c": ArithmeticSource(3).get_tasks(1)}
+    sched = TaskScheduler([spec], None, make_pool(ONE_NODE), eval_datasets=datasets, n_samples_per_eval_prompt=2,
+                          progress=False)
+    result = run(sched.execute_eval(5))
+    assert order == ["a", "b", "c", "a", "b", "c", "a", "b", "a", "b"]  # ABCABC..., not AABBCC
+    assert {k: len(v) for k, v in result.samples.items()} == {"a": 4, "b": 4, "c": 2}
+    assert sorted((s.task_id, s.index) for s in result.samples["a"]) == sorted(
+        (t.task_id, c) for t in datasets["a"] for c in range(2))
+    m = result.metrics
+    assert m["eval/a/accuracy"] == 0.5 and m["eval/a/pass@1"] == 0.5 and m["eval/a/pass@2"] == 1.0
+    assert m["eval/b/accuracy"] == m["eval/b/pass@2"] == 1.0
+    assert m["eval/c/accuracy"] == m["eval/c/pass@2"] == 0.0
+
+
+def test_bad_construction_is_refused():
+    with pytest.raises(ValueError, match="at least one"):
+        TaskScheduler([])
+    with pytest.raises(ValueError, match="share evaluator_id"):
+        TaskScheduler([arithmetic_spec("x"), arithmetic_spec("x")])
+    with pytest.raises(ValueError, match="needs a data_source"):
+        run(TaskScheduler([arithmetic_spec()]).execute_rollout(0))
+    with pytest.raises(ValueError, match="needs eval_datasets"):
+        run(TaskScheduler([arithmetic_spec()]).execute_eval(0))

@@ -1,0 +1,284 @@
+"""The tiny CPU model the ``hf`` backend serves by default, built offline on first use.
+
+``ensure_tiny_model()`` returns a folder that ``transformers`` loads with ``local_files_only=True``:
+a 2-layer Llama-shaped ``LlamaForCausalLM`` (safetensors) and a byte-level BPE tokenizer trained here
+on a corpus made by code (arithmetic Q&A, tool calls, English), with bos/eos/pad, chat role markers
+and a Jinja chat template. Guarantees:
+
+- nothing touches the network: the corpus, the tokenizer and the weights are all made by this module;
+- the build is deterministic: fixed seeds, a fixed number of pretraining steps, one torch thread;
+- the build is atomic and idempotent: it is written into a temporary sibling folder and moved into
+  place with ``os.replace`` under an exclusive ``flock``, so a second process (or thread) waits for
+  the first and then reuses its result; a folder is only ever used once its manifest is in place.
+
+The short pretraining teaches the model the chat format and the ``The answer is N.`` reply of the
+built-in arithmetic task, so rollouts produce well-formed text and, sometimes, the right answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+MODEL_NAME = "tiny-llama-v1"
+RECIPE_VERSION = 1  # bump when anything below changes what gets built
+MANIFEST = "rayapp_tiny_model.json"  # written last: its presence marks a complete build
+SEED = 1234
+PRETRAIN_STEPS = 300
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+ROLES = ("system", "user", "assistant", "tool")
+SPECIAL_TOKENS = [PAD, BOS, EOS, *(f"<|{role}|>" for role in ROLES)]  # ids 0..6: pad 0, bos 1, eos 2
+
+# One line, no whitespace between tags: every character the template renders is meant. Each turn is
+# ``<|role|>content<|eos|>``; the assistant's content and eos sit in a generation block so that
+# ``return_assistant_tokens_mask=True`` yields the loss mask an agent needs.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown chat role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+MODEL_CONFIG = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off for a block (load/save bars are noise in Ray logs)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def default_cache_dir() -> Path:
+    """``$RAYAPP_CACHE`` when set, else ``~/.cache/rayapp``."""
+    return Path(os.environ.get("RAYAPP_CACHE") or Path.home() / ".cache" / "rayapp").expanduser()
+
+
+def ensure_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny model's folder under ``<cache>/models/tiny-llama-v1``, built there first if missing."""
+    dest = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return ensure_built(dest / "models" / MODEL_NAME, build_tiny_model)
+
+
+# -- atomic, idempotent build ---------------------------------------------------------------------
+
+_thread_lock = threading.Lock()  # flock is per open file; this keeps threads of one process polite too
+
+
+def is_complete(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MANIFEST).read_text()).get("recipe_version") == RECIPE_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with _thread_lock, open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_built(dest: Path, build: Callable[[Path], dict]) -> Path:
+    """Run ``build(tmp)`` once for ``dest``, whatever the number of concurrent callers.
+
+    ``build`` writes the files into an empty folder and returns the manifest to record; the folder
+    becomes ``dest`` in one ``os.replace``. A stale or incomplete ``dest`` (an older recipe) is moved
+    aside first and removed, so readers never see half a model."""
+    if is_complete(dest):
+        return dest
+    with _exclusive(dest.parent / f".{dest.name}.lock"):
+        if is_complete(dest):  # another process built it while we waited
+            return dest
+        for stale in dest.parent.glob(f".{dest.name}.tmp-*"):  # left by a builder that died: we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            manifest = build(tmp)
+            (tmp / MANIFEST).write_text(json.dumps({**manifest, "recipe_version": RECIPE_VERSION}, indent=1))
+            if dest.exists():
+                old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(dest, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already on success
+    return dest
+
+
+# -- corpus ---------------------------------------------------------------------------------------
+
+def arithmetic_pair(rng: random.Random) -> tuple[str, str]:
+    """A problem in the built-in task's format (``What is a op b?``) and its reply."""
+    a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"What is {a} {op} {b}?", f"The answer is {answer}."
+
+
+_ENGLISH = [
+    "Let me think step by step.", "I will use the calculator tool.", "Sure, here is the answer.",
+    "The tool returned {n}.", "First add the tens, then add the ones.", "Check the result once more.",
+    "You are a helpful assistant that solves arithmetic problems.", "Please answer with a number.",
+    "The sum of {a} and {b} is {s}.", "The difference between {a} and {b} is {d}.",
+    "Multiply {a} by {b} to get {p}.", "Read the file and count the lines.", "The command exited with code 0.",
+]
+
+
+def corpus_lines(n: int = 3000, seed: int = SEED) -> list[str]:
+    """Arithmetic Q&A, tool-call JSON and English sentences, made by code (no download)."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        question, answer = arithmetic_pair(rng)
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        kind = i % 4
+        if kind == 0:
+            lines.append(f"{question} {answer}")
+        elif kind == 1:
+            expr = question.removeprefix("What is ").removesuffix("?")
+            lines.append(f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>')
+        else:
+            lines.append(rng.choice(_ENGLISH).format(n=a, a=a, b=b, s=a + b, d=a - b, p=a * b))
+    return lines
+
+
+# -- tokenizer ------------------------------------------------------------------------------------
+
+def build_tokenizer(lines: list[str] | None = None):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` (any text encodes; nothing maps to unk)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=MODEL_CONFIG["vocab_size"], special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(lines if lines is not None else corpus_lines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[3:], chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False, model_max_length=MODEL_CONFIG["max_position_embeddings"],
+    )
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load a tokenizer from a local folder, never from a hub."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+# -- model ----------------------------------------------------------------------------------------
+
+def _chat_examples(tokenizer, n: int, rng: random.Random) -> list[tuple[list[int], int]]:
+    """(token ids, index where the assistant reply starts) for ``n`` arithmetic chats."""
+    out = []
+    for _ in range(n):
+        question, answer = arithmetic_pair(rng)
+        msgs = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template([*msgs, {"role": "assistant", "content": answer}], tokenize=False)
+        ids = tokenizer.encode(full, add_special_tokens=False)
+        out.append((ids, len(tokenizer.encode(prompt, add_special_tokens=False))))
+    return out
+
+
+def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, batch_size: int = 32, lr: float = 1e-2) -> list[float]:
+    """A short, seeded run of next-token training on the assistant replies of arithmetic chats.
+
+    Loss covers the reply and its eos only: the question's numbers are unpredictable, and the reply's
+    format is what rollouts need. Returns the loss curve (recorded in the manifest)."""
+    import torch
+
+    rng = random.Random(SEED + 1)
+    examples = _chat_examples(tokenizer, steps * batch_size, rng)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / steps))
+    model.train()
+    losses = []
+    for step in range(steps):
+        batch = examples[step * batch_size:(step + 1) * batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        mask = torch.zeros_like(ids)
+        for row, (seq, start) in enumerate(batch):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            labels[row, start:len(seq)] = torch.tensor(seq[start:])
+            mask[row, :len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(round(loss.item(), 4))
+    model.eval()
+    return losses
+
+
+def build_tiny_model(folder: Path, pretrain_steps: int = PRETRAIN_STEPS) -> dict:
+    """Write tokenizer + model into ``folder``; return the manifest. Deterministic for a given recipe."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same float reduction order, hence the same weights
+    try:
+        tokenizer = build_tokenizer()
+        assert tokenizer.convert_tokens_to_ids([PAD, BOS, EOS]) == [0, 1, 2], "special token ids moved"
+        torch.manual_seed(SEED)
+        config = LlamaConfig(**MODEL_CONFIG)
+        model = LlamaForCausalLM(config).to(torch.float32)
+        losses = pretrain(model, tokenizer, pretrain_steps) if pretrain_steps > 0 else []
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        tokenizer.save_pretrained(folder)
+        with quiet_progress():
+            model.save_pretrained(folder)  # safetensors
+    finally:
+        torch.set_num_threads(threads)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "name": MODEL_NAME, "seed": SEED, "pretrain_steps": pretrain_steps, "params": n_params,
+        "config": MODEL_CONFIG, "loss_first": losses[:1], "loss_last": losses[-5:],
+        "build_seconds": round(time.perf_counter() - t0, 2),
+    }

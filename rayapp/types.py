@@ -121,6 +121,8 @@ class Token(msgspec.Struct, frozen=True, gc=False):
     gpu: float
     cpu: float
     memory_gb: float
+    placement_group: str = ""  # the Ray placement group reserving it (set by the Ray shell)
+    bundle_index: int = -1  # its bundle in that group
 
 
 class AgentResult(msgspec.Struct):

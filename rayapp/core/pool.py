@@ -303,10 +303,12 @@ class PlacementPool:
                 w.loop.call_soon_threadsafe(w.event.set)
 
     async def acquire_batch(
-        self, budget: Resource, per_sample: Resource, max_tokens: int, *, timeout: float | None = None
+        self, budget: Resource, per_sample: Resource, max_tokens: int, *, timeout: float | None = None,
+        label: str = "batch",
     ) -> list[Token]:
         """Like ``try_acquire_batch`` but waits (FIFO, woken by releases) until the batch fits.
-        TimeoutError after ``timeout`` seconds; timeout or cancellation leaves nothing held."""
+        TimeoutError after ``timeout`` seconds; timeout or cancellation leaves nothing held.
+        ``label`` names the batch in errors (the Ray shell also names its placement group after it)."""
         n, demand = self._request(budget, per_sample, max_tokens)
         if timeout is not None and not (isinstance(timeout, int | float) and timeout >= 0):
             raise PoolError(f"timeout: expected seconds >= 0 or None, got {timeout!r}")
@@ -339,7 +341,7 @@ class PlacementPool:
                     await waiter.event.wait()
         except TimeoutError:
             raise TimeoutError(
-                f"acquire_batch: {n} tokens of {per_sample!r} not admitted within {timeout}s "
+                f"acquire_batch {label}: {n} tokens of {per_sample!r} not admitted within {timeout}s "
                 f"({len(self._held)} tokens held, {len(self._queue) - 1} other waiters)"
             ) from None
         finally:

@@ -39,7 +39,7 @@ class Pool(Protocol):
     ``max_tokens_for`` may be sync or async."""
 
     async def acquire_batch(self, budget: Resource, per_sample: Resource, max_tokens: int, *,
-                            timeout: float | None = None) -> list[Token]: ...
+                            timeout: float | None = None, label: str = "batch") -> list[Token]: ...
 
     async def release_batch(self, tokens: list[Token]) -> None: ...
 
@@ -230,20 +230,21 @@ class TaskScheduler:
 
         try:
             async with asyncio.TaskGroup() as tg:  # one failing batch cancels the rest
-                for b in batches:
-                    tg.create_task(self._run_batch(rollout_id, b, groups, task_done))
+                for i, b in enumerate(batches):
+                    label = f"{phase}{rollout_id}/b{i}/{b.task_type}"
+                    tg.create_task(self._run_batch(rollout_id, b, groups, task_done, label))
         finally:
             bar.close()
             st["phase"] = f"{phase} done" if st["tasks_done"] == n_tasks else f"{phase} failed"
 
     async def _run_batch(self, rollout_id: int, batch: Batch, groups: dict[int, Group],
-                         task_done: OnTaskDone) -> None:
+                         task_done: OnTaskDone, label: str) -> None:
         spec = self._resolve_spec(batch)
         st = self._status
         tokens: list[Token] | None = None
         if self.pool is not None:
             tokens = await self.pool.acquire_batch(spec.resource, spec.sample_resource, batch.n_samples,
-                                                   timeout=self.acquire_timeout_s)
+                                                   timeout=self.acquire_timeout_s, label=label)
         st["batches_waiting"] -= 1
         st["batches_running"] += 1
         try:

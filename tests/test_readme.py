@@ -13,7 +13,8 @@ def test_readme_starts_with_the_two_commands():
 
 
 def test_the_readme_example_runs(tmp_path):
-    code = re.search(r"## Example\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    code = re.search(r"## The core in one process\n.*?```python\n(.*?)```", (ROOT / "README.md").read_text(),
+                     re.S).group(1)
     script = tmp_path / "example.py"
     script.write_text(code)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

@@ -1,0 +1,55 @@
+"""The Serve application builder that one rollout YAML points at:
+
+    applications:
+      - name: rayapp
+        import_path: rayapp.actors.app:build_app
+        args: {engines: ..., evaluators: ..., pool: ..., scheduler: ..., data: ..., eval: ...}
+
+It wires the three parts of the design: one inference deployment per engine (student, teacher,
+...), the PlacementPool (one replica, owning the placement groups), and the
+SchedulerRolloutManager (the ingress, hosting the TaskScheduler). The recipe is validated before
+anything is deployed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from rayapp.actors.engine import InferenceEngine
+from rayapp.actors.manager import SchedulerRolloutManager
+from rayapp.actors.pool import PlacementPoolService
+from rayapp.actors.recipe import parse_recipe
+
+# Waiting acquires are long-lived requests: the pool must take many at once.
+POOL_MAX_ONGOING = 100_000
+# The pool and the manager live on the head node: losing a worker node must not take the ledger along.
+HEAD = "node:__internal_head__"
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    cfg = parse_recipe(args, source=str(args.get("_source", "rollout.yaml")))
+    engines = {}
+    for name, e in cfg.engines.items():
+        options: dict[str, Any] = {
+            "name": f"engine-{name}", "num_replicas": e.num_replicas,
+            "max_ongoing_requests": e.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
+        }
+        if e.placement_group_bundles:  # a multi-GPU engine reserves its GPUs as one group
+            options |= {"placement_group_bundles": e.placement_group_bundles,
+                        "placement_group_strategy": e.placement_group_strategy}
+        engines[name] = serve.deployment(InferenceEngine, **options).bind(e.backend, **e.options)
+    pool = None
+    if cfg.pool.gate:
+        p = cfg.pool
+        pool = serve.deployment(PlacementPoolService, name="PlacementPool", num_replicas=1,
+                                max_ongoing_requests=POOL_MAX_ONGOING,
+                                ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}}).bind(
+            p.cluster_layout, p.num_cpus, p.memory_gb, p.pg_ready_timeout_s)
+    manager = serve.deployment(SchedulerRolloutManager, name="SchedulerRolloutManager", num_replicas=1,
+                               max_ongoing_requests=1_000,
+                               ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
+    return manager.bind(args, engines, pool)

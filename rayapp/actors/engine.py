@@ -1,0 +1,112 @@
+"""Inference deployments: one Serve deployment per engine (student, teacher, ...), and the client
+agents use to call one.
+
+A replica hosts one backend (``hf`` on CPU, ``sglang`` on GPUs). The client gives every call a
+timeout, cancels a request it stops waiting for (Serve routes the cancellation to the replica
+that runs it), and turns transport failures into ``EngineConnectionError`` so an episode that
+loses its engine aborts as ``infra_conn``. Aborts and weight updates are broadcast to every
+replica, not sent through the router to one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+from ray.exceptions import RayActorError, RayError
+
+from rayapp.core.termination import AgentTimeout, EngineConnectionError
+from rayapp.inference.client import GenerateOutput, GenerateRequest, make_backend
+
+log = logging.getLogger(__name__)
+
+
+class InferenceEngine:
+    """A Serve deployment class: ``serve.deployment(InferenceEngine)`` in the app builder."""
+
+    def __init__(self, backend: str = "hf", **backend_kwargs: Any):
+        self.kind = backend
+        self.backend = make_backend(backend, **backend_kwargs)
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        return await self.backend.generate(req)
+
+    async def abort(self, request_id: str | None = None) -> int:
+        return await self.backend.abort(request_id)
+
+    async def health(self) -> dict:
+        return await self.backend.health()
+
+    async def check_health(self) -> None:
+        """Serve's liveness probe: an unhealthy engine replica is replaced."""
+        status = await self.backend.health()
+        if not status.get("ok", False):
+            raise RuntimeError(f"{self.kind} engine unhealthy: {status}")
+
+    async def update_weights_from_disk(self, path: str) -> dict:
+        return await self.backend.update_weights_from_disk(path)
+
+    def info(self) -> dict:
+        return self.backend.info()
+
+    def __del__(self) -> None:
+        # Serve calls this when the replica stops: sglang's scheduler processes must go with it.
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.shutdown()
+
+
+class EngineClient:
+    """What an agent holds: calls one engine deployment through its handle, every call bounded."""
+
+    def __init__(self, handle: Any, name: str = "engine", timeout_s: float = 300.0):
+        self.handle, self.name, self.timeout_s = handle, name, timeout_s
+        self._info: dict | None = None
+
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        response = getattr(self.handle, method).remote(*args)
+        try:
+            return await asyncio.wait_for(_result(response), timeout_s or self.timeout_s)
+        except TimeoutError:
+            response.cancel()
+            raise AgentTimeout(f"engine {self.name}.{method} gave no answer within "
+                               f"{timeout_s or self.timeout_s:.0f}s") from None
+        except asyncio.CancelledError:
+            response.cancel()  # the episode was cancelled: stop generating for it
+            raise
+        except (RayActorError, serve.exceptions.BackPressureError) as e:
+            raise EngineConnectionError(f"engine {self.name} unreachable: {e}") from e
+        except RayError as e:
+            if "unavailable" in str(e).lower() or "died" in str(e).lower():
+                raise EngineConnectionError(f"engine {self.name} unreachable: {e}") from e
+            raise
+
+    async def generate(self, req: GenerateRequest, timeout_s: float | None = None) -> GenerateOutput:
+        return await self._call("generate", req, timeout_s=timeout_s)
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self._call("info", timeout_s=60)
+        return self._info
+
+    async def health(self) -> dict:
+        return await self._call("health", timeout_s=30)
+
+    async def broadcast(self, method: str, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+        """Call ``method`` on every replica (aborts, weight updates)."""
+        try:
+            return await self.handle.broadcast(method, *args).results_async(timeout_s=timeout_s)
+        except (RayActorError, serve.exceptions.BackPressureError) as e:
+            raise EngineConnectionError(f"engine {self.name} unreachable: {e}") from e
+
+    async def abort(self, request_id: str | None = None) -> int:
+        return sum(await self.broadcast("abort", request_id, timeout_s=30))
+
+    async def update_weights_from_disk(self, path: str) -> list[dict]:
+        return await self.broadcast("update_weights_from_disk", path, timeout_s=600)
+
+
+async def _result(response: Any) -> Any:
+    return await response

@@ -1,0 +1,156 @@
+"""The SchedulerRolloutManager: the Serve ingress hosting the TaskScheduler (spec §1).
+
+The trainer calls ``generate(rollout_id)`` / ``evaluate(rollout_id)`` through a handle; the same
+replica answers a small HTTP control surface under the app's route. One step runs at a time (a
+second call waits its turn), and every call into the pool crosses a process boundary with a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from fastapi import FastAPI, HTTPException
+from ray import serve
+
+from rayapp.actors.engine import EngineClient
+from rayapp.actors.pool import run_in_bundle
+from rayapp.actors.recipe import RecipeConfig, parse_recipe
+from rayapp.core.batching import load_strategy
+from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
+from rayapp.envs.agents.chat import ChatAgent
+from rayapp.envs.registry import get_env
+from rayapp.types import EvaluatorSpec, Resource, Token
+
+log = logging.getLogger(__name__)
+api = FastAPI(title="rayapp rollout manager")
+
+
+class PoolClient:
+    """The core's Pool protocol over the PlacementPool deployment's handle."""
+
+    def __init__(self, handle: Any, owner: str, call_timeout_s: float = 60.0, retry_s: float = 1.0):
+        self.handle, self.owner, self.call_timeout_s, self.retry_s = handle, owner, call_timeout_s, retry_s
+
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        response = getattr(self.handle, method).remote(*args, **kwargs)
+        try:
+            return await asyncio.wait_for(_await(response), timeout_s or self.call_timeout_s)
+        except BaseException:
+            # The pool must not grant a batch nobody waits for. A Serve response cancels itself;
+            # a plain actor call (tests, notebooks) is an ObjectRef.
+            response.cancel() if hasattr(response, "cancel") else ray.cancel(response)
+            raise
+
+    async def acquire_batch(self, budget: Resource, per_sample: Resource, max_tokens: int, *,
+                            timeout: float | None = None, label: str = "batch") -> list[Token]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            tokens = await self._call("acquire_batch", budget, per_sample, max_tokens, timeout=left, label=label,
+                                      owner=self.owner,
+                                      timeout_s=(left or 86400.0) + self.call_timeout_s)
+            if tokens is not None:
+                return tokens
+            # Ray could not make the group ready (its view differs from the ledger's): try again soon.
+            if deadline is not None and loop.time() + self.retry_s > deadline:
+                raise TimeoutError(f"acquire_batch {label}: Ray could not place the batch within {timeout}s")
+            await asyncio.sleep(self.retry_s)
+
+    async def release_batch(self, tokens: list[Token]) -> None:
+        await self._call("release_batch", tokens)
+
+    async def max_tokens_for(self, per_sample: Resource) -> int:
+        return await self._call("max_tokens_for", per_sample)
+
+
+async def _await(response: Any) -> Any:
+    return await response
+
+
+def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: PoolClient | None) -> TaskScheduler:
+    specs = []
+    for ev in cfg.evaluators:
+        agent = ChatAgent(engines[ev.engine], get_env(ev.env).verify, executor=run_in_bundle)
+        specs.append(EvaluatorSpec(ev.evaluator_id, agent, ev.resource, ev.run_resource, ev.eval_resource,
+                                   ev.batch_size, ev.default_stopping, ev.default_sampling, ev.eval_timeout_s))
+    s = cfg.scheduler
+    data_env = get_env(cfg.data.env)
+    eval_sets = {name: get_env(d.env).make_source(d, name=name).get_tasks(d.n_prompts) for name, d in cfg.eval.items()}
+    return TaskScheduler(
+        specs, data_env.make_source(cfg.data, name="train"), pool,
+        batching_strategy=load_strategy(s.batching), rollout_batch_size=s.rollout_batch_size,
+        eval_datasets=eval_sets, n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
+        global_stopping=s.global_stopping, global_sampling=s.global_sampling,
+        acquire_timeout_s=s.acquire_timeout_s, progress=s.progress,
+    )
+
+
+@serve.ingress(api)
+class SchedulerRolloutManager:
+    def __init__(self, recipe: dict[str, Any], engines: dict[str, Any], pool: Any | None = None,
+                 owner: str = "rayapp-manager"):
+        self.cfg = parse_recipe(recipe)
+        self.pool_client = PoolClient(pool, owner) if pool is not None else None
+        self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s)
+                        for name, h in engines.items()}
+        self.scheduler = build_scheduler(self.cfg, self.engines, self.pool_client)
+        self.pool_handle, self.owner = pool, owner
+        self._step = asyncio.Lock()
+        self._fresh = True
+
+    async def _begin(self) -> None:
+        if self._fresh and self.pool_client is not None:
+            # A replica that replaced a crashed one frees what its predecessor still held.
+            freed = await self.pool_client._call("release_owner", self.owner)
+            if freed:
+                log.warning("freed %d batches left by a previous manager replica", freed)
+        self._fresh = False
+
+    async def generate(self, rollout_id: int) -> RolloutResult:
+        async with self._step:
+            await self._begin()
+            return await self.scheduler.execute_rollout(rollout_id)
+
+    async def evaluate(self, rollout_id: int) -> EvalResult:
+        async with self._step:
+            await self._begin()
+            return await self.scheduler.execute_eval(rollout_id)
+
+    async def update_weights_from_disk(self, engine: str, path: str) -> list[dict]:
+        """The trainer's new weights, loaded by every replica of one engine (between steps)."""
+        if engine not in self.engines:
+            raise ValueError(f"unknown engine {engine!r}; this app has {sorted(self.engines)}")
+        async with self._step:
+            return await self.engines[engine].update_weights_from_disk(path)
+
+    @api.get("/status")
+    def status(self) -> dict[str, Any]:
+        return {**self.scheduler.status(), "busy": self._step.locked()}
+
+    @api.get("/placement")
+    async def placement(self) -> dict[str, Any]:
+        if self.pool_client is None:
+            return {"gated": False, "batches": {}}
+        return {"gated": True, **await self.pool_client._call("placement")}
+
+    @api.get("/healthz")
+    def healthz(self) -> dict[str, bool]:
+        return {"ok": True}
+
+    @api.post("/rollout/{rollout_id}")
+    async def http_rollout(self, rollout_id: int) -> dict[str, Any]:
+        result = await self.generate(rollout_id)
+        samples = [s for g in result.groups for s in g]
+        return {"rollout_id": rollout_id, "samples": len(samples), "metrics": result.metrics,
+                "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples))}
+
+    @api.post("/eval/{rollout_id}")
+    async def http_eval(self, rollout_id: int) -> dict[str, Any]:
+        if not self.cfg.eval:
+            raise HTTPException(404, "this recipe has no eval datasets")
+        result = await self.evaluate(rollout_id)
+        return {"rollout_id": rollout_id, "metrics": result.metrics}

@@ -1,0 +1,1 @@
+"""Agents: the handlers an EvaluatorSpec binds (spec §4)."""

@@ -1,0 +1,86 @@
+"""A training driver's view of rayapp: connect to the running app, ask for rollout and eval steps
+through the manager's handle, and print what a trainer would consume.
+
+    python recipes/driver.py --address auto --rollouts 1 --eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import Counter
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 only on one machine
+
+
+def wait_with_progress(handle, response, what: str, timeout_s: float):
+    """Wait for a step, printing the manager's status counts while it runs."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            return response.result(timeout_s=2.0)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                response.cancel()
+                raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
+            st = handle.status.remote().result(timeout_s=30)
+            line = f"  {what}: {st.get('tasks_done', 0)}/{st.get('tasks', '?')} tasks, " \
+                   f"{st.get('batches_running', 0)} batches running, {st.get('batches_waiting', 0)} waiting"
+            if line != last:
+                print(line, flush=True)
+                last = line
+
+
+def show_rollout(result) -> None:
+    samples = [s for g in result.groups for s in g]
+    print(f"rollout {result.rollout_id}: {len(result.groups)} groups, {len(samples)} samples")
+    for g in result.groups:
+        rewards = [s.reward.get("score", 0.0) for s in g]
+        print(f"  {g[0].task_id:<22} rewards={rewards} "
+              f"tokens={[len(s.tokens) for s in g]} loss_mask_sums={[sum(s.loss_mask) for s in g]} "
+              f"status={sorted(Counter(s.status.value for s in g).items())}")
+    for s in samples[:4]:
+        lp = s.rollout_log_probs
+        print(f"  sample {s.task_id}#{s.index}: response={s.response!r} mean_logprob="
+              f"{(sum(lp) / len(lp)) if lp else 0.0:.3f} placed_on={s.metadata.get('_placement')}")
+    print("  failure classes:", {k: v for k, v in result.metrics.items() if v})
+
+
+def show_placement(result) -> None:
+    where = Counter((s.metadata.get("_placement") or {}).get("node", "-") for g in result.groups for s in g)
+    gpus = Counter(tuple((s.metadata.get("_placement") or {}).get("gpu_ids", [])) for g in result.groups for s in g)
+    print(f"placement: samples per node {dict(where)}, per GPU {dict(gpus)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default="auto")
+    p.add_argument("--app", default="rayapp")
+    p.add_argument("--rollouts", type=int, default=1)
+    p.add_argument("--eval", action="store_true")
+    p.add_argument("--timeout", type=float, default=900.0)
+    a = p.parse_args()
+
+    import ray
+    from ray import serve
+
+    ray.init(address=a.address, namespace="rayapp-driver", logging_level="warning", log_to_driver=False)
+    handle = serve.get_app_handle(a.app)
+    for rid in range(a.rollouts):
+        t0 = time.monotonic()
+        result = wait_with_progress(handle, handle.generate.remote(rid), f"rollout {rid}", a.timeout)
+        print(f"[{time.monotonic() - t0:.1f}s] ", end="")
+        show_rollout(result)
+        show_placement(result)
+    if a.eval:
+        t0 = time.monotonic()
+        ev = wait_with_progress(handle, handle.evaluate.remote(0), "eval 0", a.timeout)
+        print(f"[{time.monotonic() - t0:.1f}s] eval 0:")
+        for k, v in sorted(ev.metrics.items()):
+            print(f"  {k:<28} {v:.3f}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

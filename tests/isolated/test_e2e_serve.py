@@ -1,0 +1,122 @@
+"""End to end, as users run it: `serve run` on a Ray head with logical GPUs, a separate driver
+process calling the manager's handles, the HTTP control surface, the dashboard's placement-group
+API, and a clean stop. Runs in its own pytest process (it starts its own Ray cluster)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayapp.cli import LOCAL_ENV, ROOT, free_port, ray_processes, start_head, stop_cluster, wait_for_app
+
+DRIVER = r"""
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], namespace="rayapp-e2e", logging_level="error", log_to_driver=False)
+h = serve.get_app_handle("rayapp")
+r = h.generate.remote(0).result(timeout_s=600)
+ev = h.evaluate.remote(0).result(timeout_s=600)
+info = serve.get_deployment_handle("engine-student", "rayapp").info.remote().result(timeout_s=60)
+updated = h.update_weights_from_disk.remote("student", info["model_path"]).result(timeout_s=600)
+out = {"updated": updated,
+       "samples": [dict(status=s.status.value, tokens=len(s.tokens), response_length=s.response_length,
+                        logprobs=len(s.rollout_log_probs), loss_mask=len(s.loss_mask), loss_sum=sum(s.loss_mask),
+                        reward=s.reward, placement=s.metadata.get("_placement"), text=s.response)
+                   for g in r.groups for s in g],
+       "eval": ev.metrics}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:  # 127.0.0.1 only
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    os.environ.update(LOCAL_ENV)
+    tmp = tmp_path_factory.mktemp("e2e")
+    temp_dir = Path(f"/tmp/rayapp-e2e-{os.getpid()}")
+    cfg = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())
+    http_port = free_port()
+    cfg["http_options"]["port"] = http_port
+    recipe = tmp / "rollout.yaml"
+    recipe.write_text(yaml.safe_dump(cfg))
+    dash = free_port()
+    address = start_head(4, 8, temp_dir, dash)
+    log = tmp / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", f"--address={address}",
+                                 str(recipe)], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_app(address, "rayapp", 600, proc, log)
+        yield {"address": address, "http": f"http://127.0.0.1:{http_port}/rayapp", "dash": dash, "proc": proc,
+               "temp_dir": temp_dir, "log": log}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        stop_cluster(temp_dir)
+
+
+def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_groups(app):
+    groups_seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch():  # the dashboard's state API, polled while the driver runs
+        while not stop.is_set():
+            try:
+                data = get_json(f"http://127.0.0.1:{app['dash']}/api/v0/placement_groups?limit=1000")
+                for pg in data["data"]["result"]["result"]:
+                    if pg["name"].startswith("rayapp/") and pg["state"] == "CREATED":
+                        groups_seen.add(pg["name"])
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    proc = subprocess.run([sys.executable, "-c", DRIVER, app["address"]], capture_output=True, text=True,
+                          timeout=900)
+    stop.set()
+    watcher.join(timeout=10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    samples = result["samples"]
+    assert len(samples) == 16  # 4 prompts x 4 samples
+    for s in samples:
+        assert s["status"] in {"completed", "truncated"}, s
+        assert s["response_length"] == s["logprobs"] == s["loss_mask"] == s["loss_sum"] > 0
+        assert s["tokens"] > s["response_length"]
+        assert s["placement"]["gpu"] == 0.25 and s["placement"]["node"]
+        assert s["reward"]["score"] in (0.0, 1.0)
+    assert {"eval/arith-a/accuracy", "eval/arith-b/pass@2"} <= set(result["eval"])
+    assert len(result["updated"]) == 1 and result["updated"][0]["ok"]  # one replica reloaded from disk
+    assert any(name.startswith("rayapp/rollout0/b") for name in groups_seen), groups_seen
+    assert any(name.startswith("rayapp/eval0/b") for name in groups_seen), groups_seen
+
+
+def test_http_control_surface(app):
+    assert get_json(f"{app['http']}/healthz") == {"ok": True}
+    status = get_json(f"{app['http']}/status")
+    assert status["busy"] is False and "phase" in status
+    placement = get_json(f"{app['http']}/placement")
+    assert placement["gated"] is True and placement["held_tokens"] == 0 and placement["batches"] == {}
+
+
+def test_the_app_stops_cleanly(app):
+    proc = app["proc"]
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C on `serve run` sends
+    assert proc.wait(timeout=120) is not None
+    assert "Shutting down" in app["log"].read_text() or proc.returncode in (0, -signal.SIGINT, 130)
+    assert stop_cluster(app["temp_dir"]) == []
+    assert ray_processes(app["temp_dir"]) == []

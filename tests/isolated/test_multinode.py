@@ -1,0 +1,108 @@
+"""A multi-node fake cluster (ray.cluster_utils.Cluster) in its own pytest process: tokens land on
+the nodes the ledger chose, cross-node batches spread, and a node removed mid-run turns its samples
+into infra aborts while the step still returns every sample and the ledger ends where it began."""
+
+import asyncio
+import os
+import sys
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rayapp.actors.app import HEAD  # noqa: E402
+from rayapp.actors.manager import PoolClient  # noqa: E402
+from rayapp.actors.pool import PlacementPoolService, run_in_bundle  # noqa: E402
+from rayapp.core.agent import FunctionAgent  # noqa: E402
+from rayapp.core.scheduler import TaskScheduler  # noqa: E402
+from rayapp.envs.arithmetic import ArithmeticSource  # noqa: E402
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status  # noqa: E402
+
+# Ray workers cannot import this test module: ship its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+LAYOUT = '{"node-a": {"gpus": [0, 1], "cpu": 4, "memory_gb": 1}, "node-b": {"gpus": [0, 1], "cpu": 4, "memory_gb": 1}}'
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1",
+                                                       "include_dashboard": False})
+    nodes = {name: c.add_node(num_cpus=4, num_gpus=2, labels={"rayapp.io/node": name}, node_ip_address="127.0.0.1")
+             for name in ("node-a", "node-b")}
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="rayapp-multinode", logging_level="warning", log_to_driver=False)
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def where_am_i(delay: float) -> str:
+    time.sleep(delay)
+    return ray.get_runtime_context().get_node_id()
+
+
+def make_spec(delay: float, seen: list) -> EvaluatorSpec:
+    async def run(sample, ctx):
+        node_id = await run_in_bundle(ctx.token, where_am_i, delay, timeout_s=120)
+        seen.append((ctx.token.node, node_id))
+        return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label))
+
+    verify = FunctionAgent(run, lambda s, r: {"score": 1.0})
+    return EvaluatorSpec("arithmetic", verify, resource=Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=0.5),
+                         run_resource=Resource(gpu=0.25, cpu=0.5, memory_gb=0.1), batch_size=4)
+
+
+def start_pool():
+    """The pool lives on the head node, as the app builder places it: losing a worker node must not
+    take the ledger with it."""
+    return ray.remote(PlacementPoolService).options(num_cpus=0, resources={HEAD: 0.001}).remote(
+        LAYOUT, pg_ready_timeout_s=20)
+
+
+def test_tokens_land_on_the_chosen_nodes_and_batches_spread(cluster):
+    pool = start_pool()
+    placement = ray.get(pool.placement.remote(), timeout=60)
+    initial = ray.get(pool.snapshot.remote(), timeout=60)
+    seen: list = []
+    sched = TaskScheduler([make_spec(0.0, seen)], ArithmeticSource(), PoolClient(pool, "t1"), rollout_batch_size=4,
+                          progress=False)
+    result = asyncio.run(sched.execute_rollout(0))
+    assert all(s.status is Status.COMPLETED for g in result.groups for s in g)
+    resolved = ray.get(pool.__ray_call__.remote(lambda self: self.node_ids), timeout=60)
+    assert all(resolved[ledger_node] == ray_node for ledger_node, ray_node in seen), seen
+    assert {ledger_node for ledger_node, _ in seen} == {"node-a", "node-b"}  # one batch spread over both
+    assert ray.get(pool.snapshot.remote(), timeout=60) == initial
+    assert placement["batches"] == {}
+    ray.kill(pool)
+
+
+def test_a_node_removed_mid_run_aborts_its_samples_and_the_step_returns_them_all(cluster):
+    c, nodes = cluster
+    pool = start_pool()
+    initial = ray.get(pool.snapshot.remote(), timeout=60)
+    seen: list = []
+    sched = TaskScheduler([make_spec(8.0, seen)], ArithmeticSource(seed=1), PoolClient(pool, "t2"),
+                          rollout_batch_size=4, progress=False)
+
+    async def scenario():
+        step = asyncio.create_task(sched.execute_rollout(0))
+        await asyncio.sleep(4.0)  # every sample is inside its bundle by now
+        await asyncio.to_thread(c.remove_node, nodes["node-b"])
+        return await asyncio.wait_for(step, 120)
+
+    result = asyncio.run(scenario())
+    samples = [s for g in result.groups for s in g]
+    assert len(samples) == 4
+    aborted = [s for s in samples if s.status is Status.ABORTED]
+    assert aborted and all(s.metadata["_placement"]["node"] == "node-b" for s in aborted)
+    assert all(s.metadata["_termination_reason"].startswith("infra_") for s in aborted)
+    assert all(s.remove_sample and s.loss_mask == [0] for s in aborted)
+    assert all(s.status is Status.COMPLETED for s in samples if s.metadata["_placement"]["node"] == "node-a")
+    assert ray.get(pool.snapshot.remote(), timeout=60) == initial
+    ray.kill(pool)

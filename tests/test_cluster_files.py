@@ -1,0 +1,203 @@
+"""Static checks of the files that run rayapp on real clusters: recipes, layouts, the Ray cluster
+launcher YAML and the KubeRay RayService. None of them can run here (no GPU, no cloud, no Kubernetes),
+so these tests hold them to what can be checked without a cluster: they parse, they validate against
+the schemas that will read them, and the copies that must agree do agree. No Ray is started."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayapp.actors.recipe import parse_recipe
+from rayapp.core.layout import parse_cluster_layout
+from rayapp.core.pool import PlacementPool, budget_tokens
+from rayapp.envs.registry import get_env
+from rayapp.types import EvaluatorSpec, Resource, StoppingCriteria
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = sorted((ROOT / "cluster" / "layouts").glob("*.json"))
+SERVE_YAMLS = sorted(p for p in (ROOT / "recipes").rglob("*.y*ml")
+                     if "applications" in (yaml.safe_load(p.read_text()) or {}))
+RECIPES = sorted((ROOT / "recipes").glob("*/rollout.yaml"))
+SWE = ROOT / "recipes" / "swe_dagger" / "rollout.yaml"
+LAUNCHER = ROOT / "cluster" / "ray-cluster.yaml"
+KUBERAY = ROOT / "cluster" / "kuberay-rayservice.yaml"
+NODE_LABEL = "rayapp.io/node"  # rayapp.actors.pool.NODE_LABEL, without importing ray
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def _args(path: Path) -> dict:
+    (app,) = _load(path)["applications"]
+    return app["args"]
+
+
+def _kuberay_docs() -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all(KUBERAY.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+
+def test_the_layout_examples_exist():
+    names = {p.name for p in LAYOUTS}
+    assert {"swe_4gpu.json", "shorthand.json", "two_node.json", "swe_cluster.json"} <= names
+
+
+@pytest.mark.parametrize("path", LAYOUTS, ids=lambda p: p.name)
+def test_every_layout_file_parses(path):
+    layout = parse_cluster_layout(path, 96, 384)
+    assert layout
+    for node in layout.values():
+        assert node.gpus or node.cpu or node.memory_gb
+
+
+def test_layout_forms_from_the_spec():
+    layouts = ROOT / "cluster" / "layouts"
+    full = parse_cluster_layout(layouts / "swe_4gpu.json", 0, 0)
+    assert json.loads((layouts / "swe_4gpu.json").read_text()) == {
+        "127.0.0.1": {"gpus": [0, 1, 2, 3], "cpu": 96, "memory_gb": 384}}
+    assert (full["127.0.0.1"].cpu, full["127.0.0.1"].memory_gb) == (96, 384)
+    # The shorthand takes cpu and memory from --env-num-cpus / --env-memory-gb.
+    short = parse_cluster_layout(layouts / "shorthand.json", 12, 34)
+    assert short["127.0.0.1"].gpus == (0, 1, 2, 3)
+    assert (short["127.0.0.1"].cpu, short["127.0.0.1"].memory_gb) == (12, 34)
+    two = parse_cluster_layout(layouts / "two_node.json", 8, 16)
+    assert len(two) == 2
+    for name in two:
+        ipaddress.ip_address(name)  # named by IP
+
+
+# -- recipes ---------------------------------------------------------------------------------------
+
+
+def test_both_recipes_are_here():
+    assert {p.parent.name for p in RECIPES} >= {"local", "swe_dagger"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=_rel)
+def test_recipe_parses(path):
+    recipe = parse_recipe(_args(path), source=_rel(path))
+    for ev in recipe.evaluators:
+        get_env(ev.env)  # an env the registry knows today
+    for ds in [recipe.data, *recipe.eval.values()]:
+        get_env(ds.env)
+
+
+@pytest.mark.parametrize("path", SERVE_YAMLS, ids=_rel)
+def test_serve_yaml_listens_on_loopback_only(path):
+    assert _load(path)["http_options"]["host"] == "127.0.0.1"
+
+
+def test_serve_yamls_found():
+    assert set(RECIPES) <= set(SERVE_YAMLS)
+
+
+@pytest.mark.parametrize("path", SERVE_YAMLS, ids=_rel)
+def test_serve_yaml_validates_and_builds_without_ray(path):
+    import ray
+    from ray.serve.schema import ServeDeploySchema
+
+    from rayapp.actors.app import build_app
+
+    config = _load(path)
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    module, _, attr = app["import_path"].partition(":")
+    assert (module, attr) == ("rayapp.actors.app", "build_app")
+    assert getattr(__import__(module, fromlist=[attr]), attr) is build_app
+    # Building checks each deployment's options (an engine replica must fit its first bundle)
+    # without deploying anything.
+    assert build_app(app["args"]) is not None
+    assert not ray.is_initialized()
+
+
+def test_swe_recipe_is_the_spec_example():
+    recipe = parse_recipe(_args(SWE), source=_rel(SWE))
+    assert {name: e.backend for name, e in recipe.engines.items()} == {"student": "sglang", "teacher": "sglang"}
+    (ev,) = recipe.evaluators
+    assert ev.resource == Resource(gpu=0, concurrency=4, cpu=96, memory_gb=320)
+    assert ev.run_resource == ev.eval_resource == Resource(gpu=0, concurrency=1, cpu=4, memory_gb=16)
+    assert ev.batch_size == 1
+    assert ev.default_stopping == StoppingCriteria(max_turns=100, max_context_len=65536)
+    assert recipe.data.task_type == ev.evaluator_id  # tasks reach this spec, not the fallback
+    assert all(d.task_type == ev.evaluator_id for d in recipe.eval.values())
+    for e in recipe.engines.values():
+        assert e.num_gpus == e.options["tp_size"]  # the replica sees exactly its TP ranks' GPUs
+
+
+def test_swe_recipe_layout_admits_its_biggest_batch():
+    """The scheduler's start-up deadlock check, done ahead of time on the recipe's own layout."""
+    recipe = parse_recipe(_args(SWE), source=_rel(SWE))
+    path = recipe.pool.cluster_layout
+    assert isinstance(path, str) and not Path(path).is_absolute()
+    layout = parse_cluster_layout(ROOT / path, recipe.pool.num_cpus, recipe.pool.memory_gb)
+    (ev,) = recipe.evaluators
+    spec = EvaluatorSpec(ev.evaluator_id, None, ev.resource, ev.run_resource, ev.eval_resource, ev.batch_size)
+    biggest = ev.batch_size * max(recipe.data.n_samples_per_prompt, recipe.scheduler.n_samples_per_eval_prompt)
+    needed = min(budget_tokens(spec.resource, spec.sample_resource), biggest)
+    assert PlacementPool(layout).max_tokens_for(spec.sample_resource) >= needed >= 1
+
+
+# -- the Ray cluster launcher ----------------------------------------------------------------------
+
+
+def test_launcher_yaml_names_its_head_type():
+    config = _load(LAUNCHER)
+    assert config["head_node_type"] in config["available_node_types"]
+    assert sum(t.get("min_workers", 0) for t in config["available_node_types"].values()) <= config["max_workers"]
+
+
+def test_launcher_yaml_validates_against_rays_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    import ray.autoscaler
+
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(_load(LAUNCHER), schema)
+
+
+def test_launcher_labels_the_node_the_swe_layout_names():
+    config = _load(LAUNCHER)
+    layout = parse_cluster_layout(ROOT / _args(SWE)["pool"]["cluster_layout"], 0, 0)
+    commands = " ".join(config["worker_start_ray_commands"])
+    labels = {word.split("=", 2)[2] for word in commands.split() if word.startswith(f"--labels={NODE_LABEL}=")}
+    assert set(layout) <= labels
+    # The mounted recipes and layouts are the ones in this repository.
+    for local in config["file_mounts"].values():
+        if local.startswith("./"):
+            assert (ROOT / local).is_dir(), local
+
+
+# -- KubeRay ---------------------------------------------------------------------------------------
+
+
+def test_kuberay_serve_config_is_the_swe_recipe():
+    service = _kuberay_docs()["RayService"]
+    assert service["apiVersion"] == "ray.io/v1"
+    assert yaml.safe_load(service["spec"]["serveConfigV2"]) == _load(SWE)
+
+
+def test_kuberay_cluster_has_a_head_and_a_gpu_group_for_the_layout():
+    docs = _kuberay_docs()
+    cluster = docs["RayService"]["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    (gpu_group,) = cluster["workerGroupSpecs"]
+    (worker,) = gpu_group["template"]["spec"]["containers"]
+    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) == 4
+    assert "rayStartParams" in gpu_group
+    # The ConfigMap carries the very layout the recipe names, and the group label resolves its node.
+    layout_name = Path(_args(SWE)["pool"]["cluster_layout"]).name
+    shipped = json.loads(docs["ConfigMap"]["data"][layout_name])
+    assert shipped == json.loads((ROOT / "cluster" / "layouts" / layout_name).read_text())
+    assert set(shipped) == {gpu_group["labels"][NODE_LABEL]}

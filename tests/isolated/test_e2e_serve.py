@@ -107,8 +107,12 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
 
 def test_http_control_surface(app):
     assert get_json(f"{app['http']}/healthz") == {"ok": True}
+    started = urllib.request.Request(f"{app['http']}/rollout/7", method="POST")
+    with urllib.request.urlopen(started, timeout=600) as r:  # runs a whole step, then answers
+        summary = json.loads(r.read())
+    assert summary["rollout_id"] == 7 and summary["samples"] == 16
     status = get_json(f"{app['http']}/status")
-    assert status["busy"] is False and "phase" in status
+    assert status["busy"] is False and status["phase"] == "rollout done" and status["tasks_done"] == 4
     placement = get_json(f"{app['http']}/placement")
     assert placement["gated"] is True and placement["held_tokens"] == 0 and placement["batches"] == {}
 

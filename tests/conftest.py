@@ -1,5 +1,8 @@
 import asyncio
+import contextlib
 import os
+import socket
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +43,34 @@ def ray_session():
              logging_level="warning", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def refuse_network():
+    real = socket.socket.connect
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"network access attempted: {address}")
+        return real(sock, address)
+
+    socket.socket.connect = connect
+    try:
+        yield
+    finally:
+        socket.socket.connect = real
+
+
+@pytest.fixture(scope="session")
+def cache_dir(request, tmp_path_factory) -> Path:
+    if os.environ.get("RAYAPP_CACHE"):
+        return Path(os.environ["RAYAPP_CACHE"])
+    return request.config.cache.mkdir("rayapp-cache") if request.config.cache else tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def model_dir(cache_dir) -> Path:
+    with refuse_network():  # session fixtures set up before the module's guard: the build is checked too
+        from rayapp.inference.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model(cache_dir)

@@ -7,10 +7,8 @@ loopback fail for the whole module (and in the second-process test).
 
 import ast
 import asyncio
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 import torch
+from conftest import refuse_network
 from safetensors.torch import load_file, save_file
 
 from rayapp.inference import FinishReason, GenerateRequest, InferenceBackend, make_backend, parse_request
@@ -42,39 +41,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@contextlib.contextmanager
-def refuse_network():
-    real = socket.socket.connect
-
-    def connect(sock, address):
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
-            raise AssertionError(f"network access attempted: {address}")
-        return real(sock, address)
-
-    socket.socket.connect = connect
-    try:
-        yield
-    finally:
-        socket.socket.connect = real
-
-
 @pytest.fixture(scope="module", autouse=True)
 def no_network():
     with refuse_network():
         yield
-
-
-@pytest.fixture(scope="session")
-def cache_dir(request, tmp_path_factory) -> Path:
-    if os.environ.get("RAYAPP_CACHE"):
-        return Path(os.environ["RAYAPP_CACHE"])
-    return request.config.cache.mkdir("rayapp-cache") if request.config.cache else tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="session")
-def model_dir(cache_dir) -> Path:
-    with refuse_network():  # session fixtures set up before the module's guard: the build is checked too
-        return ensure_tiny_model(cache_dir)
 
 
 @pytest.fixture(scope="session")
@@ -370,6 +340,7 @@ socket.socket.connect = refuse
 socket.create_connection = refuse
 from rayapp.inference import GenerateRequest, make_backend
 from rayapp.types import SamplingParams
+from conftest import refuse_network
 b = make_backend("hf", cache_dir={str(cache_dir)!r})
 ids = b.tokenizer.apply_chat_template([{{"role": "user", "content": "What is 2 + 2?"}}],
                                       add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import msgspec
+
 from rayapp.core.termination import EngineConnectionError
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
 from rayapp.types import AgentResult, EpisodeContext, Sample, Token
@@ -66,7 +68,7 @@ class ChatAgent:
                 return AgentResult(tokens=prompt_ids, response_length=0, turns=0,
                                    termination_reason="max_context_len", truncated=True)
             cap = min(room, sampling.max_new_tokens or room)
-            sampling = type(sampling)(**{**_fields(sampling), "max_new_tokens": cap})
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
         out = await self.engine.generate(GenerateRequest(prompt_ids, sampling, stop_token_ids=[tok.eos_token_id]))
         if out.finish_reason is FinishReason.ABORT:
             raise EngineConnectionError(f"engine aborted request {out.request_id}")
@@ -84,7 +86,3 @@ class ChatAgent:
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
         return await self.executor(ctx.token, self.verify, sample, result)
-
-
-def _fields(struct: Any) -> dict[str, Any]:
-    return {f: getattr(struct, f) for f in struct.__struct_fields__}

@@ -1,0 +1,171 @@
+"""The multi-turn tool-calling agent: token-data invariants (property-tested against a scripted
+engine that speaks through the real tiny tokenizer), stopping, malformed calls, and one episode on
+the real hf engine."""
+
+import asyncio
+
+import pytest
+from conftest import run
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.envs.agents.tools import calculator, parse_tool_call
+from rayapp.envs.arithmetic import verify
+from rayapp.inference.client import FinishReason, GenerateOutput
+from rayapp.inference.tiny_model import load_tokenizer
+from rayapp.types import AgentResult, EpisodeContext, Sample, SamplingParams, StoppingCriteria, Token
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+class ScriptedEngine:
+    """Answers each turn with the next scripted text, tokenized by the real tokenizer (so ids,
+    text and eos are exactly what an engine would return); honours max_new_tokens."""
+
+    def __init__(self, tok, model_dir, script):
+        self.tok, self.model_dir, self.script, self.requests = tok, str(model_dir), list(script), []
+
+    async def info(self):
+        return {"tokenizer_path": self.model_dir}
+
+    async def generate(self, req, timeout_s=None):
+        self.requests.append(req)
+        text = self.script.pop(0) if self.script else "The answer is 4."
+        ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
+        finish = FinishReason.STOP
+        if req.sampling.max_new_tokens is not None and len(ids) > req.sampling.max_new_tokens:
+            ids, finish = ids[: req.sampling.max_new_tokens], FinishReason.LENGTH
+        return GenerateOutput("r", ids, [-0.5] * len(ids), finish, self.tok.decode(ids, skip_special_tokens=True),
+                              engine="scripted")
+
+
+def ctx(max_turns=4, max_context_len=None, token=None):
+    return EpisodeContext(0, token, StoppingCriteria(max_turns=max_turns, max_context_len=max_context_len),
+                          SamplingParams(max_new_tokens=64))
+
+
+def sample():
+    return Sample("t", 0, "What is 2 + 2?", "4")
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 2"}}</tool_call>'
+TURNS = st.sampled_from([CALL, "<tool_call>{not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>',
+                         "The answer is 4.", "Let me think. " * 3])
+
+
+def check_invariants(tok, result: AgentResult, engine: ScriptedEngine, limit):
+    n = result.response_length
+    assert len(result.loss_mask) == len(result.rollout_log_probs) == n <= len(result.tokens)
+    response = result.tokens[-n:] if n else []
+    model = [t for t, m in zip(response, result.loss_mask, strict=True) if m == 1]
+    env_logprobs = [lp for lp, m in zip(result.rollout_log_probs, result.loss_mask, strict=True) if m == 0]
+    assert all(lp == 0.0 for lp in env_logprobs)  # no environment token carries loss or a log-prob
+    model_logprobs = [lp for lp, m in zip(result.rollout_log_probs, result.loss_mask, strict=True) if m == 1]
+    assert model_logprobs == [lp for r in engine.logprobs for lp in r]  # the engine's own, unchanged
+    # the model's tokens are exactly what the engine produced, turn after turn
+    produced = [i for r in engine.outputs for i in r]
+    assert model == produced
+    assert tok.decode(model, skip_special_tokens=True) == "".join(engine.texts)
+    if limit is not None:
+        prompt_len = len(result.tokens) - n
+        # a prompt longer than the context gets no response at all; otherwise the context holds
+        assert (n == 0 and result.termination_reason == "max_context_len") if prompt_len >= limit \
+            else len(result.tokens) <= limit
+
+
+def recording(engine):
+    engine.outputs, engine.texts, engine.logprobs = [], [], []
+    real = engine.generate
+
+    async def generate(req, timeout_s=None):
+        out = await real(req, timeout_s)
+        engine.outputs.append(out.output_ids)
+        engine.texts.append(out.text)
+        engine.logprobs.append(out.logprobs)
+        return out
+
+    engine.generate = generate
+    return engine
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=st.lists(TURNS, min_size=1, max_size=6), max_turns=st.integers(1, 5),
+       limit=st.one_of(st.none(), st.integers(60, 400)))
+def test_token_data_invariants_hold_for_every_episode(tok, model_dir, script, max_turns, limit):
+    engine = recording(ScriptedEngine(tok, model_dir, script))
+    agent = ToolAgent(engine, verify, tools=["calculator"])
+    s = sample()
+    result = run(agent.run(s, ctx(max_turns, limit)))
+    check_invariants(tok, result, engine, limit)
+    assert result.turns == len(engine.outputs) <= max_turns
+    assert result.termination_reason in {"stop", "max_turns", "max_context_len", "length"}
+    assert result.truncated == (result.termination_reason != "stop")
+
+
+def test_a_tool_call_round_trip_and_the_final_answer(tok, model_dir):
+    engine = recording(ScriptedEngine(tok, model_dir, [CALL, "The answer is 4."]))
+    s = sample()
+    token = Token(3, "node-a", (1,), 0.25, 1.0, 1.0)
+    result = run(ToolAgent(engine, verify).run(s, ctx(token=token)))
+    assert result.termination_reason == "stop" and not result.truncated and result.turns == 2
+    assert verify(s, result) == {"score": 1.0}
+    # the second request saw the tool's answer, as environment tokens
+    second_prompt = tok.decode(engine.requests[1].input_ids)
+    assert '"result": "4"' in second_prompt and "<|tool|>" in second_prompt
+    assert [p["node"] for p in s.metadata["_turn_placement"]] == ["node-a", "node-a"]
+
+
+def test_a_malformed_call_is_an_observation_not_a_crash(tok, model_dir):
+    engine = recording(ScriptedEngine(tok, model_dir, ["<tool_call>{oops</tool_call>", "The answer is 4."]))
+    result = run(ToolAgent(engine, verify).run(sample(), ctx()))
+    assert result.termination_reason == "stop"
+    assert "malformed tool call" in tok.decode(engine.requests[1].input_ids)
+
+
+def test_max_turns_and_max_context_len_stop_cleanly(tok, model_dir):
+    engine = recording(ScriptedEngine(tok, model_dir, [CALL] * 5))
+    result = run(ToolAgent(engine, verify).run(sample(), ctx(max_turns=2)))
+    assert (result.termination_reason, result.turns, result.truncated) == ("max_turns", 2, True)
+    engine = recording(ScriptedEngine(tok, model_dir, [CALL] * 5))
+    result = run(ToolAgent(engine, verify).run(sample(), ctx(max_turns=10, max_context_len=160)))
+    assert result.termination_reason == "max_context_len" and len(result.tokens) <= 160
+    check_invariants(tok, result, engine, 160)
+
+
+def test_tool_parsing_and_the_calculator():
+    assert parse_tool_call("no call here").final
+    assert parse_tool_call(CALL).call.arguments == {"expression": "2 + 2"}
+    assert "malformed" in parse_tool_call("<tool_call>[1, 2]</tool_call>").error
+    assert run(calculator({"expression": "(3 + 4) * 5 - 10 // 3"})) == "32"
+    assert run(calculator({"expression": "__import__('os')"})).startswith("error")
+    assert run(calculator({"expression": "1 / 0"})).startswith("error")
+    with pytest.raises(ValueError, match="unknown tools"):
+        ToolAgent(None, verify, tools=["teleport"])
+    with pytest.raises(ValueError, match="need a sandbox_factory"):
+        ToolAgent(None, verify, tools=["bash"])
+
+
+def test_an_episode_on_the_real_hf_engine(tok, model_dir):
+    from rayapp.inference.hf import HFBackend
+
+    backend = HFBackend(str(model_dir), seed=0)
+
+    class Local:  # the engine client's shape, in process
+        async def info(self):
+            return backend.info()
+
+        async def generate(self, req, timeout_s=None):
+            return await backend.generate(req)
+
+    engine = recording(Local())
+    try:
+        result = run(asyncio.wait_for(ToolAgent(engine, verify).run(sample(), ctx(max_turns=3, max_context_len=300)),
+                                      120))
+    finally:
+        backend.shutdown()
+    check_invariants(tok, result, engine, 300)
+    assert result.termination_reason in {"stop", "max_turns", "max_context_len", "length"}

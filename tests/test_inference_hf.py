@@ -340,7 +340,6 @@ socket.socket.connect = refuse
 socket.create_connection = refuse
 from rayapp.inference import GenerateRequest, make_backend
 from rayapp.types import SamplingParams
-from conftest import refuse_network
 b = make_backend("hf", cache_dir={str(cache_dir)!r})
 ids = b.tokenizer.apply_chat_template([{{"role": "user", "content": "What is 2 + 2?"}}],
                                       add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -120,3 +120,16 @@ def test_pool_client_cancels_a_call_it_stops_waiting_for():
     with pytest.raises(TimeoutError):
         run(PoolClient(handle, owner="m", call_timeout_s=0.05).release_batch(TOKENS))
     assert handle.responses[0].cancelled
+
+
+def test_serve_run_without_gpus_gets_a_clear_error_before_anything_deploys(monkeypatch):
+    import ray
+
+    from rayapp.actors.app import check_live_gpus
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(RecipeError, match=r"hold GPU fractions, but this Ray cluster has no GPUs.*--num-gpus"):
+        check_live_gpus(parse_recipe(LOCAL), "rollout.yaml")
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 4.0})
+    check_live_gpus(parse_recipe(LOCAL), "rollout.yaml")

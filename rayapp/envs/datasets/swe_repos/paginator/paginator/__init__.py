@@ -1,0 +1,3 @@
+from paginator.pages import Page, page_count, paginate
+
+__all__ = ["Page", "page_count", "paginate"]

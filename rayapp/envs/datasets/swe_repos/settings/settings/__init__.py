@@ -1,0 +1,3 @@
+from settings.parser import Settings
+
+__all__ = ["Settings"]

@@ -1,0 +1,3 @@
+from slugkit.slug import slugify
+
+__all__ = ["slugify"]

@@ -1,0 +1,3 @@
+from stats.summary import mean, median, summarize
+
+__all__ = ["mean", "median", "summarize"]

@@ -1,0 +1,3 @@
+from todo.lists import TodoList
+
+__all__ = ["TodoList"]

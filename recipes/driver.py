@@ -37,12 +37,19 @@ def show_rollout(result) -> None:
     print(f"rollout {result.rollout_id}: {len(result.groups)} groups, {len(samples)} samples")
     for g in result.groups:
         rewards = [s.reward.get("score", 0.0) for s in g]
-        print(f"  {g[0].task_id:<22} rewards={rewards} "
+        reasons = sorted({str(s.metadata.get("_termination_reason")) for s in g})
+        print(f"  {g[0].metadata.get('_dataset_name', '-'):<10} {g[0].task_id[:24]:<24} rewards={rewards} "
+              f"turns={[s.metadata.get('_turns', 0) for s in g]} reasons={reasons} "
               f"tokens={[len(s.tokens) for s in g]} loss_mask_sums={[sum(s.loss_mask) for s in g]} "
               f"status={sorted(Counter(s.status.value for s in g).items())}")
-    for s in samples[:4]:
-        lp = s.rollout_log_probs
-        print(f"  sample {s.task_id}#{s.index}: response={s.response!r} mean_logprob="
+    shown: set[str] = set()
+    for s in samples:  # one sample per environment
+        name = s.metadata.get("_dataset_name", "-")
+        if name in shown:
+            continue
+        shown.add(name)
+        lp = [p for p, m in zip(s.rollout_log_probs, s.loss_mask, strict=False) if m]
+        print(f"  {name} sample {s.task_id}#{s.index}: response={s.response[:80]!r} mean_logprob="
               f"{(sum(lp) / len(lp)) if lp else 0.0:.3f} placed_on={s.metadata.get('_placement')}")
     print("  failure classes:", {k: v for k, v in result.metrics.items() if v})
 

@@ -20,7 +20,8 @@ LOCAL = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text()
 def test_the_local_recipe_parses():
     cfg = parse_recipe(LOCAL)
     assert cfg.engines["student"].backend == "hf" and cfg.pool.gate
-    assert cfg.evaluators[0].run_resource == Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
+    assert cfg.evaluators[0].run_resource == Resource(gpu=0.25, cpu=0.5, memory_gb=1)
+    assert [e.env for e in cfg.evaluators] == ["arithmetic", "math", "humaneval", "swe"]
 
 
 @pytest.mark.parametrize(("mutate", "message"), [

@@ -91,7 +91,7 @@ def test_recipe_parses(path):
     recipe = parse_recipe(_args(path), source=_rel(path))
     for ev in recipe.evaluators:
         get_env(ev.env)  # an env the registry knows today
-    for ds in [recipe.data, *recipe.eval.values()]:
+    for ds in [*recipe.data.values(), *recipe.eval.values()]:
         get_env(ds.env)
 
 
@@ -131,8 +131,8 @@ def test_swe_recipe_is_the_spec_example():
     assert ev.run_resource == ev.eval_resource == Resource(gpu=0, concurrency=1, cpu=4, memory_gb=16)
     assert ev.batch_size == 1
     assert ev.default_stopping == StoppingCriteria(max_turns=100, max_context_len=65536)
-    assert recipe.data.task_type == ev.evaluator_id  # tasks reach this spec, not the fallback
-    assert all(d.task_type == ev.evaluator_id for d in recipe.eval.values())
+    # tasks reach this spec, not the fallback: the swe env's rows carry task_type "swe"
+    assert all((d.task_type or d.env) == ev.evaluator_id for d in [*recipe.data.values(), *recipe.eval.values()])
     for e in recipe.engines.values():
         assert e.num_gpus == e.options["tp_size"]  # the replica sees exactly its TP ranks' GPUs
 
@@ -145,7 +145,8 @@ def test_swe_recipe_layout_admits_its_biggest_batch():
     layout = parse_cluster_layout(ROOT / path, recipe.pool.num_cpus, recipe.pool.memory_gb)
     (ev,) = recipe.evaluators
     spec = EvaluatorSpec(ev.evaluator_id, None, ev.resource, ev.run_resource, ev.eval_resource, ev.batch_size)
-    biggest = ev.batch_size * max(recipe.data.n_samples_per_prompt, recipe.scheduler.n_samples_per_eval_prompt)
+    per_prompt = max(d.n_samples_per_prompt or 1 for d in recipe.data.values())
+    biggest = ev.batch_size * max(per_prompt, recipe.scheduler.n_samples_per_eval_prompt)
     needed = min(budget_tokens(spec.resource, spec.sample_resource), biggest)
     assert PlacementPool(layout).max_tokens_for(spec.sample_resource) >= needed >= 1
 

@@ -8,6 +8,7 @@ second call waits its turn), and every call into the pool crosses a process boun
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -18,10 +19,12 @@ from ray import serve
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.recipe import RecipeConfig, parse_recipe
+from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.batching import load_strategy
 from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
-from rayapp.envs.agents.chat import ChatAgent
-from rayapp.envs.registry import get_env
+from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
+from rayapp.envs.registry import AgentDeps, get_env, make_dataset
+from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.types import EvaluatorSpec, Resource, Token
 
 log = logging.getLogger(__name__)
@@ -74,14 +77,19 @@ async def _await(response: Any) -> Any:
 def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: PoolClient | None) -> TaskScheduler:
     specs = []
     for ev in cfg.evaluators:
-        agent = ChatAgent(engines[ev.engine], get_env(ev.env).verify, executor=run_in_bundle)
+        sb = ev.sandbox
+        limits = limits_from_resource(ev.run_resource, wall_seconds=sb.wall_seconds, cpu_seconds=sb.cpu_seconds,
+                                      network=sb.network)
+        image = {"image": sb.image} if sb.image else {}
+        opener = functools.partial(open_sandbox, kind=sb.kind, limits=limits, **image)
+        agent = get_env(ev.env).make_agent(AgentDeps(engines[ev.engine], run_in_bundle, opener))
         specs.append(EvaluatorSpec(ev.evaluator_id, agent, ev.resource, ev.run_resource, ev.eval_resource,
                                    ev.batch_size, ev.default_stopping, ev.default_sampling, ev.eval_timeout_s))
     s = cfg.scheduler
-    data_env = get_env(cfg.data.env)
-    eval_sets = {name: get_env(d.env).make_source(d, name=name).get_tasks(d.n_prompts) for name, d in cfg.eval.items()}
+    source = MultiDataSource([make_dataset(d, name) for name, d in cfg.data.items()], seed=s.seed)
+    eval_sets = {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in cfg.eval.items()}
     return TaskScheduler(
-        specs, data_env.make_source(cfg.data, name="train"), pool,
+        specs, source, pool,
         batching_strategy=load_strategy(s.batching), rollout_batch_size=s.rollout_batch_size,
         eval_datasets=eval_sets, n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
         global_stopping=s.global_stopping, global_sampling=s.global_sampling,

@@ -47,6 +47,16 @@ class PoolConfig(_Strict):
     pg_ready_timeout_s: float = 10.0
 
 
+class SandboxConfig(_Strict):
+    """Where an evaluator's episodes act. CPU and memory limits come from its run_resource."""
+
+    kind: str = "local"  # "local" (a process sandbox on the sample's node) or "docker"
+    image: str | None = None  # docker only
+    wall_seconds: float = 60.0  # per command
+    cpu_seconds: int = 60  # per command
+    network: bool = False
+
+
 class EvaluatorConfig(_Strict):
     evaluator_id: str
     env: str = "arithmetic"
@@ -58,20 +68,24 @@ class EvaluatorConfig(_Strict):
     default_stopping: StoppingCriteria = StoppingCriteria()
     default_sampling: SamplingParams = SamplingParams()
     eval_timeout_s: float = 300.0
+    sandbox: SandboxConfig = SandboxConfig()
 
 
 class DatasetConfig(_Strict):
-    """A data source: an env's built-in generator; ``dataset_cfg`` is the cascade's third level."""
+    """One dataset of an env; ``dataset_cfg`` is the cascade's third level (flat keys)."""
 
     env: str = "arithmetic"
-    task_type: str | None = None  # names the evaluator; defaults to the env's name
+    task_type: str | None = None  # routes the rows to another evaluator; default: the env's own
     seed: int = 0
-    n_prompts: int = 8  # eval datasets only
-    n_samples_per_prompt: int = 1
+    n_prompts: int = 64  # generated envs: rows made; eval datasets: prompts used
+    n_samples_per_prompt: int | None = None
+    weight: float = 1.0  # rollout mixing weight
+    shuffle: bool = True
     dataset_cfg: dict[str, Any] = {}
 
 
 class SchedulerConfig(_Strict):
+    seed: int = 0  # the data source's RNG (which dataset each task comes from)
     rollout_batch_size: int = 8
     batching: str = "fifo"
     n_samples_per_eval_prompt: int = 1
@@ -84,7 +98,7 @@ class SchedulerConfig(_Strict):
 class RecipeConfig(_Strict):
     engines: dict[str, EngineConfig]
     evaluators: list[EvaluatorConfig]
-    data: DatasetConfig = DatasetConfig()
+    data: dict[str, DatasetConfig]  # rollout datasets by name, mixed by weight
     eval: dict[str, DatasetConfig] = {}
     pool: PoolConfig = PoolConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -103,4 +117,18 @@ def parse_recipe(args: dict[str, Any], source: str = "rollout.yaml") -> RecipeCo
                               f"{sorted(recipe.engines)}")
     if not recipe.evaluators:
         raise RecipeError(f'recipe "{source}": $.evaluators: at least one evaluator is needed')
+    if not recipe.data:
+        raise RecipeError(f'recipe "{source}": $.data: at least one dataset is needed')
+    from rayapp.envs.registry import ENVS
+
+    for where, datasets in (("data", recipe.data), ("eval", recipe.eval)):
+        for name, d in datasets.items():
+            if d.env not in ENVS:
+                raise RecipeError(f'recipe "{source}": $.{where}.{name}.env: {d.env!r} is not one of {sorted(ENVS)}')
+    for i, ev in enumerate(recipe.evaluators):
+        if ev.env not in ENVS:
+            raise RecipeError(f'recipe "{source}": $.evaluators[{i}].env: {ev.env!r} is not one of {sorted(ENVS)}')
+        if ev.sandbox.kind not in ("local", "docker") or (ev.sandbox.kind == "docker") != bool(ev.sandbox.image):
+            raise RecipeError(f'recipe "{source}": $.evaluators[{i}].sandbox: kind "local", or kind "docker" '
+                              f"with an image")
     return recipe

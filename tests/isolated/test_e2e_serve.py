@@ -29,7 +29,9 @@ updated = h.update_weights_from_disk.remote("student", info["model_path"]).resul
 out = {"updated": updated,
        "samples": [dict(status=s.status.value, tokens=len(s.tokens), response_length=s.response_length,
                         logprobs=len(s.rollout_log_probs), loss_mask=len(s.loss_mask), loss_sum=sum(s.loss_mask),
-                        reward=s.reward, placement=s.metadata.get("_placement"), text=s.response)
+                        reward=s.reward, placement=s.metadata.get("_placement"), text=s.response,
+                        dataset=s.metadata.get("_dataset_name"), reason=s.metadata.get("_termination_reason"),
+                        abort=s.metadata.get("_abort"))
                    for g in r.groups for s in g],
        "eval": ev.metrics}
 print("RESULT " + json.dumps(out))
@@ -92,14 +94,17 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     samples = result["samples"]
-    assert len(samples) == 16  # 4 prompts x 4 samples
+    assert len(samples) == 16  # 8 prompts x 2 samples, mixed over the four environments
+    assert {s["dataset"] for s in samples} <= {"arithmetic", "math", "humaneval", "swe"}
+    assert len({s["dataset"] for s in samples}) >= 3
     for s in samples:
         assert s["status"] in {"completed", "truncated"}, s
-        assert s["response_length"] == s["logprobs"] == s["loss_mask"] == s["loss_sum"] > 0
+        # loss mask and log-probs cover the response exactly; only model tokens carry loss
+        assert s["response_length"] == s["logprobs"] == s["loss_mask"] >= s["loss_sum"] > 0, s
         assert s["tokens"] > s["response_length"]
-        assert s["placement"]["gpu"] == 0.25 and s["placement"]["node"]
+        assert s["placement"]["gpu"] == (0.0 if s["dataset"] == "swe" else 0.25) and s["placement"]["node"]
         assert s["reward"]["score"] in (0.0, 1.0)
-    assert {"eval/arith-a/accuracy", "eval/arith-b/pass@2"} <= set(result["eval"])
+    assert {f"eval/{n}/pass@2" for n in ("arith-a", "math", "humaneval", "swe")} <= set(result["eval"])
     assert len(result["updated"]) == 1 and result["updated"][0]["ok"]  # one replica reloaded from disk
     assert any(name.startswith("rayapp/rollout0/b") for name in groups_seen), groups_seen
     assert any(name.startswith("rayapp/eval0/b") for name in groups_seen), groups_seen
@@ -112,7 +117,7 @@ def test_http_control_surface(app):
         summary = json.loads(r.read())
     assert summary["rollout_id"] == 7 and summary["samples"] == 16
     status = get_json(f"{app['http']}/status")
-    assert status["busy"] is False and status["phase"] == "rollout done" and status["tasks_done"] == 4
+    assert status["busy"] is False and status["phase"] == "rollout done" and status["tasks_done"] == 8
     placement = get_json(f"{app['http']}/placement")
     assert placement["gated"] is True and placement["held_tokens"] == 0 and placement["batches"] == {}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from rayapp.core.termination import EngineConnectionError
+from rayapp.core.termination import EngineConnectionError, SandboxError
 from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, run_inline
 from rayapp.envs.agents.tools import SANDBOX_TOOLS, TOOLS, describe, parse_tool_call, tool_result_message
 from rayapp.inference.client import FinishReason, GenerateRequest
@@ -33,9 +33,9 @@ _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"
 
 
 class ToolAgent(ChatAgent):
-    def __init__(self, engine: Engine, verify: Verifier, *, tools: list[str] | None = None,
+    def __init__(self, engine: Engine, verify: Verifier | None, *, tools: list[str] | None = None,
                  executor: Executor = run_inline, sandbox_factory: SandboxFactory | None = None,
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, keep_sandbox: bool = False):
         tools = list(tools or ["calculator"])
         unknown = sorted(set(tools) - set(TOOLS))
         if unknown:
@@ -44,6 +44,10 @@ class ToolAgent(ChatAgent):
             raise ValueError(f"tools {sorted(SANDBOX_TOOLS & set(tools))} need a sandbox_factory")
         super().__init__(engine, verify, executor, system_prompt=(system_prompt or "") + describe(tools))
         self.tools, self.sandbox_factory = tools, sandbox_factory
+        # keep_sandbox: the episode's sandbox stays open for the eval phase (``verify_in``), which
+        # closes it; a failed run closes it at once.
+        self.keep_sandbox = keep_sandbox
+        self._kept: dict[int, Any] = {}
 
     def env_tokens(self, tok: Any, message: dict[str, str]) -> list[int]:
         """The template's tokens for ``message`` and the next generation prompt, after a closed turn."""
@@ -60,7 +64,7 @@ class ToolAgent(ChatAgent):
         ids, mask, logprobs = list(prompt), [], []
         limit, max_turns = ctx.stopping.max_context_len, ctx.stopping.max_turns or 1
         reason, truncated, final_text = "max_turns", True, ""
-        sandbox = None
+        sandbox, kept = None, False
         if self.sandbox_factory is not None and SANDBOX_TOOLS & set(self.tools):
             sandbox = await self.sandbox_factory(sample, ctx)
         try:
@@ -102,12 +106,29 @@ class ToolAgent(ChatAgent):
                 logprobs += [0.0] * len(env)
                 if reason == "max_context_len":
                     break
+            if sandbox is not None and self.keep_sandbox:
+                self._kept[id(sample)], kept = sandbox, True
         finally:
-            if sandbox is not None:
+            if sandbox is not None and not kept:
                 await sandbox.close()
         return AgentResult(tokens=ids, response_length=len(ids) - len(prompt), response=final_text,
                            rollout_log_probs=logprobs, loss_mask=mask, turns=sample.metadata.get("_turns", 0),
                            termination_reason=reason, truncated=truncated)
+
+    async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
+        if not self.keep_sandbox:
+            return await super().evaluate(sample, result, ctx)
+        sandbox = self._kept.pop(id(sample), None)
+        if sandbox is None:
+            raise SandboxError(f"no sandbox kept for {sample.task_id}#{sample.index}")
+        try:
+            return await self.verify_in(sandbox, sample, result)
+        finally:
+            await sandbox.close()
+
+    async def verify_in(self, sandbox: Any, sample: Sample, result: AgentResult) -> dict[str, float]:
+        """The eval phase in the episode's own sandbox (with ``keep_sandbox``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its sandbox but does not verify in it")
 
     async def _call_tool(self, call: Any, sandbox: Any) -> str:
         if call.name not in self.tools:

@@ -160,6 +160,18 @@ def test_run_phase_timeout_from_stopping_criteria_is_an_agent_timeout():
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "agent_timeout"
     assert "_termination_reason_agent" not in s.metadata
+    assert "run phase ran past its 0.05s limit" in s.metadata["_abort"]["error"]
+
+
+def test_a_timeout_the_agent_raises_itself_is_not_blamed_on_the_phase_clock():
+    async def inner_timeout(sample, ctx):
+        raise TimeoutError("tool call timed out")
+
+    groups = make_groups(1, 1, StoppingCriteria(timeout_s=30))
+    run(Evaluator(spec(FunctionAgent(inner_timeout, lambda s, r: {"score": 1.0})), rollout_id=0,
+                  tokens=None).run(groups))
+    diag = groups[0].samples[0].metadata["_abort"]
+    assert diag["error"] == "TimeoutError: tool call timed out"
 
 
 @pytest.mark.parametrize(("result", "reward"), [

@@ -17,8 +17,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
-from rayapp.core.termination import classify_abort
+from rayapp.core.termination import AgentTimeout, classify_abort
 from rayapp.types import (
     AgentResult,
     EpisodeContext,
@@ -46,6 +47,19 @@ class Group:
     samples: list[Sample]
     stopping: StoppingCriteria
     sampling: SamplingParams
+
+
+async def _bounded(coro: Awaitable[Any], timeout_s: float | None, phase: str) -> Any:
+    """Await one phase under its wall clock; running out is an AgentTimeout that says which (a
+    TimeoutError the phase raised itself passes through as it is)."""
+    clock = asyncio.timeout(timeout_s)
+    try:
+        async with clock:
+            return await coro
+    except TimeoutError as e:
+        if clock.expired():
+            raise AgentTimeout(f"{phase} phase ran past its {timeout_s}s limit") from e
+        raise
 
 
 def _populate_token_data(sample: Sample, result: AgentResult) -> None:
@@ -109,16 +123,15 @@ class Evaluator:
                     sample.metadata["_placement"] = {"node": token.node, "gpu_ids": list(token.gpu_ids),
                                                      "gpu": token.gpu}
                 ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling)
-                result = await asyncio.wait_for(self.spec.handler.run(sample, ctx), group.stopping.timeout_s)
+                result = await _bounded(self.spec.handler.run(sample, ctx), group.stopping.timeout_s, "run")
                 if not isinstance(result, AgentResult):
                     raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
                 sample.metadata["_turns"] = result.turns
                 sample.metadata["_termination_reason"] = result.termination_reason
                 sample.metadata.update(result.metadata)
                 phase = "eval"
-                reward = await asyncio.wait_for(
-                    self.spec.handler.evaluate(sample, result, ctx), self.spec.eval_timeout_s
-                )
+                reward = await _bounded(self.spec.handler.evaluate(sample, result, ctx), self.spec.eval_timeout_s,
+                                        "eval")
                 if not isinstance(reward, dict) or "score" not in reward:
                     raise TypeError(f"handler.evaluate returned {reward!r}, not a dict with a 'score'")
                 _populate_token_data(sample, result)

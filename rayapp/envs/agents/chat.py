@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import msgspec
 
 from rayapp.core.termination import EngineConnectionError
+from rayapp.envs.agents.base import BaseAgent
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
 from rayapp.types import AgentResult, EpisodeContext, Sample, Token
 
@@ -34,7 +35,7 @@ async def run_inline(token: Token | None, fn: Callable[..., Any], *args: Any) ->
     return await asyncio.to_thread(fn, *args)
 
 
-class ChatAgent:
+class ChatAgent(BaseAgent):
     def __init__(self, engine: Engine, verify: Verifier, executor: Executor = run_inline,
                  system_prompt: str | None = None):
         self.engine, self.verify, self.executor = engine, verify, executor

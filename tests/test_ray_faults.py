@@ -1,0 +1,99 @@
+"""Faults injected in the middle of episodes, on real Ray (one local session with logical GPUs): a
+sandbox killed while its command runs, an engine replica killed during the episode, an episode
+that runs out of time. Each comes back as an ABORTED dummy with the right class, the other samples
+finish, and the pool ends where it began."""
+
+import asyncio
+
+import pytest
+
+from rayapp.types import EvaluatorSpec, Resource, Status, Task, TaskConfig
+
+LAYOUT = '{"127.0.0.1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 4}}'
+
+
+@pytest.fixture
+def pool(ray_session):
+    from rayapp.actors.manager import PoolClient
+    from rayapp.actors.pool import PlacementPoolService
+
+    ray = ray_session
+    actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=5.0)
+    initial = ray.get(actor.snapshot.remote(), timeout=60)
+    yield PoolClient(actor, "faults")
+    assert ray.get(actor.snapshot.remote(), timeout=60) == initial, "the pool did not end where it began"
+    assert ray.get(actor.placement.remote(), timeout=60)["batches"] == {}
+    ray.kill(actor)
+
+
+class Source:
+    def __init__(self, kinds):
+        self.kinds = kinds
+
+    def get_tasks(self, n):
+        return [Task(f"{k}-{i}", "What is 2 + 2?", TaskConfig("faults"), label="4", metadata={"fault": k})
+                for i, k in enumerate(self.kinds)]
+
+
+def spec(agent, timeout_s=None):
+    from rayapp.types import StoppingCriteria
+
+    return EvaluatorSpec("faults", agent, resource=Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1),
+                         run_resource=Resource(gpu=0.25, cpu=0.5, memory_gb=0.25),
+                         default_stopping=StoppingCriteria(timeout_s=timeout_s))
+
+
+def test_killed_sandbox_killed_engine_and_timeout_abort_with_their_class(ray_session, pool, model_dir):
+    ray = ray_session
+    from rayapp.actors.engine import EngineClient, InferenceEngine
+    from rayapp.actors.sandbox import open_sandbox
+    from rayapp.core.scheduler import TaskScheduler
+    from rayapp.envs.agents.chat import ChatAgent
+    from rayapp.envs.arithmetic import verify
+    from rayapp.envs.sandboxes import SandboxLimits
+
+    engine = ray.remote(InferenceEngine).options(num_cpus=0).remote("hf", model_path=str(model_dir))
+    ray.get(engine.info.remote(), timeout=120)
+    limits = SandboxLimits(wall_seconds=60, cpu_seconds=60)
+
+    class FaultyAgent(ChatAgent):
+        """A real chat agent; each task's metadata names the fault injected into its episode."""
+
+        async def run(self, sample, ctx):
+            fault = sample.metadata["fault"]
+            if fault == "engine":  # the replica dies during the episode, before its request lands
+                ray.kill(engine)   # (the tiny model answers in ~0.1 s: killing it mid-generation races)
+                return await super().run(sample, ctx)
+            if fault in ("sandbox", "timeout"):
+                sandbox = await open_sandbox(ctx.token, limits=limits)
+                try:
+                    command = asyncio.ensure_future(sandbox.exec("sleep 30"))
+                    await asyncio.sleep(1.0)
+                    if fault == "sandbox":
+                        ray.kill(sandbox.actor)  # the sandbox's host process is gone mid-command
+                    return await command
+                finally:
+                    await sandbox.close()
+            return await super().run(sample, ctx)
+
+    agent = FaultyAgent(EngineClient(engine, "student", timeout_s=60), verify)
+    sched_ok = TaskScheduler([spec(agent, timeout_s=20)], Source(["ok", "sandbox", "ok"]), pool, progress=False,
+                             rollout_batch_size=3)
+    result = asyncio.run(sched_ok.execute_rollout(0))
+    by_kind = {g[0].metadata["fault"] + str(i): g[0] for i, g in enumerate(result.groups)}
+    assert by_kind["sandbox1"].status is Status.ABORTED
+    assert by_kind["sandbox1"].metadata["_termination_reason"] == "infra_sandbox"
+    assert by_kind["ok0"].status is Status.COMPLETED and by_kind["ok2"].status is Status.COMPLETED
+
+    sched_t = TaskScheduler([spec(agent, timeout_s=3)], Source(["timeout"]), pool, progress=False,
+                            rollout_batch_size=1)
+    timed_out = asyncio.run(sched_t.execute_rollout(1)).groups[0][0]
+    assert timed_out.status is Status.ABORTED and timed_out.metadata["_termination_reason"] == "agent_timeout"
+
+    sched_e = TaskScheduler([spec(agent, timeout_s=60)], Source(["engine"]), pool, progress=False,
+                            rollout_batch_size=1)
+    lost = asyncio.run(sched_e.execute_rollout(2)).groups[0][0]
+    assert lost.status is Status.ABORTED and lost.metadata["_termination_reason"] == "infra_conn"
+    for s in (by_kind["sandbox1"], timed_out, lost):
+        assert s.remove_sample and s.loss_mask == [0] and s.tokens == [0, 0] and s.reward == {"score": 0.0}
+        assert s.metadata["_abort"]["phase"] == "run" and s.metadata["_abort"]["node"] == "127.0.0.1"

@@ -12,7 +12,6 @@ from rayapp.core.termination import SandboxError
 from rayapp.envs.datasets.rows import DatasetError
 from rayapp.envs.datasets.swe import (
     REPOS_DIR,
-    SweSource,
     load_repos,
     load_swe_tasks,
     parse_unittest,
@@ -206,8 +205,6 @@ def test_bad_task_json_is_one_error_naming_repo_file_and_field(repos_copy, chang
     message = str(err.value)
     assert f"swe repo {name!r}" in message and str(path) in message
     assert f": {field}:" in message and why in message
-    with pytest.raises(DatasetError, match=name):
-        SweSource(root=repos_copy)
 
 
 def test_malformed_json_and_duplicate_ids(repos_copy):
@@ -222,30 +219,6 @@ def test_malformed_json_and_duplicate_ids(repos_copy):
 
 
 # ---------------------------------------------------------------------------------------------- the source
-
-
-def test_source_is_seeded_and_cycles():
-    k = len(REPOS)
-    a = SweSource(seed=7, name="swe", dataset_cfg={"max_turns": 12}, n_samples=2)
-    tasks = a.get_tasks(2 * k + 1)
-    repos = [t.label["repo"] for t in tasks]
-    assert sorted(repos[:k]) == REPOS  # every repository once per cycle
-    assert repos[k:2 * k] == repos[:k] and repos[2 * k] == repos[0]
-    assert len({t.task_id for t in tasks}) == len(tasks)
-    for t in tasks:
-        assert t.config.n_samples == 2 and t.config.task_type == "swe"
-        assert t.metadata["_dataset_name"] == "swe" and t.metadata["_dataset_cfg"] == {"max_turns": 12}
-    tasks[0].metadata["_dataset_cfg"]["max_turns"] = 1  # a consumer's edit stays in its copy
-    assert a.get_tasks(1)[0].metadata["_dataset_cfg"] == {"max_turns": 12}
-
-    b = SweSource(seed=7, name="swe", dataset_cfg={"max_turns": 12}, n_samples=2)
-    split = b.get_tasks(3) + b.get_tasks(2 * k - 2)
-    assert [(t.task_id, t.prompt, t.label) for t in split] == [(t.task_id, t.prompt, t.label) for t in tasks]
-    assert (a.cursor, b.cursor) == (2 * k + 2, 2 * k + 1)
-
-    orders = {tuple(t.label["repo"] for t in SweSource(seed=s).get_tasks(k)) for s in range(6)}
-    assert len(orders) > 1  # the seed picks the order
-    assert "_dataset_name" not in SweSource().get_tasks(1)[0].metadata
 
 
 def test_swe_dataset_plugs_into_multi_data_source():

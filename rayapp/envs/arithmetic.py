@@ -12,7 +12,6 @@ import asyncio
 import math
 import random
 import re
-from typing import Any
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.types import AgentResult, EpisodeContext, EvaluatorSpec, Resource, Sample, Task, TaskConfig
@@ -29,24 +28,18 @@ def decode(ids: list[int]) -> str:
 
 
 class ArithmeticSource:
-    """An endless, seeded stream of ``a op b`` problems; the cursor makes it resumable."""
+    """An endless, seeded stream of ``a op b`` problems; the cursor makes it resumable. (Recipes mix
+    datasets through MultiDataSource, which stamps each task with its dataset's name and config.)"""
 
-    def __init__(self, seed: int = 0, task_type: str = "arithmetic", n_samples: int = 1, name: str | None = None,
-                 dataset_cfg: dict[str, Any] | None = None):
+    def __init__(self, seed: int = 0, task_type: str = "arithmetic", n_samples: int = 1):
         self.seed, self.task_type, self.n_samples, self.cursor = seed, task_type, n_samples, 0
-        self.metadata: dict[str, Any] = {}
-        if name is not None:
-            self.metadata["_dataset_name"] = name
-        if dataset_cfg:
-            self.metadata["_dataset_cfg"] = dataset_cfg  # the cascade's per-dataset level
 
     def make_task(self, i: int) -> Task:
         rng = random.Random(f"{self.seed}:{i}")
         a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
         return Task(f"{self.task_type}-{self.seed}-{i}", f"What is {a} {op} {b}?",
-                    TaskConfig(self.task_type, n_samples=self.n_samples), label=str(answer),
-                    metadata=dict(self.metadata))
+                    TaskConfig(self.task_type, n_samples=self.n_samples), label=str(answer))
 
     def get_tasks(self, n: int) -> list[Task]:
         tasks = [self.make_task(i) for i in range(self.cursor, self.cursor + n)]

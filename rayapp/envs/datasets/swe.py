@@ -12,9 +12,7 @@ Guarantees:
   (``swe repo 'todo' (".../todo/task.json"): $.failing_test: expected str, got int``). Ids are
   unique, ``failing_test`` names a test module the repository has, and ``gold_patch`` paths are
   relative paths inside the repository that do not touch its tests or ``task.json``.
-- ``SweSource.get_tasks(n)`` cycles through the repositories in one order seeded by ``seed``: task
-  ``i`` depends on (seed, i) alone, so the stream is the same in every process and resumable from
-  ``cursor``.
+- ``swe_dataset`` hands the repositories to a MultiDataSource, which orders, mixes and resumes them.
 - ``prepare_repo`` writes the repository's files into the sandbox: never ``task.json``, so the
   agent cannot read the gold patch.
 - ``verify_swe`` first rewrites the shipped test files (removing whatever the agent left in their
@@ -27,8 +25,6 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import copy
-import random
 import re
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
@@ -166,33 +162,6 @@ def load_swe_tasks(task_type: str = "swe", n_samples: int = 1, *, root: str | Pa
 def swe_dataset(name: str = "swe", **spec: Any) -> DatasetSpec:
     """The repositories as a MultiDataSource dataset; ``spec`` goes to DatasetSpec (weight, dataset_cfg, ...)."""
     return DatasetSpec(name, lambda: load_swe_tasks(), **spec)
-
-
-class SweSource:
-    """An endless stream over the repositories, one seeded order repeated; ``cursor`` makes it resumable."""
-
-    def __init__(self, seed: int = 0, task_type: str = "swe", n_samples: int = 1, name: str | None = None,
-                 dataset_cfg: dict[str, Any] | None = None, *, root: str | Path | None = None):
-        self.seed, self.task_type, self.n_samples, self.cursor = seed, task_type, n_samples, 0
-        self.repos = load_repos(root)  # validated here, not mid-rollout
-        self.order = list(range(len(self.repos)))
-        random.Random(f"swe:{seed}").shuffle(self.order)
-        self.metadata: dict[str, Any] = {}
-        if name is not None:
-            self.metadata["_dataset_name"] = name
-        if dataset_cfg:
-            self.metadata["_dataset_cfg"] = dataset_cfg  # the cascade's per-dataset level
-
-    def make_task(self, i: int) -> Task:
-        repo = self.repos[self.order[i % len(self.order)]]
-        task = repo_task(repo, self.task_type, self.n_samples, f"{self.task_type}-{self.seed}-{i}-{repo.name}")
-        task.metadata |= copy.deepcopy(self.metadata)
-        return task
-
-    def get_tasks(self, n: int) -> list[Task]:
-        tasks = [self.make_task(i) for i in range(self.cursor, self.cursor + n)]
-        self.cursor += n
-        return tasks
 
 
 # ---------------------------------------------------------------------------------------------- sandbox side

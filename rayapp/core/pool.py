@@ -24,85 +24,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-import sys
 import threading
 from collections import deque
 from collections.abc import Iterable
 
 from sortedcontainers import SortedList
 
+from rayapp.core.units import (
+    CPU_UNIT,
+    GPU_UNIT,
+    MEM_UNIT,
+    UNBOUNDED,
+    PoolError,
+    budget_tokens,
+    count_of,
+    demand_of,
+    units_of,
+)
 from rayapp.types import NodeSpec, Resource, Token
 
-GPU_UNIT = 1_000_000  # one whole GPU
-CPU_UNIT = 1_000  # milli-cores per core
-MEM_UNIT = 1_024  # MiB per GB
-UNBOUNDED = sys.maxsize  # "no limit" for token counts
-
 __all__ = ["PlacementPool", "PoolError", "budget_tokens"]
-
-
-class PoolError(ValueError):
-    """A bad request or a bad release; the pool is unchanged."""
-
-
-def _units(value: object, scale: int, what: str, *, allow_inf: bool = False) -> int:
-    """``value`` in integer units; a positive demand never rounds down to zero (that would make it
-    free). ``+inf`` (budgets only) maps to UNBOUNDED."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PoolError(f"{what}: expected a number, got {value!r}")
-    if math.isnan(value) or value < 0:
-        raise PoolError(f"{what}: must be a finite number >= 0, got {value!r}")
-    if math.isinf(value):
-        if allow_inf:
-            return UNBOUNDED
-        raise PoolError(f"{what}: must be finite, got {value!r}")
-    return max(1, round(value * scale)) if value > 0 else 0
-
-
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PoolError(f"{what}: expected an integer >= 0, got {value!r}")
-    return value
-
-
-def _demand(per_sample: Resource) -> tuple[int, int, int, int, float]:
-    """``(gpu units on each GPU, number of GPUs, cpu units, memory units, Token.gpu)``; gpu=1.0 is
-    one whole GPU either way (k=1 at full units), gpu=0 takes no GPU (k=0)."""
-    if not isinstance(per_sample, Resource):
-        raise PoolError(f"per_sample: expected a Resource, got {type(per_sample).__name__}")
-    gpu = per_sample.gpu
-    _units(gpu, GPU_UNIT, "per_sample.gpu")
-    _count(per_sample.concurrency, "per_sample.concurrency")
-    cpu = _units(per_sample.cpu, CPU_UNIT, "per_sample.cpu")
-    mem = _units(per_sample.memory_gb, MEM_UNIT, "per_sample.memory_gb")
-    if gpu == 0:
-        return 0, 0, cpu, mem, 0.0
-    if gpu <= 1:  # a share of one GPU (1.0 is a whole one)
-        return max(1, round(gpu * GPU_UNIT)), 1, cpu, mem, float(gpu)
-    if gpu != int(gpu):
-        raise PoolError(f"per_sample.gpu: above 1 it must be a whole number of GPUs, got {gpu!r}")
-    return GPU_UNIT, int(gpu), cpu, mem, 1.0
-
-
-def budget_tokens(budget: Resource, per_sample: Resource) -> int:
-    """How many ``per_sample`` tokens fit in ``budget``: the least, over every field that
-    ``per_sample`` needs, of ``floor(budget / per_sample)`` in integer units (so 0.33 x 3 fits in
-    0.99). UNBOUNDED when ``per_sample`` needs nothing."""
-    u, k, cpu, mem, _ = _demand(per_sample)
-    if not isinstance(budget, Resource):
-        raise PoolError(f"budget: expected a Resource, got {type(budget).__name__}")
-    have = (
-        _units(budget.gpu, GPU_UNIT, "budget.gpu", allow_inf=True),
-        _count(budget.concurrency, "budget.concurrency"),
-        _units(budget.cpu, CPU_UNIT, "budget.cpu", allow_inf=True),
-        _units(budget.memory_gb, MEM_UNIT, "budget.memory_gb", allow_inf=True),
-    )
-    n = UNBOUNDED
-    for h, need in zip(have, (u * k, per_sample.concurrency, cpu, mem), strict=True):
-        if need > 0 and h != UNBOUNDED:
-            n = min(n, h // need)
-    return n
 
 
 class _Waiter:
@@ -138,8 +79,8 @@ class PlacementPool:
             self._gpu_ids.append(ids)
             self._gpus.append([GPU_UNIT] * len(ids))
             self._gpu_free.append(GPU_UNIT * len(ids))
-            self._cpu.append(_units(spec.cpu, CPU_UNIT, f"{where}.cpu"))
-            self._mem.append(_units(spec.memory_gb, MEM_UNIT, f"{where}.memory_gb"))
+            self._cpu.append(units_of(spec.cpu, CPU_UNIT, f"{where}.cpu"))
+            self._mem.append(units_of(spec.memory_gb, MEM_UNIT, f"{where}.memory_gb"))
         self._capacity = (list(self._gpu_free), list(self._cpu), list(self._mem))
         self._held_on: list[int] = [0] * len(self._names)
         # One integer per node encodes (-free gpu, -free cpu, -free mem, layout index) in mixed radix:
@@ -227,10 +168,10 @@ class PlacementPool:
     @staticmethod
     def _request(budget: Resource, per_sample: Resource, max_tokens: int) -> tuple[int, tuple]:
         """Validate a request (PoolError naming the field) and size it."""
-        n = min(budget_tokens(budget, per_sample), _count(max_tokens, "max_tokens"))
+        n = min(budget_tokens(budget, per_sample), count_of(max_tokens, "max_tokens"))
         if n == UNBOUNDED:
             raise PoolError("max_tokens: must bound a batch whose budget does not (per_sample needs nothing)")
-        return n, _demand(per_sample)
+        return n, demand_of(per_sample)
 
     def _try(self, n: int, demand: tuple, per_sample: Resource) -> list[Token] | None:
         if n > self.max_tokens_for(per_sample):
@@ -357,7 +298,7 @@ class PlacementPool:
         cached = self._max_cache.get(per_sample)
         if cached is not None:
             return cached
-        u, k, cpu, mem, _ = _demand(per_sample)
+        u, k, cpu, mem, _ = demand_of(per_sample)
         total = 0
         _, cpu_cap, mem_cap = self._capacity
         for i in range(self._n):

@@ -1,0 +1,296 @@
+"""The DAgger schedule and the per-iteration state the scheduler publishes (spec §5).
+
+``DAggerSchedule`` maps a rollout index to the mixing weight β (the probability that the teacher,
+not the student, acts at a turn) and to t_max (the roll-in tail length). Guarantees:
+
+- β(t) is a pure function of (schedule, t): the same iteration always yields the same β, so a
+  resumed or replayed rollout sees the value the original saw.
+- β(t) lies in [beta_end, beta_start] and never increases with t, for every decay kind.
+- t_max(t) is an int that moves monotonically from t_max_start to t_max_end by t_max_step per
+  iteration and then stays at t_max_end; with t_max_step == 0 the ramp is off and t_max is
+  t_max_start for every t.
+- A schedule that exists is valid: bad values raise one ValueError naming the CLI flag.
+
+The decays, with t the iteration, T = decay_iters, d = beta_start - beta_end:
+
+    linear       β = max(beta_end, beta_start - d * min(t, T) / T)       (β = beta_end once t >= T)
+    cosine       β = beta_end + d * (1 + cos(π * min(t, T) / T)) / 2
+    exponential  β = max(beta_end, beta_start * gamma ** t)
+    step         β = max(beta_end, beta_start * step_gamma ** (t // step_size))
+
+T = 0 means the decay is already over: β = beta_end from iteration 0. ``decay_iters`` is read by
+linear and cosine only; ``gamma``/``step_gamma``/``step_size`` only by the kinds that name them.
+
+The scheduler alone knows the rollout index, so it publishes the state as ``STACX_*`` environment
+variables for code written against them (``publish``), and eval takes β away (``pop_beta_for_eval``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+BetaSchedule = Literal["linear", "cosine", "exponential", "step"]
+BETA_SCHEDULES: tuple[str, ...] = ("linear", "cosine", "exponential", "step")
+
+# Code-set per iteration by the scheduler: never set these by hand (spec §6).
+ENV_ROLLOUT_ID = "STACX_ROLLOUT_ID"
+ENV_BETA = "STACX_DAGGER_BETA"
+ENV_T_MAX = "STACX_DAGGER_T_MAX"
+# Set by the user: the β eval should run at instead of the student-only default of 0.
+ENV_EVAL_BETA = "STACX_DAGGER_EVAL_BETA"
+
+# name -> meaning, for the knob reference; "code-set" marks the ones never to be set by hand.
+ENV_VARS: dict[str, str] = {
+    ENV_ROLLOUT_ID: "code-set: the rollout index of the iteration in flight",
+    ENV_BETA: "code-set: the iteration's DAgger β (probability the teacher acts); popped by eval",
+    ENV_T_MAX: "code-set: the iteration's roll-in tail length t_max; only written when --dagger-t-max-step > 0",
+    ENV_EVAL_BETA: "user-set: re-injects this β for eval (default: eval runs student-only at β=0)",
+}
+
+# Struct field -> CLI flag: every error names the flag a user can actually change.
+FLAGS: dict[str, str] = {
+    "beta_schedule": "--dagger-beta-schedule",
+    "beta_start": "--dagger-beta-start",
+    "beta_end": "--dagger-beta-end",
+    "decay_iters": "--dagger-decay-iters",
+    "gamma": "--dagger-gamma",
+    "step_size": "--dagger-step-size",
+    "step_gamma": "--dagger-step-gamma",
+    "t_max_start": "--dagger-t-max-start",
+    "t_max_end": "--dagger-t-max-end",
+    "t_max_step": "--dagger-t-max-step",
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+class IterationState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one iteration publishes: passed to agents explicitly and returned with the rollout's
+    results, so trainer processes on other nodes see the same values the agents used."""
+
+    rollout_id: int
+    beta: float
+    t_max: int
+    t_max_step: int = 0
+
+    def to_env(self) -> dict[str, str]:
+        """The spec's STACX_* variables. ``repr`` of a float round-trips exactly, so a reader's
+        ``float(os.environ[...])`` is the β the schedule computed, bit for bit."""
+        env = {ENV_ROLLOUT_ID: str(self.rollout_id), ENV_BETA: repr(float(self.beta))}
+        # The t_max_step > 0 guard: with the ramp off, a statically set tail length must survive
+        # rather than be clobbered with the unused ramp's value.
+        if self.t_max_step > 0:
+            env[ENV_T_MAX] = str(self.t_max)
+        return env
+
+
+class DAggerSchedule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """β decay plus a linear t_max ramp; see the module docstring for the formulas.
+
+    ``step_gamma`` None means "use ``gamma``", so ``--dagger-gamma`` alone configures either
+    multiplicative kind."""
+
+    beta_schedule: BetaSchedule = "linear"
+    beta_start: float = 1.0
+    beta_end: float = 0.0
+    decay_iters: int = 10
+    gamma: float = 0.5
+    step_size: int = 2
+    step_gamma: float | None = None
+    t_max_start: int = 0
+    t_max_end: int = 0
+    t_max_step: int = 0
+
+    def __post_init__(self) -> None:
+        # Struct constructors do not type-check, so this is the one gate every path goes through.
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"{FLAGS[field]}: {why}, got {getattr(self, field)!r}")
+
+        if self.beta_schedule not in BETA_SCHEDULES:
+            raise bad("beta_schedule", f"unknown schedule; choose one of {', '.join(BETA_SCHEDULES)}")
+        for field in ("beta_start", "beta_end", "gamma", "step_gamma"):
+            value = getattr(self, field)
+            if field == "step_gamma" and value is None:
+                continue
+            # `not 0 <= v <= 1` also rejects NaN; a factor above 1 would make β grow.
+            if not _is_real(value) or not 0.0 <= value <= 1.0:
+                raise bad(field, "must be a number in [0, 1]")
+        if self.beta_end > self.beta_start:
+            raise bad("beta_end", f"must not exceed {FLAGS['beta_start']} ({self.beta_start!r}): β only decays")
+        for field in ("decay_iters", "t_max_start", "t_max_end", "t_max_step"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 0:
+                raise bad(field, "must be an integer >= 0")
+        if not _is_int(self.step_size) or self.step_size < 1:
+            raise bad("step_size", "must be an integer >= 1")
+
+    # -- the schedule ------------------------------------------------------------------------
+
+    @property
+    def effective_step_gamma(self) -> float:
+        return self.gamma if self.step_gamma is None else self.step_gamma
+
+    @property
+    def t_max_ramp_iters(self) -> int:
+        """Iterations until t_max reaches t_max_end (0 when the ramp is off)."""
+        if self.t_max_step == 0:
+            return 0
+        return math.ceil(abs(self.t_max_end - self.t_max_start) / self.t_max_step)
+
+    def beta(self, iteration: int) -> float:
+        t = _check_iteration(iteration)
+        start, end = float(self.beta_start), float(self.beta_end)
+        kind, T = self.beta_schedule, self.decay_iters
+        if kind in ("linear", "cosine") and t >= T:
+            return end  # exact, not start - (start - end), which can miss end by an ulp
+        if kind == "linear":
+            # start - d*f rounds monotonically in f (unlike start*(1-f) + end*f), so β never
+            # ticks upward by an ulp between iterations.
+            value = start - (start - end) * (t / T)
+        elif kind == "cosine":
+            value = end + (start - end) * (1.0 + math.cos(math.pi * t / T)) / 2.0
+        elif kind == "exponential":
+            value = start * float(self.gamma) ** t
+        else:  # step
+            value = start * float(self.effective_step_gamma) ** (t // self.step_size)
+        # The clamp keeps rounding (cos(0) + 1 over 2, say) inside [end, start].
+        return min(start, max(end, value))
+
+    def t_max(self, iteration: int) -> int:
+        t = _check_iteration(iteration)
+        if self.t_max_step == 0:
+            return self.t_max_start
+        span = self.t_max_end - self.t_max_start
+        moved = min(self.t_max_step * t, abs(span))  # integers: the ramp lands on t_max_end exactly
+        return self.t_max_start + (moved if span >= 0 else -moved)
+
+    def state(self, iteration: int) -> IterationState:
+        return IterationState(rollout_id=_check_iteration(iteration), beta=self.beta(iteration),
+                              t_max=self.t_max(iteration), t_max_step=self.t_max_step)
+
+    # -- construction from flags -------------------------------------------------------------
+
+    @classmethod
+    def from_flags(cls, flags: Sequence[str] | Mapping[str, Any] | argparse.Namespace | None = None) -> DAggerSchedule:
+        """Build from CLI-style flags: an argv list (flags of other components are left alone,
+        but an unknown ``--dagger-*`` flag is an error, not a silent no-op), a mapping keyed by
+        flag (``"--dagger-beta-start"``, ``"dagger_beta_start"`` or ``"beta_start"``), or the
+        Namespace of a parser that ``add_dagger_args`` extended. Absent flags take defaults."""
+        if isinstance(flags, argparse.Namespace):
+            values = {f: getattr(flags, _dest(f)) for f in FLAGS if hasattr(flags, _dest(f))}
+            return cls(**values)
+        argv = _mapping_to_argv(flags) if isinstance(flags, Mapping) else list(flags or [])
+        parser = _RaisingParser(prog="dagger", add_help=False, allow_abbrev=False)
+        add_dagger_args(parser)
+        ns, rest = parser.parse_known_args(argv)
+        unknown = [a for a in rest if a.startswith("--dagger-")]
+        if unknown:
+            raise ValueError(f"{unknown[0].split('=')[0]}: unknown DAgger flag; known: {', '.join(FLAGS.values())}")
+        return cls.from_flags(ns)
+
+
+def _dest(field: str) -> str:
+    return "dagger_" + field
+
+
+def _check_iteration(iteration: int) -> int:
+    if not _is_int(iteration) or iteration < 0:
+        raise ValueError(f"iteration must be an integer >= 0, got {iteration!r}")
+    return iteration
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse exits the process on a bad value; a library raises instead."""
+
+    def error(self, message: str) -> Any:  # argparse's messages already name the flag
+        raise ValueError(message)
+
+
+def _mapping_to_argv(flags: Mapping[str, Any]) -> list[str]:
+    argv = []
+    for key, value in flags.items():
+        name = key.lstrip("-").replace("_", "-")
+        flag = "--" + (name if name.startswith("dagger-") else "dagger-" + name)
+        if flag not in FLAGS.values():
+            raise ValueError(f"{key}: unknown DAgger flag; known: {', '.join(FLAGS.values())}")
+        if value is not None:  # None: "not given", take the default
+            argv.append(f"{flag}={value}")  # the = form keeps a negative number from reading as a flag
+    return argv
+
+
+def add_dagger_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the DAgger flags to ``parser`` (as one argument group, returned). Defaults come from
+    ``DAggerSchedule``'s own, so the parser, the Struct and a generated knob reference agree."""
+    d = DAggerSchedule()
+    g = parser.add_argument_group("DAgger schedule", "β decay and t_max ramp, evaluated per rollout index")
+    g.add_argument(FLAGS["beta_schedule"], dest=_dest("beta_schedule"), choices=BETA_SCHEDULES,
+                   default=d.beta_schedule, help="how β decays from --dagger-beta-start to --dagger-beta-end "
+                   "(default: %(default)s)")
+    g.add_argument(FLAGS["beta_start"], dest=_dest("beta_start"), type=float, default=d.beta_start,
+                   help="β at iteration 0: probability that the teacher acts at a turn, in [0, 1] "
+                   "(default: %(default)s)")
+    g.add_argument(FLAGS["beta_end"], dest=_dest("beta_end"), type=float, default=d.beta_end,
+                   help="floor β decays to, in [0, --dagger-beta-start] (default: %(default)s)")
+    g.add_argument(FLAGS["decay_iters"], dest=_dest("decay_iters"), type=int, default=d.decay_iters,
+                   help="iterations over which linear and cosine decay reach the floor (default: %(default)s)")
+    g.add_argument(FLAGS["gamma"], dest=_dest("gamma"), type=float, default=d.gamma,
+                   help="per-iteration factor of the exponential decay, in [0, 1] (default: %(default)s)")
+    g.add_argument(FLAGS["step_size"], dest=_dest("step_size"), type=int, default=d.step_size,
+                   help="the step decay multiplies β by --dagger-step-gamma every this many iterations "
+                   "(default: %(default)s)")
+    g.add_argument(FLAGS["step_gamma"], dest=_dest("step_gamma"), type=float, default=d.step_gamma,
+                   help="factor of the step decay, in [0, 1] (default: the value of --dagger-gamma)")
+    g.add_argument(FLAGS["t_max_start"], dest=_dest("t_max_start"), type=int, default=d.t_max_start,
+                   help="roll-in tail length t_max at iteration 0 (default: %(default)s)")
+    g.add_argument(FLAGS["t_max_end"], dest=_dest("t_max_end"), type=int, default=d.t_max_end,
+                   help="t_max the ramp stops at (default: %(default)s)")
+    g.add_argument(FLAGS["t_max_step"], dest=_dest("t_max_step"), type=int, default=d.t_max_step,
+                   help="t_max change per iteration; 0 turns the ramp off and leaves STACX_DAGGER_T_MAX "
+                   "unset (default: %(default)s)")
+    return g
+
+
+# -- the environment ---------------------------------------------------------------------------
+
+def publish(state: IterationState, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Write the iteration's STACX_* variables into ``environ`` (default ``os.environ``) and return
+    what was written. STACX_DAGGER_T_MAX is left untouched when the ramp is off (``to_env``)."""
+    env = os.environ if environ is None else environ
+    values = state.to_env()
+    env.update(values)
+    return values
+
+
+def pop_beta_for_eval(environ: MutableMapping[str, str] | None = None) -> float:
+    """The spec's eval rule: remove STACX_DAGGER_BETA, so eval runs student-only at β=0, unless
+    STACX_DAGGER_EVAL_BETA is set (non-empty), which re-injects its value as STACX_DAGGER_BETA.
+    Returns the β eval should use.
+
+    Nothing is restored afterwards, on purpose: the next ``execute_rollout`` publishes its own
+    iteration's β before its fetch loop, so a stale training β never needs saving. A bad
+    STACX_DAGGER_EVAL_BETA raises before anything is changed."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_EVAL_BETA, "").strip()
+    beta = 0.0
+    if raw:
+        try:
+            beta = float(raw)
+        except ValueError:
+            beta = math.nan  # reported below with the same message as an out-of-range value
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"{ENV_EVAL_BETA}: must be a number in [0, 1], got {raw!r}")
+    env.pop(ENV_BETA, None)
+    if raw:
+        env[ENV_BETA] = repr(beta)
+    return beta

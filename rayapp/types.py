@@ -147,6 +147,7 @@ class EpisodeContext(msgspec.Struct):
     token: Token | None
     stopping: StoppingCriteria
     sampling: SamplingParams
+    iteration: dict[str, Any] = {}  # the iteration's published state (e.g. DAgger beta, t_max)
 
 
 class EvaluatorSpec(msgspec.Struct):

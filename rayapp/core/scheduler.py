@@ -50,16 +50,28 @@ class DataSource(Protocol):
     def get_tasks(self, n: int) -> Any: ...  # list[Task], or an awaitable of one
 
 
+class IterationSource(Protocol):
+    """Per-iteration state the scheduler publishes (spec §5), e.g. a DAgger schedule. Each call may
+    publish environment variables too; the plain dict it returns goes to every agent and back with
+    the step's results."""
+
+    def rollout_state(self, rollout_id: int) -> dict[str, Any]: ...
+
+    def eval_state(self, rollout_id: int) -> dict[str, Any]: ...
+
+
 class RolloutResult(msgspec.Struct):
     rollout_id: int
     groups: list[list[Sample]]  # one group per task, in fetch order
     metrics: dict[str, float] = {}
+    iteration: dict[str, Any] = {}  # what the IterationSource published for this step
 
 
 class EvalResult(msgspec.Struct):
     rollout_id: int
     metrics: dict[str, float]
     samples: dict[str, list[Sample]]  # by dataset name
+    iteration: dict[str, Any] = {}
 
 
 async def _resolve(value: Any) -> Any:
@@ -85,6 +97,7 @@ class TaskScheduler:
         global_stopping: StoppingCriteria = StoppingCriteria(),
         global_sampling: SamplingParams = SamplingParams(),
         on_task_done: OnTaskDone | None = None,
+        iteration: IterationSource | None = None,
         acquire_timeout_s: float | None = None,
         progress: bool = True,
         clock: Callable[[], float] = time.time,
@@ -106,6 +119,7 @@ class TaskScheduler:
         self.n_samples_per_eval_prompt = n_samples_per_eval_prompt
         self.global_stopping, self.global_sampling = global_stopping, global_sampling
         self.on_task_done = on_task_done
+        self.iteration = iteration
         self.acquire_timeout_s = acquire_timeout_s
         self.progress, self.clock = progress, clock
         self._warned: set[str] = set()
@@ -116,6 +130,8 @@ class TaskScheduler:
     async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
         if self.data_source is None:
             raise ValueError("execute_rollout needs a data_source")
+        # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
+        state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
         fetched = await _resolve(self.data_source.get_tasks(self.rollout_batch_size))  # fetch
         # Samples are grouped per task object: a task fetched twice gets a group of its own.
         tasks: list[Task] = []
@@ -125,15 +141,16 @@ class TaskScheduler:
             seen.add(id(t))
         groups = self._distribute(rollout_id, tasks)
         batches = self.batching_strategy(tasks, self.specs)  # batch
-        await self.run_all(rollout_id, batches, groups, on_task_done, phase="rollout")  # run
+        await self.run_all(rollout_id, batches, groups, on_task_done, phase="rollout", iteration=state)  # run
         samples = [groups[id(t)].samples for t in tasks]
         return RolloutResult(rollout_id, samples, {f"rollout/{k}": float(v) for k, v in
-                                                   failure_summary(chain.from_iterable(samples)).items()})
+                                                   failure_summary(chain.from_iterable(samples)).items()}, state)
 
     async def execute_eval(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> EvalResult:
         """Every (prompt x copy) sample, interleaved round-robin across datasets, in one run_all."""
         if not self.eval_datasets:
             raise ValueError("execute_eval needs eval_datasets")
+        state = self.iteration.eval_state(rollout_id) if self.iteration else {}
         per_dataset = []
         for name, tasks in self.eval_datasets.items():
             copies = []
@@ -146,12 +163,12 @@ class TaskScheduler:
         tasks = interleave(per_dataset)
         groups = self._distribute(rollout_id, tasks)
         batches = self.batching_strategy(tasks, self.specs)
-        await self.run_all(rollout_id, batches, groups, on_task_done, phase="eval")
+        await self.run_all(rollout_id, batches, groups, on_task_done, phase="eval", iteration=state)
         by_name: dict[str, list[Sample]] = {name: [] for name in self.eval_datasets}
         for t in tasks:  # split apart by _eval_dataset_name
             by_name[t.metadata["_eval_dataset_name"]].extend(groups[id(t)].samples)
         metrics = eval_metrics(by_name, self.n_samples_per_eval_prompt)
-        return EvalResult(rollout_id, metrics, by_name)
+        return EvalResult(rollout_id, metrics, by_name, state)
 
     def _distribute(self, rollout_id: int, tasks: list[Task]) -> dict[int, Group]:
         """One group of samples per task, with settings resolved now so a bad dataset config
@@ -211,7 +228,8 @@ class TaskScheduler:
                     f"lower its batch_size or resource budget, or grow the cluster layout")
 
     async def run_all(self, rollout_id: int, batches: list[Batch], groups: dict[int, Group],
-                      on_task_done: OnTaskDone | None = None, phase: str = "rollout") -> None:
+                      on_task_done: OnTaskDone | None = None, phase: str = "rollout",
+                      iteration: dict[str, Any] | None = None) -> None:
         if self.pool is not None:
             await self._check_deadlock(batches)
         callback = on_task_done or self.on_task_done
@@ -232,13 +250,13 @@ class TaskScheduler:
             async with asyncio.TaskGroup() as tg:  # one failing batch cancels the rest
                 for i, b in enumerate(batches):
                     label = f"{phase}{rollout_id}/b{i}/{b.task_type}"
-                    tg.create_task(self._run_batch(rollout_id, b, groups, task_done, label))
+                    tg.create_task(self._run_batch(rollout_id, b, groups, task_done, label, iteration))
         finally:
             bar.close()
             st["phase"] = f"{phase} done" if st["tasks_done"] == n_tasks else f"{phase} failed"
 
     async def _run_batch(self, rollout_id: int, batch: Batch, groups: dict[int, Group],
-                         task_done: OnTaskDone, label: str) -> None:
+                         task_done: OnTaskDone, label: str, iteration: dict[str, Any] | None) -> None:
         spec = self._resolve_spec(batch)
         st = self._status
         tokens: list[Token] | None = None
@@ -249,7 +267,7 @@ class TaskScheduler:
         st["batches_running"] += 1
         try:
             evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, on_task_done=task_done,
-                                  clock=self.clock)
+                                  clock=self.clock, iteration=iteration)
             await evaluator.run([groups[id(t)] for t in batch.tasks])
         finally:
             st["batches_running"] -= 1

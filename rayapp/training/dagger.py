@@ -294,3 +294,21 @@ def pop_beta_for_eval(environ: MutableMapping[str, str] | None = None) -> float:
     if raw:
         env[ENV_BETA] = repr(beta)
     return beta
+
+
+class DAggerIterations:
+    """The TaskScheduler's IterationSource for a DAgger schedule: ``execute_rollout`` publishes
+    the iteration's β / t_max (environment and the explicit state every agent gets) before its
+    fetch loop; ``execute_eval`` runs student-only unless STACX_DAGGER_EVAL_BETA re-injects β."""
+
+    def __init__(self, schedule: DAggerSchedule, environ: MutableMapping[str, str] | None = None):
+        self.schedule, self.environ = schedule, environ
+
+    def rollout_state(self, rollout_id: int) -> dict[str, Any]:
+        state = self.schedule.state(rollout_id)
+        publish(state, self.environ)
+        return msgspec.to_builtins(state)
+
+    def eval_state(self, rollout_id: int) -> dict[str, Any]:
+        beta = pop_beta_for_eval(self.environ)
+        return {**msgspec.to_builtins(self.schedule.state(rollout_id)), "beta": beta}

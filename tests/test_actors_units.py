@@ -134,3 +134,37 @@ def test_serve_run_without_gpus_gets_a_clear_error_before_anything_deploys(monke
         check_live_gpus(parse_recipe(LOCAL), "rollout.yaml")
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 4.0})
     check_live_gpus(parse_recipe(LOCAL), "rollout.yaml")
+
+
+def test_filter_step_keeps_survivors_and_counts_every_drop():
+    from rayapp.actors.manager import filter_step
+    from rayapp.actors.recipe import FiltersConfig
+    from rayapp.core.scheduler import RolloutResult
+    from rayapp.training.filters import FinishOnlyFilter, RejectionFilter
+    from rayapp.types import Sample, Status
+
+    def s(task, score, status=Status.COMPLETED, reason="stop"):
+        return Sample(task, 0, "p", reward={"score": score}, status=status, metadata={"_termination_reason": reason})
+
+    groups = [[s("a", 1), s("a", 1)],                                   # all correct: rejected
+              [s("b", 0), s("b", 0)],                                   # all wrong: rejected
+              [s("c", 1), s("c", 0, Status.TRUNCATED, "max_turns")],    # mixed: finish-only drops one
+              [s("d", 1), s("d", 0)]]                                   # mixed, both finished: kept
+    cfg = FiltersConfig(rejection=RejectionFilter(), finish_only=FinishOnlyFilter())
+    out = filter_step(RolloutResult(3, groups, {"rollout/success": 3.0}), cfg)
+    assert [[x.task_id for x in g] for g in out.groups] == [["c"], ["d", "d"]]
+    m = out.metrics
+    assert m["filter/rejection/dropped_groups/all_correct"] == 1 and m["filter/rejection/dropped_groups/all_wrong"] == 1
+    assert m["filter/rejection/dropped/all_correct"] == 2 and m["filter/finish_only/dropped/truncated"] == 1
+    assert m["filter/kept_samples"] == 3 and m["rollout/success"] == 3.0
+
+
+def test_a_recipe_takes_a_dagger_schedule_and_filters():
+    args = yaml.safe_load(yaml.safe_dump(LOCAL))
+    args["dagger"] = {"beta_schedule": "cosine", "beta_start": 1.0, "beta_end": 0.1, "decay_iters": 3}
+    args["filters"] = {"rejection": {"drop_all_wrong": True}, "finish_only": {"whole_group": False}}
+    cfg = parse_recipe(args)
+    assert cfg.dagger.beta(3) == pytest.approx(0.1) and cfg.filters.rejection.drop_all_wrong
+    args["filters"]["rejection"]["drop_al_wrong"] = True
+    with pytest.raises(RecipeError, match="drop_al_wrong"):
+        parse_recipe(args)

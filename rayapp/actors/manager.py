@@ -12,19 +12,22 @@ import functools
 import logging
 from typing import Any
 
+import msgspec
 import ray
 from fastapi import FastAPI, HTTPException
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.pool import run_in_bundle
-from rayapp.actors.recipe import RecipeConfig, parse_recipe
+from rayapp.actors.recipe import FiltersConfig, RecipeConfig, parse_recipe
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.batching import load_strategy
 from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
 from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
 from rayapp.envs.registry import AgentDeps, get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
+from rayapp.training.dagger import DAggerIterations
+from rayapp.training.filters import apply_filters
 from rayapp.types import EvaluatorSpec, Resource, Token
 
 log = logging.getLogger(__name__)
@@ -89,12 +92,29 @@ def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: P
     source = MultiDataSource([make_dataset(d, name) for name, d in cfg.data.items()], seed=s.seed)
     eval_sets = {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in cfg.eval.items()}
     return TaskScheduler(
-        specs, source, pool,
+        specs, source, pool, iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None,
         batching_strategy=load_strategy(s.batching), rollout_batch_size=s.rollout_batch_size,
         eval_datasets=eval_sets, n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
         global_stopping=s.global_stopping, global_sampling=s.global_sampling,
         acquire_timeout_s=s.acquire_timeout_s, progress=s.progress,
     )
+
+
+def filter_step(result: RolloutResult, cfg: FiltersConfig) -> RolloutResult:
+    """Apply the recipe's survivorship filters to a rollout step: the trainer gets the surviving
+    groups; every drop is counted by filter and reason in the step's metrics."""
+    filters = [f for f in (cfg.rejection, cfg.finish_only) if f is not None]
+    if not filters and cfg.abort_cap is None:
+        return result
+    report = apply_filters(result.groups, filters, abort_cap=cfg.abort_cap, rollout_id=result.rollout_id)
+    metrics = dict(result.metrics)
+    for kind, counts in (("dropped", report.dropped), ("dropped_groups", report.dropped_groups)):
+        for name, reasons in counts.items():
+            metrics |= {f"filter/{name}/{kind}/{reason}": float(n) for reason, n in reasons.items()}
+    metrics |= {"filter/kept_groups": float(len(report.groups)), "filter/kept_samples": float(report.kept_samples),
+                "filter/abort_share": float(report.abort_share),
+                "filter/abort_share_exceeded": float(report.abort_share_exceeded)}
+    return msgspec.structs.replace(result, groups=report.groups, metrics=metrics)
 
 
 @serve.ingress(api)
@@ -121,7 +141,7 @@ class SchedulerRolloutManager:
     async def generate(self, rollout_id: int) -> RolloutResult:
         async with self._step:
             await self._begin()
-            return await self.scheduler.execute_rollout(rollout_id)
+            return filter_step(await self.scheduler.execute_rollout(rollout_id), self.cfg.filters)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         async with self._step:

@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from rayapp.training.dagger import DAggerSchedule
+from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter
 from rayapp.types import Resource, SamplingParams, StoppingCriteria
 
 
@@ -95,6 +97,15 @@ class SchedulerConfig(_Strict):
     progress: bool = True
 
 
+class FiltersConfig(_Strict):
+    """Survivorship filters on each rollout step (spec §5): rejection first, then finish-only on
+    the survivors; the abort cap only warns."""
+
+    rejection: RejectionFilter | None = None
+    finish_only: FinishOnlyFilter | None = None
+    abort_cap: AbortCap | None = AbortCap()
+
+
 class RecipeConfig(_Strict):
     engines: dict[str, EngineConfig]
     evaluators: list[EvaluatorConfig]
@@ -102,6 +113,8 @@ class RecipeConfig(_Strict):
     eval: dict[str, DatasetConfig] = {}
     pool: PoolConfig = PoolConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    filters: FiltersConfig = FiltersConfig()
+    dagger: DAggerSchedule | None = None  # per-iteration beta / t_max, published before each fetch
 
 
 def parse_recipe(args: dict[str, Any], source: str = "rollout.yaml") -> RecipeConfig:

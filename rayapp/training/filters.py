@@ -84,7 +84,7 @@ def score(sample: Sample, key: str = "score") -> float:
     return float(sample.reward.get(key, 0.0))
 
 
-class RejectionFilter(msgspec.Struct, frozen=True):
+class RejectionFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Drops whole groups that carry no learning signal: every reward equal (all-same rejection),
     or a reward std under ``min_score_std``. ``drop_all_correct=False`` keeps all-equal positive
     groups (for SFT on successes, say); ``drop_all_wrong=False`` keeps all-equal non-positive ones.
@@ -116,7 +116,7 @@ class RejectionFilter(msgspec.Struct, frozen=True):
         return Verdict(kept=[], dropped=[(s, reason.value) for s in group], group_reason=reason.value)
 
 
-class FinishOnlyFilter(msgspec.Struct, frozen=True):
+class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Keeps samples that finished on their own: status COMPLETED, ``remove_sample`` unset, and a
     termination reason (``metadata["_termination_reason"]``) in ``stop_reasons``.
 
@@ -156,7 +156,7 @@ class FinishOnlyFilter(msgspec.Struct, frozen=True):
         return Verdict(kept=kept, dropped=dropped, group_reason=None if kept else worst)
 
 
-class AbortCap(msgspec.Struct, frozen=True):
+class AbortCap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A cap on the share of aborted dummies in one step. Above it, the step is still trained on
     (dummies carry zero gradient), but a run of mostly infrastructure failures should be loud."""
 

@@ -1,0 +1,297 @@
+"""Eval artifacts (spec §5 "Eval outputs", ``--save-eval-details``), and crash-safe file writing.
+
+Files under ``{root}/eval_details/``, one set per iteration ``id``:
+
+- ``{id}.jsonl``: one JSON object per sample: ``dataset, task_id, index, status, reward,
+  termination_reason, failure_class, turns, prompt_tokens, response_tokens, remove_sample, abort,
+  response`` (``abort`` is the evaluator's ``_abort`` record, null for samples that did not abort).
+- ``{id}.placement.jsonl``: one object per model turn, from ``sample.metadata["_turn_placement"]``:
+  ``dataset, task_id, index, turn, node, gpu_ids, engine`` plus any other keys the agent recorded
+  (node and GPUs fall back to the sample's token when the turn did not name them).
+- ``{id}.summary.json``: ``rollout_id, kind="eval", n_samples, failure_classes`` (the eight of
+  ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, and ``metrics``.
+- ``train_{id}.summary.json``: the same for a rollout step, ``kind="train"``, plus ``n_groups`` and
+  ``n_removed``; datasets from ``metadata["_dataset_name"]`` ("unknown" when absent).
+
+Crash safety, the guarantee every file here keeps: a file never holds half a line.
+- Streamed JSONL (``append_sample``) is written one record per write, flushed per record, fsynced
+  on close. If a write fails part-way the file is cut back to the last whole line before the error
+  propagates; if the process dies part-way, the torn tail is cut off the next time the file is
+  opened for appending, and ``read_jsonl`` ignores it (with a warning) meanwhile.
+- Whole files (``write_eval``'s three, the summaries) are written to a temp file, fsynced and
+  renamed over the target (``atomic_write``): the old version or the new one, never a mix. The
+  summary is written last, so its presence means that iteration's details are complete.
+
+This module imports no torch: the manager that writes eval details need not have it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgspec
+
+from rayapp.core.metrics import failure_summary
+from rayapp.core.scheduler import EvalResult, RolloutResult
+from rayapp.core.termination import classify_termination
+from rayapp.types import Sample, Task
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.json.Encoder(enc_hook=lambda o: o.tolist() if hasattr(o, "tolist") else repr(o))
+
+
+def _line(record: dict) -> bytes:
+    """One JSONL record. JSON escapes newlines inside strings, so the only b"\\n" is the last."""
+    return _encoder.encode(record) + b"\n"
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a no-op where folders cannot be opened, as on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Run ``write(f)`` into a temp file next to ``path``, fsync, rename it over ``path``. Whatever
+    ``write`` raises, the temp file is removed and ``path`` is left as it was. A killed process
+    may leave a ``.{name}.*.tmp`` file behind, never a damaged ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def _open_append(path: Path) -> Any:
+    return open(path, "ab", buffering=0)  # unbuffered: each record is one write of its own
+
+
+def _cut_torn_tail(path: Path) -> int:
+    """Truncate ``path`` after its last newline (a record a killed writer left half-written);
+    return the resulting size."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "rb") as f:
+        end = size
+        while end > 0:  # scan back in blocks: the torn tail is at most one record long
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            if end == size and block.endswith(b"\n"):
+                return size
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+    log.warning("%s: cutting a torn last record (%d bytes) left by an interrupted writer", path, size - end)
+    os.truncate(path, end)
+    return end
+
+
+class JsonlAppender:
+    """Appends records to a JSONL file so that it only ever holds whole lines (module docstring)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._size = _cut_torn_tail(self.path)
+        self._f = _open_append(self.path)
+
+    def append(self, record: dict) -> None:
+        line, start = _line(record), self._size
+        try:
+            view = memoryview(line)
+            while view:  # a raw write may take only part of the buffer
+                view = view[self._f.write(view):]
+            self._f.flush()
+        except BaseException:
+            try:
+                os.truncate(self.path, start)  # back to the last whole line, then let the error through
+            except OSError:
+                log.exception("%s: could not cut a partly written record", self.path)
+            raise
+        self._size = start + len(line)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSONL file. A last line without its newline is a torn record: ignored with
+    a warning. A bad line before it is damage, not a crash: ValueError naming the line."""
+    data = Path(path).read_bytes()
+    lines = data.split(b"\n")
+    if lines[-1]:
+        log.warning("%s: ignoring a torn last record (%d bytes)", path, len(lines[-1]))
+    out = []
+    for n, raw in enumerate(lines[:-1], 1):
+        try:
+            out.append(msgspec.json.decode(raw))
+        except msgspec.DecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON record ({e})") from None
+    return out
+
+
+# ---- records ------------------------------------------------------------------------------------
+
+def dataset_of(sample: Sample, default: str = "unknown") -> str:
+    m = sample.metadata
+    return m.get("_eval_dataset_name") or m.get("_dataset_name") or default
+
+
+def sample_record(dataset: str, s: Sample) -> dict:
+    """The ``{id}.jsonl`` line of one sample."""
+    reason = s.metadata.get("_termination_reason")
+    return {
+        "dataset": dataset, "task_id": s.task_id, "index": s.index, "status": str(s.status),
+        "reward": s.reward, "termination_reason": reason,
+        "failure_class": classify_termination(s.reward, reason).value,
+        "turns": s.metadata.get("_turns", 0),
+        "prompt_tokens": max(len(s.tokens) - s.response_length, 0), "response_tokens": s.response_length,
+        "remove_sample": s.remove_sample, "abort": s.metadata.get("_abort"), "response": s.response,
+    }
+
+
+def placement_records(dataset: str, s: Sample) -> list[dict]:
+    """The ``{id}.placement.jsonl`` lines of one sample, one per recorded turn."""
+    token = s.metadata.get("_placement") or {}
+    out = []
+    for i, turn in enumerate(s.metadata.get("_turn_placement") or [], 1):
+        turn = turn if isinstance(turn, dict) else {"value": turn}
+        rec = {"dataset": dataset, "task_id": s.task_id, "index": s.index, "turn": turn.get("turn", i),
+               "node": turn.get("node", token.get("node")), "gpu_ids": turn.get("gpu_ids", token.get("gpu_ids")),
+               "engine": turn.get("engine")}
+        out.append(rec | {k: v for k, v in turn.items() if k not in rec})
+    return out
+
+
+def _per_dataset(by_name: dict[str, list[Sample]]) -> dict:
+    return {name: {"n_samples": len(ss), "failure_classes": failure_summary(ss)} for name, ss in by_name.items()}
+
+
+def eval_summary(rollout_id: int, result: EvalResult) -> dict:
+    every = [s for ss in result.samples.values() for s in ss]
+    return {"rollout_id": rollout_id, "kind": "eval", "n_samples": len(every),
+            "failure_classes": failure_summary(every), "datasets": _per_dataset(result.samples),
+            "metrics": dict(result.metrics)}
+
+
+def rollout_summary(rollout_id: int, result: RolloutResult) -> dict:
+    every = [s for g in result.groups for s in g]
+    by_name: dict[str, list[Sample]] = defaultdict(list)
+    for s in every:
+        by_name[dataset_of(s)].append(s)
+    return {"rollout_id": rollout_id, "kind": "train", "n_groups": len(result.groups), "n_samples": len(every),
+            "n_removed": sum(s.remove_sample for s in every), "failure_classes": failure_summary(every),
+            "datasets": _per_dataset(dict(by_name)), "metrics": dict(result.metrics)}
+
+
+def _write_lines(records: Iterable[dict]) -> Callable[[BinaryIO], None]:
+    def write(f: BinaryIO) -> None:
+        for r in records:
+            f.write(_line(r))
+    return write
+
+
+def _json(obj: dict) -> Callable[[BinaryIO], Any]:
+    return lambda f: f.write(msgspec.json.format(_encoder.encode(obj), indent=2) + b"\n")
+
+
+# ---- the writer ---------------------------------------------------------------------------------
+
+class EvalDetailsWriter:
+    """Writes the ``eval_details/`` artifacts under ``root`` (module docstring for the formats).
+
+    Streaming and whole writes combine: ``append_sample`` (or the ``on_task_done`` callback) grows
+    ``{id}.jsonl`` and ``{id}.placement.jsonl`` as samples finish, a live view for a long eval; then
+    ``write_eval`` replaces both atomically with the complete files, in dataset order, and writes
+    the summary. A crashed eval thus leaves whole lines of what finished, and no summary."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.dir = Path(root) / "eval_details"
+        self._streams: dict[int, tuple[JsonlAppender, JsonlAppender]] = {}
+
+    def paths(self, rollout_id: int) -> dict[str, Path]:
+        if type(rollout_id) is not int or rollout_id < 0:
+            raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
+        return {"samples": self.dir / f"{rollout_id}.jsonl",
+                "placement": self.dir / f"{rollout_id}.placement.jsonl",
+                "summary": self.dir / f"{rollout_id}.summary.json"}
+
+    def append_sample(self, rollout_id: int, sample: Sample, dataset: str | None = None) -> None:
+        """Stream one finished sample (its line and its turns' placement lines), flushed now."""
+        if rollout_id not in self._streams:
+            p = self.paths(rollout_id)
+            self._streams[rollout_id] = (JsonlAppender(p["samples"]), JsonlAppender(p["placement"]))
+        samples, placement = self._streams[rollout_id]
+        name = dataset or dataset_of(sample)
+        samples.append(sample_record(name, sample))
+        for rec in placement_records(name, sample):
+            placement.append(rec)
+
+    def on_task_done(self, rollout_id: int) -> Callable[[Task, list[Sample]], None]:
+        """A ``TaskScheduler(on_task_done=...)`` callback that streams each finished group."""
+        def done(task: Task, samples: list[Sample]) -> None:
+            for s in samples:
+                self.append_sample(rollout_id, s, dataset_of(s, task.metadata.get("_eval_dataset_name", "unknown")))
+        return done
+
+    def close_stream(self, rollout_id: int) -> None:
+        for stream in self._streams.pop(rollout_id, ()):
+            stream.close()
+
+    def write_eval(self, rollout_id: int, result: EvalResult) -> dict[str, Path]:
+        """Write iteration ``rollout_id``'s three files whole, replacing any streamed ones."""
+        p = self.paths(rollout_id)
+        self.close_stream(rollout_id)
+        named = [(name, s) for name, ss in result.samples.items() for s in ss]
+        atomic_write(p["samples"], _write_lines(sample_record(n, s) for n, s in named))
+        atomic_write(p["placement"], _write_lines(r for n, s in named for r in placement_records(n, s)))
+        atomic_write(p["summary"], _json(eval_summary(rollout_id, result)))
+        return p
+
+    def write_rollout_summary(self, rollout_id: int, result: RolloutResult) -> Path:
+        """Write ``train_{id}.summary.json`` for a rollout step."""
+        self.paths(rollout_id)  # validates the id
+        return atomic_write(self.dir / f"train_{rollout_id}.summary.json", _json(rollout_summary(rollout_id, result)))
+
+    def close(self) -> None:
+        """Flush, fsync and close every open stream."""
+        for rid in list(self._streams):
+            self.close_stream(rid)
+
+    def __enter__(self) -> EvalDetailsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

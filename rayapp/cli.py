@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -64,8 +65,11 @@ def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subproces
 
 def ray_processes(temp_dir: Path) -> list[int]:
     """The processes of the Ray cluster under ``temp_dir`` (every one names its session folder)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    pids = [int(line.split(None, 1)[0]) for line in out.splitlines() if str(temp_dir) in line]
+    # -ww: full command lines whatever COLUMNS says (pytest sets it; ps would cut at that width)
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    # the folder itself, not a longer name that starts with it (/tmp/x-12 is not /tmp/x-123)
+    mine = re.compile(re.escape(str(temp_dir)) + r"(?=/|\s|$)")
+    pids = [int(line.split(None, 1)[0]) for line in out.splitlines() if mine.search(line)]
     return [p for p in pids if p != os.getpid()]
 
 

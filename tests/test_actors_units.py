@@ -168,3 +168,24 @@ def test_a_recipe_takes_a_dagger_schedule_and_filters():
     args["filters"]["rejection"]["drop_al_wrong"] = True
     with pytest.raises(RecipeError, match="drop_al_wrong"):
         parse_recipe(args)
+
+
+def test_the_demo_finds_and_stops_exactly_its_own_cluster_processes(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from rayapp.cli import ray_processes, stop_cluster
+
+    mine, other = tmp_path / "rayapp-x-12", tmp_path / "rayapp-x-123"
+    pad = "p" * 300  # the folder sits far past any terminal width in the command line
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", pad, f"--temp-dir={d}/s"])
+             for d in (mine, other)]
+    monkeypatch.setenv("COLUMNS", "40")  # as pytest sets it: ps must still see whole command lines
+    try:
+        assert ray_processes(mine) == [procs[0].pid]  # not the one whose folder only starts the same
+        assert stop_cluster(mine, grace_s=5) == []
+        assert procs[0].wait(timeout=10) is not None and procs[1].poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -26,6 +26,7 @@ from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
 from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
 from rayapp.envs.registry import AgentDeps, get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
+from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.dagger import DAggerIterations
 from rayapp.training.filters import apply_filters
 from rayapp.types import EvaluatorSpec, Resource, Token
@@ -127,6 +128,8 @@ class SchedulerRolloutManager:
                         for name, h in engines.items()}
         self.scheduler = build_scheduler(self.cfg, self.engines, self.pool_client)
         self.pool_handle, self.owner = pool, owner
+        details = self.cfg.scheduler.save_eval_details
+        self.details = EvalDetailsWriter(details) if details else None
         self._step = asyncio.Lock()
         self._fresh = True
 
@@ -141,12 +144,21 @@ class SchedulerRolloutManager:
     async def generate(self, rollout_id: int) -> RolloutResult:
         async with self._step:
             await self._begin()
-            return filter_step(await self.scheduler.execute_rollout(rollout_id), self.cfg.filters)
+            result = filter_step(await self.scheduler.execute_rollout(rollout_id), self.cfg.filters)
+            if self.details is not None:
+                await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)
+            return result
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         async with self._step:
             await self._begin()
-            return await self.scheduler.execute_eval(rollout_id)
+            if self.details is None:
+                return await self.scheduler.execute_eval(rollout_id)
+            # samples stream into eval_details/{id}.jsonl as they finish; the complete files and
+            # the summary replace them at the end
+            result = await self.scheduler.execute_eval(rollout_id, self.details.on_task_done(rollout_id))
+            await asyncio.to_thread(self.details.write_eval, rollout_id, result)
+            return result
 
     async def update_weights_from_disk(self, engine: str, path: str) -> list[dict]:
         """The trainer's new weights, loaded by every replica of one engine (between steps)."""

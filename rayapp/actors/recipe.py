@@ -95,6 +95,7 @@ class SchedulerConfig(_Strict):
     global_sampling: SamplingParams = SamplingParams()
     acquire_timeout_s: float = 3600.0
     progress: bool = True
+    save_eval_details: str | None = None  # --save-eval-details: folder for eval_details/ artifacts
 
 
 class FiltersConfig(_Strict):

@@ -51,6 +51,8 @@ def app(tmp_path_factory):
     cfg = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())
     http_port = free_port()
     cfg["http_options"]["port"] = http_port
+    details = tmp / "details"
+    cfg["applications"][0]["args"]["scheduler"]["save_eval_details"] = str(details)
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
     dash = free_port()
@@ -62,7 +64,7 @@ def app(tmp_path_factory):
     try:
         wait_for_app(address, "rayapp", 600, proc, log)
         yield {"address": address, "http": f"http://127.0.0.1:{http_port}/rayapp", "dash": dash, "proc": proc,
-               "temp_dir": temp_dir, "log": log}
+               "temp_dir": temp_dir, "log": log, "details": details / "eval_details"}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -106,6 +108,13 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
         assert s["reward"]["score"] in (0.0, 1.0)
     assert {f"eval/{n}/pass@2" for n in ("arith-a", "math", "humaneval", "swe")} <= set(result["eval"])
     assert len(result["updated"]) == 1 and result["updated"][0]["ok"]  # one replica reloaded from disk
+    # --save-eval-details: one line per eval sample, the placement log, the failure-class summaries
+    lines = (app["details"] / "0.jsonl").read_text().splitlines()
+    assert len(lines) == 16 and all(json.loads(line)["dataset"] for line in lines)
+    assert (app["details"] / "0.placement.jsonl").read_text().strip()
+    summary = json.loads((app["details"] / "0.summary.json").read_text())
+    assert sum(summary["failure_classes"].values()) == 16, summary
+    assert (app["details"] / "train_0.summary.json").exists()
     assert any(name.startswith("rayapp/rollout0/b") for name in groups_seen), groups_seen
     assert any(name.startswith("rayapp/eval0/b") for name in groups_seen), groups_seen
 

@@ -51,7 +51,11 @@ def show_rollout(result) -> None:
         lp = [p for p, m in zip(s.rollout_log_probs, s.loss_mask, strict=False) if m]
         print(f"  {name} sample {s.task_id}#{s.index}: response={s.response[:80]!r} mean_logprob="
               f"{(sum(lp) / len(lp)) if lp else 0.0:.3f} placed_on={s.metadata.get('_placement')}")
-    print("  failure classes:", {k: v for k, v in result.metrics.items() if v})
+    print("  failure classes:", {k.removeprefix("rollout/"): v for k, v in result.metrics.items()
+                                   if k.startswith("rollout/") and v})
+    kept = {k.removeprefix("filter/"): v for k, v in result.metrics.items() if k.startswith("filter/")}
+    if kept:
+        print("  filters:", kept)
 
 
 def show_placement(result) -> None:

@@ -349,3 +349,27 @@ def test_killed_process_leaves_only_whole_groups(tmp_path):
     state = RolloutCheckpoint(tmp_path).resume(1)
     assert state.source_state == {"seed": 3} and state.missing(4) == [3]
     assert [g[0].tokens for g in state.groups.values()] == [[0], [1], [2]]
+
+
+def test_rollout_or_reuse_saves_fresh_iterations_and_reloads_them(tmp_path):
+    import asyncio
+
+    from rayapp.training.trajectories import ReusePolicy, rollout_or_reuse
+    from rayapp.types import Sample
+
+    calls = []
+
+    async def run():
+        calls.append(1)
+        return [[Sample("t0", 0, "p", tokens=[1, 2, 3], response_length=1, loss_mask=[1],
+                        rollout_log_probs=[-0.5], reward={"score": 1.0})]]
+
+    policy = ReusePolicy()  # neither knob: iteration 0 runs and saves, later ones reuse it
+    groups0, d0 = asyncio.run(rollout_or_reuse(0, tmp_path, run, policy))
+    assert d0.fresh and len(calls) == 1 and all(p.exists() for p in d0.save_paths)
+    groups1, d1 = asyncio.run(rollout_or_reuse(1, tmp_path, run, policy))
+    assert not d1.fresh and len(calls) == 1  # no second rollout
+    assert groups1[0][0].tokens == [1, 2, 3] and groups1[0][0].reward == {"score": 1.0}
+    assert groups1[0][0].rollout_log_probs == groups0[0][0].rollout_log_probs
+    _, d2 = asyncio.run(rollout_or_reuse(2, tmp_path, run, ReusePolicy(force_fresh=True)))
+    assert d2.fresh and len(calls) == 2

@@ -29,7 +29,8 @@ from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.dagger import DAggerIterations
 from rayapp.training.filters import apply_filters
-from rayapp.types import EvaluatorSpec, Resource, Token
+from rayapp.training.trajectories import rollout_or_reuse
+from rayapp.types import EvaluatorSpec, Resource, Sample, Token
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="rayapp rollout manager")
@@ -144,10 +145,27 @@ class SchedulerRolloutManager:
     async def generate(self, rollout_id: int) -> RolloutResult:
         async with self._step:
             await self._begin()
-            result = filter_step(await self.scheduler.execute_rollout(rollout_id), self.cfg.filters)
+            result = filter_step(await self._rollout(rollout_id), self.cfg.filters)
             if self.details is not None:
                 await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)
             return result
+
+    async def _rollout(self, rollout_id: int) -> RolloutResult:
+        """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
+        folder = self.cfg.scheduler.trajectory_dir
+        if folder is None:
+            return await self.scheduler.execute_rollout(rollout_id)
+        ran: list[RolloutResult] = []
+
+        async def run() -> list[list[Sample]]:
+            ran.append(await self.scheduler.execute_rollout(rollout_id))
+            return ran[0].groups
+
+        groups, decision = await rollout_or_reuse(rollout_id, folder, run)
+        if ran:
+            return ran[0]
+        log.info("rollout %d reuses %s (%s)", rollout_id, decision.load_path, decision.mode)
+        return RolloutResult(rollout_id, groups, {"rollout/reused": 1.0})
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         async with self._step:

@@ -96,6 +96,7 @@ class SchedulerConfig(_Strict):
     acquire_timeout_s: float = 3600.0
     progress: bool = True
     save_eval_details: str | None = None  # --save-eval-details: folder for eval_details/ artifacts
+    trajectory_dir: str | None = None  # where rollouts are saved and reused (STACX_* reuse knobs)
 
 
 class FiltersConfig(_Strict):

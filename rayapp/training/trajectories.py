@@ -23,6 +23,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import operator
 import os
@@ -440,3 +441,17 @@ class RolloutCheckpoint:
         """Remove ``rollout_id``'s checkpoint folder (e.g. after the trainer consumed it)."""
         shutil.rmtree(self._folder(rollout_id), ignore_errors=True)
         self._forget(rollout_id)
+
+
+async def rollout_or_reuse(rollout_id: int, save_dir: str | os.PathLike, run: Any,
+                           policy: ReusePolicy | None = None) -> tuple[list[list[Sample]], Decision]:
+    """One iteration under the reuse policy: the saved groups, or ``await run()``'s groups saved
+    where the policy says. File work runs in a thread, off the event loop."""
+    decision = (policy or ReusePolicy.from_env()).decide(rollout_id, save_dir)
+    if not decision.fresh:
+        _, groups = await asyncio.to_thread(load_trajectories, decision.load_path)
+        return groups, decision
+    groups = await run()
+    for path in decision.save_paths:
+        await asyncio.to_thread(save_trajectories, path, groups, rollout_id)
+    return groups, decision

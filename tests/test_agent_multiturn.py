@@ -169,3 +169,36 @@ def test_an_episode_on_the_real_hf_engine(tok, model_dir):
         backend.shutdown()
     check_invariants(tok, result, engine, 300)
     assert result.termination_reason in {"stop", "max_turns", "max_context_len", "length"}
+
+
+def test_dagger_roll_in_mixes_student_and_teacher_by_beta_and_t_max(tok, model_dir):
+    from rayapp.envs.agents.dagger import DAggerAgent
+
+    def episode(beta, t_max, max_turns=4):
+        student = recording(ScriptedEngine(tok, model_dir, [CALL] * 8))
+        teacher = recording(ScriptedEngine(tok, model_dir, [CALL] * 8))
+        student.name, teacher.name = "student", "teacher"
+        agent = DAggerAgent(student, teacher, verify)
+        c = EpisodeContext(3, None, StoppingCriteria(max_turns=max_turns), SamplingParams(max_new_tokens=64),
+                           {"beta": beta, "t_max": t_max})
+        s = sample()
+        return s, run(agent.run(s, c))
+
+    s, result = episode(beta=1.0, t_max=0)
+    assert s.metadata["_turn_actor"] == ["teacher"] * 4 and "_dagger_labels" not in s.metadata
+    assert [p["actor"] for p in s.metadata["_turn_placement"]] == ["teacher"] * 4
+    assert sum(result.loss_mask) > 0  # the teacher's tokens are the training targets
+
+    s, result = episode(beta=0.0, t_max=0)
+    assert s.metadata["_turn_actor"] == ["student"] * 4
+    assert sum(result.loss_mask) == 0  # no student token is a target...
+    assert [lab["turn"] for lab in s.metadata["_dagger_labels"]] == [1, 2, 3, 4]  # ...the teacher's labels are
+    assert all(lab["label_ids"] for lab in s.metadata["_dagger_labels"])
+
+    s, _ = episode(beta=1.0, t_max=2)  # the mixture covers the first t_max turns only
+    assert s.metadata["_turn_actor"] == ["teacher", "teacher", "student", "student"]
+
+    a, _ = episode(beta=0.5, t_max=0, max_turns=8)
+    b, _ = episode(beta=0.5, t_max=0, max_turns=8)
+    assert a.metadata["_turn_actor"] == b.metadata["_turn_actor"]  # seeded: the roll-in replays
+    assert set(a.metadata["_turn_actor"]) == {"teacher", "student"}

@@ -24,7 +24,7 @@ import msgspec
 from rayapp.core.termination import EngineConnectionError, SandboxError
 from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, run_inline
 from rayapp.envs.agents.tools import SANDBOX_TOOLS, TOOLS, describe, parse_tool_call, tool_result_message
-from rayapp.inference.client import FinishReason, GenerateRequest
+from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
 from rayapp.types import AgentResult, EpisodeContext, Sample
 
 # sandbox_factory(sample, ctx) -> an open Sandbox (closed by the agent at the end of the episode)
@@ -77,14 +77,14 @@ class ToolAgent(ChatAgent):
                 if room is not None:
                     cap = min(room, cap or room)
                 sampling = msgspec.structs.replace(ctx.sampling, max_new_tokens=cap)
-                out = await self.engine.generate(GenerateRequest(ids, sampling, stop_token_ids=[tok.eos_token_id]))
+                out, weight = await self.act(GenerateRequest(ids, sampling, stop_token_ids=[tok.eos_token_id]),
+                                             turn, sample, ctx)
                 if out.finish_reason is FinishReason.ABORT:
                     raise EngineConnectionError(f"engine aborted request {out.request_id}")
                 ids += out.output_ids
-                mask += [1] * len(out.output_ids)
+                mask += [weight] * len(out.output_ids)
                 logprobs += list(out.logprobs)
                 final_text = out.text
-                self._record_turn(sample, ctx, turn, out.engine)
                 if out.finish_reason is FinishReason.LENGTH:
                     reason = "max_context_len" if room is not None and cap == room else "length"
                     break
@@ -115,6 +115,13 @@ class ToolAgent(ChatAgent):
                            rollout_log_probs=logprobs, loss_mask=mask, turns=sample.metadata.get("_turns", 0),
                            termination_reason=reason, truncated=truncated)
 
+    async def act(self, req: GenerateRequest, turn: int, sample: Sample,
+                  ctx: EpisodeContext) -> tuple[GenerateOutput, int]:
+        """One model turn: the engine's output and the loss weight of its tokens (1: train on them)."""
+        out = await self.engine.generate(req)
+        self._record_turn(sample, ctx, turn, out.engine)
+        return out, 1
+
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
         if not self.keep_sandbox:
             return await super().evaluate(sample, result, ctx)
@@ -136,9 +143,9 @@ class ToolAgent(ChatAgent):
         return await TOOLS[call.name](call.arguments, sandbox)
 
     @staticmethod
-    def _record_turn(sample: Sample, ctx: EpisodeContext, turn: int, engine: str) -> None:
+    def _record_turn(sample: Sample, ctx: EpisodeContext, turn: int, engine: str, **extra: Any) -> None:
         sample.metadata["_turns"] = turn
-        where = {"turn": turn, "engine": engine}
+        where = {"turn": turn, "engine": engine, **extra}
         if ctx.token is not None:
             where |= {"node": ctx.token.node, "gpu_ids": list(ctx.token.gpu_ids)}
         sample.metadata.setdefault("_turn_placement", []).append(where)

@@ -1,0 +1,52 @@
+"""A DAgger agent: the roll-in mixes a student and a teacher (two inference deployments) by the
+iteration's β and t_max, and every visited state gets the teacher's label.
+
+Per model turn t: within the first t_max turns (all turns when t_max is 0) the teacher acts with
+probability β, else the student; after them the student acts alone. The acting model's tokens are
+the trajectory. Training targets are the teacher's: its tokens carry loss 1 where it acted; where
+the student acted, its tokens carry loss 0 and the teacher's label for that same state (asked of
+the teacher with the same context) is kept in ``metadata["_dagger_labels"]`` for the trainer's SFT
+batch. ``metadata["_turn_actor"]`` records who acted at each turn. β and t_max come from
+``ctx.iteration`` (the scheduler's published state); without one β is 0 (student only).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from rayapp.envs.agents.chat import Engine
+from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.inference.client import GenerateOutput, GenerateRequest
+from rayapp.types import EpisodeContext, Sample
+
+
+class DAggerAgent(ToolAgent):
+    def __init__(self, student: Engine, teacher: Engine, verify: Any, *, seed: int = 0, **kw: Any):
+        super().__init__(student, verify, **kw)
+        self.teacher, self.seed = teacher, seed
+
+    def _teacher_acts(self, turn: int, sample: Sample, ctx: EpisodeContext) -> bool:
+        beta = float(ctx.iteration.get("beta", 0.0))
+        t_max = int(ctx.iteration.get("t_max", 0))
+        if t_max > 0 and turn > t_max:
+            return False
+        # seeded per (iteration, sample, turn): the same roll-in replays identically
+        rng = random.Random(f"{self.seed}:{ctx.rollout_id}:{sample.task_id}:{sample.index}:{turn}")
+        return rng.random() < beta
+
+    async def act(self, req: GenerateRequest, turn: int, sample: Sample,
+                  ctx: EpisodeContext) -> tuple[GenerateOutput, int]:
+        actors = sample.metadata.setdefault("_turn_actor", [])
+        if self._teacher_acts(turn, sample, ctx):
+            out = await self.teacher.generate(req)
+            actors.append("teacher")
+            self._record_turn(sample, ctx, turn, out.engine, actor="teacher")
+            return out, 1
+        out = await self.engine.generate(req)
+        label = await self.teacher.generate(req)  # the expert's action in the state the student reached
+        sample.metadata.setdefault("_dagger_labels", []).append(
+            {"turn": turn, "state_len": len(req.input_ids), "label_ids": list(label.output_ids), "text": label.text})
+        actors.append("student")
+        self._record_turn(sample, ctx, turn, out.engine, actor="student")
+        return out, 0

@@ -74,6 +74,12 @@ class PoolClient:
     async def max_tokens_for(self, per_sample: Resource) -> int:
         return await self._call("max_tokens_for", per_sample)
 
+    async def release_owner(self) -> int:
+        return await self._call("release_owner", self.owner)
+
+    async def placement(self) -> dict[str, Any]:
+        return await self._call("placement")
+
 
 async def _await(response: Any) -> Any:
     return await response
@@ -128,7 +134,6 @@ class SchedulerRolloutManager:
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s)
                         for name, h in engines.items()}
         self.scheduler = build_scheduler(self.cfg, self.engines, self.pool_client)
-        self.pool_handle, self.owner = pool, owner
         details = self.cfg.scheduler.save_eval_details
         self.details = EvalDetailsWriter(details) if details else None
         self._step = asyncio.Lock()
@@ -137,7 +142,7 @@ class SchedulerRolloutManager:
     async def _begin(self) -> None:
         if self._fresh and self.pool_client is not None:
             # A replica that replaced a crashed one frees what its predecessor still held.
-            freed = await self.pool_client._call("release_owner", self.owner)
+            freed = await self.pool_client.release_owner()
             if freed:
                 log.warning("freed %d batches left by a previous manager replica", freed)
         self._fresh = False
@@ -193,7 +198,7 @@ class SchedulerRolloutManager:
     async def placement(self) -> dict[str, Any]:
         if self.pool_client is None:
             return {"gated": False, "batches": {}}
-        return {"gated": True, **await self.pool_client._call("placement")}
+        return {"gated": True, **await self.pool_client.placement()}
 
     @api.get("/healthz")
     def healthz(self) -> dict[str, bool]:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from rayapp.actors.recipe import RecipeConfig
-from rayapp.training import dagger, trajectories
+from rayapp.training import dagger, reuse
 
 # Environment variables read outside the two tables above.
 OTHER_ENV: dict[str, tuple[str, str]] = {
@@ -50,7 +50,7 @@ def env_rows() -> list[str]:
     rows = []
     for name, meaning in sorted(dagger.ENV_VARS.items()):
         rows.append(f"| `{name}` | — | {_cell(meaning)} |")
-    for name, (default, meaning) in sorted({**trajectories.ENV_KNOBS, **OTHER_ENV}.items()):
+    for name, (default, meaning) in sorted({**reuse.ENV_KNOBS, **OTHER_ENV}.items()):
         rows.append(f"| `{name}` | `{default or '(unset)'}` | {_cell(meaning)} |")
     return rows
 

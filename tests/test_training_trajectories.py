@@ -17,11 +17,8 @@ from hypothesis import strategies as st
 
 import rayapp.training.trajectories as tr
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
+from rayapp.training.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy
 from rayapp.training.trajectories import (
-    ENV_KNOBS,
-    MAIN_FILE,
-    Decision,
-    ReusePolicy,
     RolloutCheckpoint,
     TrajectoryError,
     load_trajectories,
@@ -240,7 +237,9 @@ def test_bad_rollout_id_and_os_environ(monkeypatch, tmp_path):
 
 
 def test_env_knobs_lists_every_variable_the_module_reads():
-    source = Path(tr.__file__).read_text()
+    import rayapp.training.reuse as reuse_module
+
+    source = Path(reuse_module.__file__).read_text()
     assert set(re.findall(r"STACX_[A-Z_]+[A-Z]", source)) == set(ENV_KNOBS)
     assert all(isinstance(default, str) and meaning for default, meaning in ENV_KNOBS.values())
 
@@ -354,7 +353,7 @@ def test_killed_process_leaves_only_whole_groups(tmp_path):
 def test_rollout_or_reuse_saves_fresh_iterations_and_reloads_them(tmp_path):
     import asyncio
 
-    from rayapp.training.trajectories import ReusePolicy, rollout_or_reuse
+    from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
     from rayapp.types import Sample
 
     calls = []

@@ -29,7 +29,7 @@ from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.dagger import DAggerIterations
 from rayapp.training.filters import apply_filters
-from rayapp.training.trajectories import rollout_or_reuse
+from rayapp.training.reuse import rollout_or_reuse
 from rayapp.types import EvaluatorSpec, Resource, Sample, Token
 
 log = logging.getLogger(__name__)

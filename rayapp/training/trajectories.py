@@ -1,4 +1,5 @@
-"""Saved trajectories, the reuse/resume policy, and mid-rollout checkpoints (spec §5 "Reuse & resume").
+"""Saved trajectories and mid-rollout checkpoints (spec §5 "Reuse & resume"; the reuse policy that
+chooses between them is ``reuse.py``).
 
 A trajectory file is ``torch.save`` of plain data, read with ``torch.load(weights_only=True)``::
 
@@ -23,7 +24,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import operator
 import os
@@ -31,7 +31,6 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,9 +44,6 @@ from rayapp.types import Sample
 log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "rayapp.trajectories", 1
-MAIN_FILE = "trajectory_sft_samples.pt"
-PER_ITER_FILE = "trajectory_sft_samples_iter_{:03d}.pt"
-_PER_ITER_RE = re.compile(r"^trajectory_sft_samples_iter_(\d+)\.pt$")
 _INT_FIELDS, _ARRAYS = ("tokens", "loss_mask"), ("tokens", "loss_mask", "rollout_log_probs")
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 _SCALARS = (type(None), bool, int, float, str)  # not bytes: b"" pickles as GLOBAL bytes, refused
@@ -227,109 +223,6 @@ def load_trajectories(path: str | os.PathLike) -> tuple[int | None, list[list[Sa
     return _check_header(data, FORMAT, path)["rollout_id"], plain_to_samples(data, str(path))
 
 
-# ---- reuse policy --------------------------------------------------------------------------------
-
-ENV_KNOBS: dict[str, tuple[str, str]] = {  # name -> (default, meaning); read by ReusePolicy.from_env
-    "STACX_FORCE_FRESH_ROLLOUT": ("0", "1: roll out fresh every iteration (live DAgger/AggreVaTe/OPD), "
-                                       f"bypassing reuse; each saves {MAIN_FILE}"),
-    "STACX_REUSE_ROLLOUT": ("0", f"1: every iteration loads {MAIN_FILE} instead of rolling out (iter-SFT)"),
-    "STACX_REUSE_PER_ITER_DIR": ("", "folder of trajectory_sft_samples_iter_NNN.pt: iteration k replays the "
-                                     "k-th by NNN; past the last is an error"),
-    "STACX_SAVE_PER_ITER_PT": ("1", "0: fresh iterations skip the per-iteration trajectory_sft_samples_iter_NNN.pt"),
-}
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-
-
-def _env_bool(env: Mapping[str, str], name: str) -> bool:
-    raw = env.get(name, "").strip().lower() or ENV_KNOBS[name][0]  # VAR= (empty) means unset
-    if raw in _TRUE | _FALSE:
-        return raw in _TRUE
-    raise ValueError(f"{name}={env.get(name)!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What one iteration does: roll out (``fresh``) or load ``load_path``; then save ``save_paths``."""
-
-    fresh: bool
-    load_path: Path | None
-    save_paths: list[Path]
-    mode: str = ""  # "force-fresh" | "first" | "reuse" | "auto-reuse" | "replay", for logs
-
-
-def per_iter_files(folder: str | os.PathLike) -> list[Path]:
-    """The ``trajectory_sft_samples_iter_NNN.pt`` files of ``folder``, by NNN (temp files ignored)."""
-    found: dict[int, Path] = {}
-    for p in Path(folder).iterdir():
-        if m := _PER_ITER_RE.match(p.name):
-            n = int(m.group(1))
-            if n in found:
-                raise ValueError(f"{folder}: {found[n].name} and {p.name} are both iteration {n}")
-            found[n] = p
-    return [found[n] for n in sorted(found)]
-
-
-@dataclass(frozen=True)
-class ReusePolicy:
-    """The spec's reuse policy as a decision per iteration (main = ``save_dir/trajectory_sft_samples.pt``,
-    iter_NNN = ``save_dir/trajectory_sft_samples_iter_NNN.pt``, saved only while SAVE_PER_ITER_PT is on):
-
-    FORCE_FRESH=1, whatever else is set       fresh; save main + iter_NNN          mode "force-fresh"
-    REUSE_ROLLOUT=1                           load main                            mode "reuse"
-    REUSE_PER_ITER_DIR=d, iteration k         load the k-th iter file of d by NNN  mode "replay"
-    REUSE_ROLLOUT=1 and REUSE_PER_ITER_DIR    ValueError (ambiguous)
-    neither, rollout_id == 0                  fresh; save main + iter_000          mode "first"
-    neither, rollout_id > 0                   load main (iteration 0's data)       mode "auto-reuse"
-
-    ``decide`` is a pure function of the policy and its arguments, except that replay lists d."""
-
-    force_fresh: bool = False
-    reuse_rollout: bool = False
-    reuse_per_iter_dir: Path | None = None
-    save_per_iter_pt: bool = True
-
-    def __post_init__(self) -> None:
-        if self.reuse_rollout and self.reuse_per_iter_dir is not None and not self.force_fresh:
-            raise ValueError("STACX_REUSE_ROLLOUT=1 and STACX_REUSE_PER_ITER_DIR are both set: "
-                             "choose one source of reused trajectories")
-        if self.force_fresh and (self.reuse_rollout or self.reuse_per_iter_dir is not None):
-            log.warning("STACX_FORCE_FRESH_ROLLOUT=1 bypasses STACX_REUSE_ROLLOUT / STACX_REUSE_PER_ITER_DIR")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ReusePolicy:
-        """Read the ENV_KNOBS (from ``os.environ`` by default); a bad value is a ValueError naming it."""
-        env = os.environ if env is None else env
-        folder = env.get("STACX_REUSE_PER_ITER_DIR", "").strip()
-        return cls(force_fresh=_env_bool(env, "STACX_FORCE_FRESH_ROLLOUT"),
-                   reuse_rollout=_env_bool(env, "STACX_REUSE_ROLLOUT"),
-                   reuse_per_iter_dir=Path(folder).expanduser() if folder else None,
-                   save_per_iter_pt=_env_bool(env, "STACX_SAVE_PER_ITER_PT"))
-
-    def decide(self, rollout_id: int, save_dir: str | os.PathLike) -> Decision:
-        if type(rollout_id) is not int or rollout_id < 0:
-            raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
-        main = Path(save_dir) / MAIN_FILE
-        saves = [main] + ([Path(save_dir) / PER_ITER_FILE.format(rollout_id)] if self.save_per_iter_pt else [])
-        if self.force_fresh:
-            return Decision(True, None, saves, "force-fresh")
-        if self.reuse_rollout:
-            return Decision(False, main, [], "reuse")
-        if self.reuse_per_iter_dir is not None:
-            folder = self.reuse_per_iter_dir
-            if not folder.is_dir():
-                raise ValueError(f"STACX_REUSE_PER_ITER_DIR={str(folder)!r} is not a folder")
-            files = per_iter_files(folder)
-            # Past the end is an error, not a wrap: silently re-training on early iterations would
-            # change the recipe; the run should be asked for no more iterations than were dumped.
-            if rollout_id >= len(files):
-                raise ValueError(f"STACX_REUSE_PER_ITER_DIR={str(folder)!r} holds {len(files)} per-iteration "
-                                 f"files; iteration {rollout_id} has none to replay")
-            return Decision(False, files[rollout_id], [], "replay")
-        if rollout_id == 0:
-            return Decision(True, None, saves, "first")
-        return Decision(False, main, [], "auto-reuse")  # multi-epoch SFT on iteration 0's data
-
-
 # ---- mid-rollout checkpoints ---------------------------------------------------------------------
 
 _STATE, _GROUP, _DONE = "rayapp.rollout_checkpoint.state", "rayapp.rollout_checkpoint.group", "FINISHED"
@@ -441,17 +334,3 @@ class RolloutCheckpoint:
         """Remove ``rollout_id``'s checkpoint folder (e.g. after the trainer consumed it)."""
         shutil.rmtree(self._folder(rollout_id), ignore_errors=True)
         self._forget(rollout_id)
-
-
-async def rollout_or_reuse(rollout_id: int, save_dir: str | os.PathLike, run: Any,
-                           policy: ReusePolicy | None = None) -> tuple[list[list[Sample]], Decision]:
-    """One iteration under the reuse policy: the saved groups, or ``await run()``'s groups saved
-    where the policy says. File work runs in a thread, off the event loop."""
-    decision = (policy or ReusePolicy.from_env()).decide(rollout_id, save_dir)
-    if not decision.fresh:
-        _, groups = await asyncio.to_thread(load_trajectories, decision.load_path)
-        return groups, decision
-    groups = await run()
-    for path in decision.save_paths:
-        await asyncio.to_thread(save_trajectories, path, groups, rollout_id)
-    return groups, decision

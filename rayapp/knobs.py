@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from rayapp.actors.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
 from rayapp.actors.recipe import RecipeConfig
 from rayapp.training import dagger, reuse
 
@@ -28,7 +29,7 @@ SPEC_FLAGS = {
     "pool.memory_gb": "--env-memory-gb",
     "scheduler.save_eval_details": "--save-eval-details",
     "evaluators[].batch_size": "--evaluator-batch-size",
-    "evaluators[].resource.concurrency": "--evaluator-concurrency",
+    "evaluators[].resource.concurrency": "--evaluator-concurrency / STACX_DAGGER_ENV_CONCURRENCY",
 }
 
 
@@ -50,7 +51,7 @@ def env_rows() -> list[str]:
     rows = []
     for name, meaning in sorted(dagger.ENV_VARS.items()):
         rows.append(f"| `{name}` | — | {_cell(meaning)} |")
-    for name, (default, meaning) in sorted({**reuse.ENV_KNOBS, **OTHER_ENV}.items()):
+    for name, (default, meaning) in sorted({**reuse.ENV_KNOBS, **RECIPE_ENV_KNOBS, **OTHER_ENV}.items()):
         rows.append(f"| `{name}` | `{default or '(unset)'}` | {_cell(meaning)} |")
     return rows
 

@@ -9,7 +9,7 @@ from conftest import run
 
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.manager import PoolClient
-from rayapp.actors.recipe import RecipeError, parse_recipe
+from rayapp.actors.recipe import RecipeError, apply_env, parse_recipe
 from rayapp.cli import ROOT
 from rayapp.core.termination import AgentTimeout, EngineConnectionError, classify_abort
 from rayapp.types import Resource, Token
@@ -30,6 +30,9 @@ def test_the_local_recipe_parses():
     (lambda a: a["pool"].update(cluster_layuot="x"), r"unknown field `cluster_layuot`"),
     (lambda a: a.update(engines={}), r"\$\.engines: at least one engine"),
     (lambda a: a.update(evaluators=[]), r"\$\.evaluators: at least one evaluator"),
+    (lambda a: a["evaluators"][3].update(teacher="expert"), r"\$\.evaluators\[3\]\.teacher: 'expert' is not one of"),
+    (lambda a: a["evaluators"][0].update(teacher="student"),
+     r"\$\.evaluators\[0\]\.teacher: env 'arithmetic' has no DAgger agent; DAgger runs on \['math', 'swe'\]"),
 ])
 def test_a_bad_recipe_gets_one_error_naming_the_path(mutate, message):
     args = yaml.safe_load(yaml.safe_dump(LOCAL))
@@ -168,6 +171,20 @@ def test_a_recipe_takes_a_dagger_schedule_and_filters():
     args["filters"]["rejection"]["drop_al_wrong"] = True
     with pytest.raises(RecipeError, match="drop_al_wrong"):
         parse_recipe(args)
+
+
+def test_stacx_dagger_env_concurrency_sets_the_ceiling_of_dagger_evaluators_only():
+    args = yaml.safe_load(yaml.safe_dump(LOCAL))
+    args["engines"]["teacher"] = args["engines"]["student"]
+    args["evaluators"][3]["teacher"] = "teacher"  # swe becomes a DAgger evaluator
+    cfg = parse_recipe(args)
+    assert apply_env(cfg, {}) is cfg
+    out = apply_env(cfg, {"STACX_DAGGER_ENV_CONCURRENCY": "7"})
+    assert [e.resource.concurrency for e in out.evaluators] == [3, 3, 3, 7]
+    assert out.evaluators[3].resource.cpu == cfg.evaluators[3].resource.cpu
+    for bad in ("0", "four", "2.5"):
+        with pytest.raises(RecipeError, match=f"STACX_DAGGER_ENV_CONCURRENCY='{bad}': expected an integer >= 1"):
+            apply_env(cfg, {"STACX_DAGGER_ENV_CONCURRENCY": bad})
 
 
 def test_the_demo_finds_and_stops_exactly_its_own_cluster_processes(tmp_path, monkeypatch):

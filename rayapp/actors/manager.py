@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from typing import Any
 
 import msgspec
@@ -19,7 +20,7 @@ from ray import serve
 
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.pool import run_in_bundle
-from rayapp.actors.recipe import FiltersConfig, RecipeConfig, parse_recipe
+from rayapp.actors.recipe import FiltersConfig, RecipeConfig, apply_env, parse_recipe
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.batching import load_strategy
 from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
@@ -93,7 +94,10 @@ def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: P
                                       network=sb.network)
         image = {"image": sb.image} if sb.image else {}
         opener = functools.partial(open_sandbox, kind=sb.kind, limits=limits, **image)
-        agent = get_env(ev.env).make_agent(AgentDeps(engines[ev.engine], run_in_bundle, opener))
+        env = get_env(ev.env)
+        deps = AgentDeps(engines[ev.engine], run_in_bundle, opener,
+                         teacher=engines[ev.teacher] if ev.teacher else None)
+        agent = (env.make_dagger_agent if ev.teacher else env.make_agent)(deps)
         specs.append(EvaluatorSpec(ev.evaluator_id, agent, ev.resource, ev.run_resource, ev.eval_resource,
                                    ev.batch_size, ev.default_stopping, ev.default_sampling, ev.eval_timeout_s))
     s = cfg.scheduler
@@ -129,7 +133,7 @@ def filter_step(result: RolloutResult, cfg: FiltersConfig) -> RolloutResult:
 class SchedulerRolloutManager:
     def __init__(self, recipe: dict[str, Any], engines: dict[str, Any], pool: Any | None = None,
                  owner: str = "rayapp-manager"):
-        self.cfg = parse_recipe(recipe)
+        self.cfg = apply_env(parse_recipe(recipe), os.environ)
         self.pool_client = PoolClient(pool, owner) if pool is not None else None
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s)
                         for name, h in engines.items()}

@@ -6,6 +6,7 @@ JSON path, and nothing is deployed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -63,6 +64,7 @@ class EvaluatorConfig(_Strict):
     evaluator_id: str
     env: str = "arithmetic"
     engine: str = "student"
+    teacher: str | None = None  # a second engine: the episode is a DAgger roll-in (student + teacher)
     resource: Resource = Resource()
     run_resource: Resource = Resource()
     eval_resource: Resource = Resource()
@@ -97,6 +99,7 @@ class SchedulerConfig(_Strict):
     progress: bool = True
     save_eval_details: str | None = None  # --save-eval-details: folder for eval_details/ artifacts
     trajectory_dir: str | None = None  # where rollouts are saved and reused (STACX_* reuse knobs)
+    checkpoint_dir: str | None = None  # mid-rollout checkpoints: a restarted manager resumes the step
 
 
 class FiltersConfig(_Strict):
@@ -127,9 +130,11 @@ def parse_recipe(args: dict[str, Any], source: str = "rollout.yaml") -> RecipeCo
     if not recipe.engines:
         raise RecipeError(f'recipe "{source}": $.engines: at least one engine is needed')
     for i, ev in enumerate(recipe.evaluators):
-        if ev.engine not in recipe.engines:
-            raise RecipeError(f'recipe "{source}": $.evaluators[{i}].engine: {ev.engine!r} is not one of '
-                              f"{sorted(recipe.engines)}")
+        for key in ("engine", "teacher"):
+            name = getattr(ev, key)
+            if name is not None and name not in recipe.engines:
+                raise RecipeError(f'recipe "{source}": $.evaluators[{i}].{key}: {name!r} is not one of '
+                                  f"{sorted(recipe.engines)}")
     if not recipe.evaluators:
         raise RecipeError(f'recipe "{source}": $.evaluators: at least one evaluator is needed')
     if not recipe.data:
@@ -143,7 +148,37 @@ def parse_recipe(args: dict[str, Any], source: str = "rollout.yaml") -> RecipeCo
     for i, ev in enumerate(recipe.evaluators):
         if ev.env not in ENVS:
             raise RecipeError(f'recipe "{source}": $.evaluators[{i}].env: {ev.env!r} is not one of {sorted(ENVS)}')
+        if ev.teacher is not None and ENVS[ev.env].make_dagger_agent is None:
+            dagger_envs = sorted(n for n, e in ENVS.items() if e.make_dagger_agent is not None)
+            raise RecipeError(f'recipe "{source}": $.evaluators[{i}].teacher: env {ev.env!r} has no DAgger agent; '
+                              f"DAgger runs on {dagger_envs}")
         if ev.sandbox.kind not in ("local", "docker") or (ev.sandbox.kind == "docker") != bool(ev.sandbox.image):
             raise RecipeError(f'recipe "{source}": $.evaluators[{i}].sandbox: kind "local", or kind "docker" '
                               f"with an image")
     return recipe
+
+
+# Launch-time environment variables the spec's recipes read (name -> (default, meaning)).
+ENV_CONCURRENCY = "STACX_DAGGER_ENV_CONCURRENCY"
+ENV_KNOBS: dict[str, tuple[str, str]] = {
+    ENV_CONCURRENCY: ("(unset)", "user-set: when set, the per-evaluator concurrency (resource.concurrency, the "
+                                 "semaphore ceiling) of every DAgger evaluator (one with a teacher); the spec's "
+                                 "SWE recipe default is 4"),
+}
+
+
+def apply_env(recipe: RecipeConfig, environ: Mapping[str, str], source: str = "rollout.yaml") -> RecipeConfig:
+    """The recipe with the launch-time variables of ``ENV_KNOBS`` applied (read in the manager's
+    process: set them in the Serve config's ``runtime_env.env_vars`` or the shell of ``serve run``)."""
+    raw = environ.get(ENV_CONCURRENCY)
+    if raw is None:
+        return recipe
+    try:
+        concurrency = int(raw)
+        if concurrency < 1:
+            raise ValueError
+    except ValueError:
+        raise RecipeError(f'recipe "{source}": {ENV_CONCURRENCY}={raw!r}: expected an integer >= 1') from None
+    evaluators = [msgspec.structs.replace(ev, resource=msgspec.structs.replace(ev.resource, concurrency=concurrency))
+                  if ev.teacher is not None else ev for ev in recipe.evaluators]
+    return msgspec.structs.replace(recipe, evaluators=evaluators)

@@ -6,6 +6,9 @@
   in a sandbox placed in the sample's bundle;
 - ``swe``: the mini-SWE repositories, a multi-turn agent with bash/read_file/write_file tools in a
   sandbox holding the repository, verified by the repository's own tests in that sandbox.
+
+The multi-turn envs (``math``, ``swe``) also have a DAgger agent, used when the evaluator names a
+``teacher`` engine: the same tools and verifier, with the roll-in of ``agents/dagger.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import msgspec
 
 from rayapp.envs import arithmetic
 from rayapp.envs.agents.chat import ChatAgent, Engine, Executor
+from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import humaneval, math, swe
 from rayapp.envs.datasets.source import DatasetSpec
@@ -32,12 +36,14 @@ class AgentDeps:
     engine: Engine
     executor: Executor  # runs a plain function where the sample's token is reserved
     open_sandbox: OpenSandbox
+    teacher: Engine | None = None  # the DAgger expert, for make_dagger_agent
 
 
 @dataclass(frozen=True)
 class Env:
     rows: Callable[[Any], list[Any]]  # (DatasetConfig) -> the dataset's tasks
     make_agent: Callable[[AgentDeps], Any]
+    make_dagger_agent: Callable[[AgentDeps], Any] | None = None  # None: no DAgger variant
 
 
 class CodeAgent(ChatAgent):
@@ -75,6 +81,16 @@ class SweAgent(ToolAgent):
         return await swe.verify_swe(sandbox, sample.label)
 
 
+class DAggerSweAgent(DAggerRollIn, SweAgent):
+    """mini-SWE with the DAgger roll-in: student and teacher act in the same sandbox."""
+
+    def __init__(self, deps: AgentDeps, seed: int = 0):
+        if deps.teacher is None:
+            raise ValueError("DAggerSweAgent needs a teacher engine")
+        super().__init__(deps)
+        self.teacher, self.seed = deps.teacher, seed
+
+
 def _arithmetic_rows(cfg: Any) -> list[Any]:
     return arithmetic.ArithmeticSource(cfg.seed).get_tasks(cfg.n_prompts)
 
@@ -82,9 +98,10 @@ def _arithmetic_rows(cfg: Any) -> list[Any]:
 ENVS: dict[str, Env] = {
     "arithmetic": Env(_arithmetic_rows, lambda d: ChatAgent(d.engine, arithmetic.verify, d.executor)),
     "math": Env(lambda cfg: math.generate_problems(cfg.n_prompts, cfg.seed),
-                lambda d: ToolAgent(d.engine, math.verify, tools=["calculator"], executor=d.executor)),
+                lambda d: ToolAgent(d.engine, math.verify, tools=["calculator"], executor=d.executor),
+                lambda d: DAggerAgent(d.engine, d.teacher, math.verify, tools=["calculator"], executor=d.executor)),
     "humaneval": Env(lambda cfg: humaneval.load_humaneval(), CodeAgent),
-    "swe": Env(lambda cfg: swe.load_swe_tasks(), SweAgent),
+    "swe": Env(lambda cfg: swe.load_swe_tasks(), SweAgent, DAggerSweAgent),
 }
 
 

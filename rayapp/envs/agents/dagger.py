@@ -21,10 +21,13 @@ from rayapp.inference.client import GenerateOutput, GenerateRequest
 from rayapp.types import EpisodeContext, Sample
 
 
-class DAggerAgent(ToolAgent):
-    def __init__(self, student: Engine, teacher: Engine, verify: Any, *, seed: int = 0, **kw: Any):
-        super().__init__(student, verify, **kw)
-        self.teacher, self.seed = teacher, seed
+class DAggerRollIn:
+    """The roll-in as a mixin over any ToolAgent (``class X(DAggerRollIn, SomeToolAgent)``): it
+    replaces the agent's one model turn (``act``); the engine the agent was built with is the
+    student. Set ``teacher`` (an engine) and ``seed`` in ``__init__``."""
+
+    teacher: Engine
+    seed: int = 0
 
     def _teacher_acts(self, turn: int, sample: Sample, ctx: EpisodeContext) -> bool:
         beta = float(ctx.iteration.get("beta", 0.0))
@@ -50,3 +53,11 @@ class DAggerAgent(ToolAgent):
         actors.append("student")
         self._record_turn(sample, ctx, turn, out.engine, actor="student")
         return out, 0
+
+
+class DAggerAgent(DAggerRollIn, ToolAgent):
+    """A ToolAgent whose turns follow the DAgger roll-in."""
+
+    def __init__(self, student: Engine, teacher: Engine, verify: Any, *, seed: int = 0, **kw: Any):
+        super().__init__(student, verify, **kw)
+        self.teacher, self.seed = teacher, seed

@@ -102,6 +102,23 @@ def test_a_restarted_owner_frees_what_its_predecessor_held(ray_session, pool):
     assert pg_state(ray, tokens[0].placement_group) == "REMOVED"
 
 
+def test_release_owner_cancels_the_acquires_a_dead_owner_left_waiting(ray_session, pool):
+    ray = ray_session
+    budget = Resource(gpu=4, concurrency=16, cpu=8, memory_gb=4)
+    held = ray.get(pool.acquire_batch.remote(budget, QUARTER, 16, label="full", owner="alive"), timeout=30)
+    waiting = pool.acquire_batch.remote(budget, QUARTER, 4, label="orphan", owner="dead")
+    for _ in range(100):  # until the pool has the orphan in its queue
+        if ray.get(pool.placement.remote(), timeout=30)["waiting"]:
+            break
+    assert ray.get(pool.placement.remote(), timeout=30)["waiting"] == 1
+    assert ray.get(pool.release_owner.remote("dead"), timeout=30) == 0  # held nothing, waited for one
+    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+        ray.get(waiting, timeout=30)
+    assert ray.get(pool.placement.remote(), timeout=30)["waiting"] == 0
+    ray.get(pool.release_batch.remote(held), timeout=30)  # nothing was granted to the dead owner
+    assert ray.get(pool.placement.remote(), timeout=30)["batches"] == {}
+
+
 def test_releasing_a_foreign_or_partial_batch_is_refused(ray_session, pool):
     ray = ray_session
     tokens = ray.get(pool.acquire_batch.remote(Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1), QUARTER, 4,

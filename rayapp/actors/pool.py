@@ -151,11 +151,22 @@ class PlacementPoolService:
         self.ledger = PlacementPool(layout)
         self.pg_ready_timeout_s = pg_ready_timeout_s
         self._holds: dict[str, _Hold] = {}
+        self._pending: dict[str, set[asyncio.Task]] = {}  # owner -> its acquires still in flight
         self._seq = 0
         log.info("placement pool over %d nodes: %s", len(layout), layout)
 
     async def acquire_batch(self, budget: Resource, per_sample: Resource, max_tokens: int, *,
                             timeout: float | None = None, label: str = "batch", owner: str = "") -> list[Token] | None:
+        pending = self._pending.setdefault(owner, set())
+        task = asyncio.current_task()
+        pending.add(task)
+        try:
+            return await self._acquire(budget, per_sample, max_tokens, timeout, label, owner)
+        finally:
+            pending.discard(task)
+
+    async def _acquire(self, budget: Resource, per_sample: Resource, max_tokens: int, timeout: float | None,
+                       label: str, owner: str) -> list[Token] | None:
         tokens = await self.ledger.acquire_batch(budget, per_sample, max_tokens, timeout=timeout)
         if not tokens:
             return tokens
@@ -198,10 +209,17 @@ class PlacementPoolService:
         self.ledger.release(hold.tokens)
 
     def release_owner(self, owner: str) -> int:
-        """Free every batch an owner still holds (a restarted manager's predecessor); returns how many."""
+        """Free every batch an owner still holds (a restarted manager's predecessor) and cancel its
+        acquires still waiting: a dead caller never cancels them, and one granted later would leak.
+        Returns how many batches were freed."""
+        waiting = list(self._pending.pop(owner, ()))
+        for task in waiting:
+            task.cancel()
         stale = [n for n, h in self._holds.items() if h.owner == owner]
         for name in stale:
             self._release(name)
+        if waiting:
+            log.warning("release_owner %s: cancelled %d waiting acquires", owner, len(waiting))
         return len(stale)
 
     def max_tokens_for(self, per_sample: Resource) -> int:

@@ -50,6 +50,23 @@ class DataSource(Protocol):
     def get_tasks(self, n: int) -> Any: ...  # list[Task], or an awaitable of one
 
 
+class Checkpoint(Protocol):
+    """Durable progress of rollout steps (``training.trajectories.RolloutCheckpoint``): the data
+    source's state at the fetch and each finished group, so a step cut short resumes where it
+    stopped. Blocking I/O: the scheduler calls it from a thread. ``resume`` returns None or an
+    object with ``source_state`` and ``groups`` (finished groups by index in fetch order)."""
+
+    def resume(self, rollout_id: int) -> Any: ...
+
+    def begin(self, rollout_id: int, source_state: dict) -> None: ...
+
+    def record_group(self, rollout_id: int, index: int, group: list[Sample]) -> None: ...
+
+    def finish(self, rollout_id: int, next_source_state: dict | None = None) -> None: ...
+
+    def next_source_state(self, rollout_id: int) -> dict | None: ...
+
+
 class IterationSource(Protocol):
     """Per-iteration state the scheduler publishes (spec §5), e.g. a DAgger schedule. Each call may
     publish environment variables too; the plain dict it returns goes to every agent and back with
@@ -98,6 +115,7 @@ class TaskScheduler:
         global_sampling: SamplingParams = SamplingParams(),
         on_task_done: OnTaskDone | None = None,
         iteration: IterationSource | None = None,
+        checkpoint: Checkpoint | None = None,
         acquire_timeout_s: float | None = None,
         progress: bool = True,
         clock: Callable[[], float] = time.time,
@@ -120,6 +138,9 @@ class TaskScheduler:
         self.global_stopping, self.global_sampling = global_stopping, global_sampling
         self.on_task_done = on_task_done
         self.iteration = iteration
+        if checkpoint is not None and not all(hasattr(data_source, m) for m in ("state_dict", "load_state_dict")):
+            raise ValueError("a checkpoint needs a data_source with state_dict() and load_state_dict()")
+        self.checkpoint, self._steps = checkpoint, 0
         self.acquire_timeout_s = acquire_timeout_s
         self.progress, self.clock = progress, clock
         self._warned: set[str] = set()
@@ -128,10 +149,14 @@ class TaskScheduler:
     # -- the four moves ----------------------------------------------------------------------
 
     async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
+        """One rollout step. With a checkpoint, a step that was cut short (the process killed) is
+        resumed: the same tasks are fetched again from the saved source state, and only the groups
+        not recorded as finished run; ``on_task_done`` fires for those only."""
         if self.data_source is None:
             raise ValueError("execute_rollout needs a data_source")
         # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
         state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
+        finished = await self._begin_checkpoint(rollout_id)
         fetched = await _resolve(self.data_source.get_tasks(self.rollout_batch_size))  # fetch
         # Samples are grouped per task object: a task fetched twice gets a group of its own.
         tasks: list[Task] = []
@@ -139,12 +164,58 @@ class TaskScheduler:
         for t in fetched:
             tasks.append(msgspec.structs.replace(t) if id(t) in seen else t)
             seen.add(id(t))
+        if any(i >= len(tasks) for i in finished):
+            raise ValueError(f"rollout {rollout_id}: the checkpoint holds group {max(finished)} but the fetch gave "
+                             f"{len(tasks)} tasks (rollout_batch_size changed?)")
         groups = self._distribute(rollout_id, tasks)
-        batches = self.batching_strategy(tasks, self.specs)  # batch
-        await self.run_all(rollout_id, batches, groups, on_task_done, phase="rollout", iteration=state)  # run
-        samples = [groups[id(t)].samples for t in tasks]
-        return RolloutResult(rollout_id, samples, {f"rollout/{k}": float(v) for k, v in
-                                                   failure_summary(chain.from_iterable(samples)).items()}, state)
+        todo = [t for i, t in enumerate(tasks) if i not in finished]
+        batches = self.batching_strategy(todo, self.specs)  # batch
+        callback = self._recording(rollout_id, tasks, on_task_done or self.on_task_done)
+        await self.run_all(rollout_id, batches, groups, callback, phase="rollout", iteration=state)  # run
+        samples = [finished[i] if i in finished else groups[id(t)].samples for i, t in enumerate(tasks)]
+        metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
+        if self.checkpoint is not None:
+            await asyncio.to_thread(self.checkpoint.finish, rollout_id, self.data_source.state_dict())
+            metrics["rollout/resumed_groups"] = float(len(finished))
+        return RolloutResult(rollout_id, samples, metrics, state)
+
+    async def _begin_checkpoint(self, rollout_id: int) -> dict[int, list[Sample]]:
+        """Resume ``rollout_id`` (its source state back, its finished groups), or begin it. A fresh
+        process's first step continues the data stream where the last finished step left it."""
+        first, self._steps = self._steps == 0, self._steps + 1
+        ck = self.checkpoint
+        if ck is None:
+            return {}
+        resumed = await asyncio.to_thread(ck.resume, rollout_id)
+        if resumed is not None:
+            self.data_source.load_state_dict(resumed.source_state)
+            log.warning("rollout %d resumes from its checkpoint: %d groups finished before", rollout_id,
+                        len(resumed.groups))
+            return dict(resumed.groups)
+        if first and rollout_id > 0:
+            before = await asyncio.to_thread(ck.next_source_state, rollout_id - 1)
+            if before is not None:
+                self.data_source.load_state_dict(before)
+                log.info("rollout %d continues the data stream where rollout %d left it", rollout_id, rollout_id - 1)
+        await asyncio.to_thread(ck.begin, rollout_id, self.data_source.state_dict())
+        return {}
+
+    def _recording(self, rollout_id: int, tasks: list[Task], callback: OnTaskDone | None) -> OnTaskDone | None:
+        """``callback``, after each finished group is recorded in the checkpoint. A failed write
+        costs resumability, not the step: it is logged, and the step goes on."""
+        if self.checkpoint is None:
+            return callback
+        index = {id(t): i for i, t in enumerate(tasks)}
+
+        async def record(task: Task, samples: list[Sample]) -> None:
+            try:
+                await asyncio.to_thread(self.checkpoint.record_group, rollout_id, index[id(task)], samples)
+            except Exception:
+                log.exception("rollout %d: could not checkpoint group %d", rollout_id, index[id(task)])
+            if callback is not None:
+                await _resolve(callback(task, samples))
+
+        return record
 
     async def execute_eval(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> EvalResult:
         """Every (prompt x copy) sample, interleaved round-robin across datasets, in one run_all."""

@@ -225,7 +225,8 @@ def load_trajectories(path: str | os.PathLike) -> tuple[int | None, list[list[Sa
 
 # ---- mid-rollout checkpoints ---------------------------------------------------------------------
 
-_STATE, _GROUP, _DONE = "rayapp.rollout_checkpoint.state", "rayapp.rollout_checkpoint.group", "FINISHED"
+_STATE, _GROUP = "rayapp.rollout_checkpoint.state", "rayapp.rollout_checkpoint.group"
+_FINISHED, _DONE = "rayapp.rollout_checkpoint.finished", "FINISHED"
 _GROUP_RE = re.compile(r"^group_(\d{6,})\.pt$")
 
 
@@ -248,11 +249,13 @@ class RolloutCheckpoint:
 
         {dir}/rollout_{id:06d}/state.pt          data source state at begin() (written first)
         {dir}/rollout_{id:06d}/group_{i:06d}.pt  one per finished group, each written atomically
-        {dir}/rollout_{id:06d}/FINISHED          finish() was called: never resumed
+        {dir}/rollout_{id:06d}/FINISHED          finish() was called: never resumed; holds the
+                                                 source state after the fetch (next_source_state)
 
     Protocol: ``st = ckpt.resume(id)``; if None, ``ckpt.begin(id, source.state_dict())`` and fetch,
     else ``source.load_state_dict(st.source_state)``, fetch the same tasks and run only
-    ``st.missing(n)``; ``record_group`` as each group finishes; ``finish(id)`` at the end.
+    ``st.missing(n)``; ``record_group`` as each group finishes; ``finish(id, source.state_dict())``
+    at the end. ``TaskScheduler(checkpoint=...)`` follows this protocol.
     A group file that cannot be read (damaged on disk) is skipped with a warning and re-run; a
     group of another ``begin`` (a stale writer) is skipped the same way. Each call does blocking
     I/O with fsync: on a busy event loop, call it through ``asyncio.to_thread``."""
@@ -292,13 +295,30 @@ class RolloutCheckpoint:
         atomic_write(folder / f"group_{index:06d}.pt", lambda f: torch.save(data, f))
         self._done[rollout_id].add(index)
 
-    def finish(self, rollout_id: int) -> None:
-        """Mark ``rollout_id`` complete: ``resume`` returns None for it from now on."""
+    def finish(self, rollout_id: int, next_source_state: dict | None = None) -> None:
+        """Mark ``rollout_id`` complete: ``resume`` returns None for it from now on. The source's
+        state after the step's fetch lets a restarted manager continue the stream (``next_source_state``)."""
         folder = self._folder(rollout_id)
         if not (folder / "state.pt").exists():
             raise ValueError(f"rollout {rollout_id}: finish() without begin()")
-        atomic_write(folder / _DONE, lambda f: None)
+        done = {"format": _FINISHED, "version": VERSION, "rollout_id": rollout_id,
+                "next_source_state": None if next_source_state is None
+                else _plain(next_source_state, ("next_source_state",))}
+        atomic_write(folder / _DONE, lambda f: torch.save(done, f))
         self._forget(rollout_id)
+
+    def next_source_state(self, rollout_id: int) -> dict | None:
+        """The data source's state after finished rollout ``rollout_id``'s fetch; None when it did
+        not finish or saved none. A damaged marker is a TrajectoryError: continuing from the start
+        instead would silently repeat data."""
+        marker = self._folder(rollout_id) / _DONE
+        if not marker.exists():
+            return None
+        done = _check_header(_torch_load(marker), _FINISHED, marker)
+        state = done.get("next_source_state")
+        if state is not None and not isinstance(state, dict):
+            raise TrajectoryError(marker, "next_source_state is not a dict")
+        return state
 
     def resume(self, rollout_id: int) -> ResumeState | None:
         """The saved source state and finished groups of an unfinished ``rollout_id``; None when it

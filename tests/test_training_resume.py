@@ -1,0 +1,134 @@
+"""A rollout cut short resumes from its checkpoint (TaskScheduler + RolloutCheckpoint, in one process;
+the manager-replica kill is tests/isolated/test_e2e_serve.py)."""
+
+import asyncio
+import logging
+
+import pytest
+from conftest import run
+
+from rayapp.core.agent import FunctionAgent
+from rayapp.core.scheduler import TaskScheduler
+from rayapp.envs.arithmetic import ArithmeticSource, verify
+from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
+from rayapp.training.trajectories import RolloutCheckpoint
+from rayapp.types import AgentResult, EvaluatorSpec, Resource
+
+LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 16, "memory_gb": 64}}'
+N = 6  # groups per rollout
+
+
+def source() -> MultiDataSource:
+    return MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=1).get_tasks(5), weight=2.0),
+                            DatasetSpec("b", ArithmeticSource(seed=2).get_tasks(7), n_samples_per_prompt=2)], seed=9)
+
+
+class Policy:
+    """Answers every prompt; tasks named in ``hold`` wait until released (the process 'dies' first)."""
+
+    def __init__(self, hold=()):
+        self.hold, self.release, self.calls = set(hold), asyncio.Event(), []
+
+    async def __call__(self, sample, ctx):
+        self.calls.append((sample.task_id, sample.index))
+        if sample.task_id in self.hold:
+            await self.release.wait()
+        return AgentResult(tokens=[1, 2, 3], response_length=1, response=str(len(self.calls)),
+                           rollout_log_probs=[-0.5], loss_mask=[1])
+
+
+def scheduler(policy, ckpt=None, pool=None) -> TaskScheduler:
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(policy, verify), Resource(gpu=1, concurrency=4, cpu=4),
+                         Resource(gpu=0.25, cpu=1), batch_size=2)
+    return TaskScheduler([spec], source(), pool, rollout_batch_size=N, checkpoint=ckpt, progress=False)
+
+
+def ids(result):
+    return [(g[0].task_id, len(g)) for g in result.groups]
+
+
+def test_a_rollout_killed_mid_way_resumes_without_rerunning_finished_groups(tmp_path, make_pool, caplog):
+    reference = scheduler(Policy())
+    expected = [ids(run(reference.execute_rollout(r))) for r in range(3)]
+    assert expected[0] != expected[1]  # the stream moves on
+
+    ckpt = RolloutCheckpoint(tmp_path)
+    first = scheduler(Policy(), ckpt, make_pool(LAYOUT))
+    assert ids(run(first.execute_rollout(0))) == expected[0]
+    # rollout 1 in a process that dies while two of its groups are still running
+    held = {expected[1][-1][0], expected[1][-2][0]}
+    dying = Policy(hold=held)
+    sched = scheduler(dying, RolloutCheckpoint(tmp_path), make_pool(LAYOUT))
+
+    async def killed():
+        step = asyncio.create_task(sched.execute_rollout(1))
+        while sum(1 for t, _ in dying.calls if t in held) < 2 or sched.status().get("tasks_done", 0) < N - len(held):
+            await asyncio.sleep(0.01)
+        step.cancel()  # what the checkpoint sees of a killed process: no finish()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+
+    run(killed())
+    recorded = RolloutCheckpoint(tmp_path).resume(1).groups
+    assert len(recorded) == N - len(held) and all(g[0].task_id not in held for g in recorded.values())
+
+    # a new process (its data source back at the start) resumes rollout 1
+    policy = Policy()
+    caplog.set_level(logging.WARNING)
+    resumed = run(scheduler(policy, RolloutCheckpoint(tmp_path), make_pool(LAYOUT)).execute_rollout(1))
+    assert ids(resumed) == expected[1]  # the same tasks, in fetch order: nothing lost, nothing twice
+    assert {t for t, _ in policy.calls} == held  # only the unfinished groups ran again
+    for i, group in recorded.items():
+        assert resumed.groups[i] == group  # finished groups come back as recorded, not re-run
+    assert resumed.metrics["rollout/resumed_groups"] == N - len(held)
+    assert "rollout 1 resumes from its checkpoint: 4 groups finished before" in caplog.text
+    assert RolloutCheckpoint(tmp_path).resume(1) is None  # finished: never resumed again
+
+    # a process restarted between steps continues the stream where rollout 1 left it
+    after = run(scheduler(Policy(), RolloutCheckpoint(tmp_path), make_pool(LAYOUT)).execute_rollout(2))
+    assert ids(after) == expected[2]
+
+
+def test_a_failed_checkpoint_write_costs_resumability_not_the_step(tmp_path, caplog):
+    class Full(RolloutCheckpoint):
+        def record_group(self, rollout_id, index, group):
+            raise OSError(28, "No space left on device")
+
+    result = run(scheduler(Policy(), Full(tmp_path)).execute_rollout(0))
+    assert len(result.groups) == N and result.metrics["rollout/resumed_groups"] == 0
+    assert caplog.text.count("could not checkpoint group") == N
+
+
+def test_a_checkpoint_needs_a_source_that_saves_its_state(tmp_path):
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(Policy(), verify))
+    with pytest.raises(ValueError, match="state_dict"):
+        TaskScheduler([spec], ArithmeticSource(), checkpoint=RolloutCheckpoint(tmp_path))
+
+
+def test_a_checkpoint_of_a_bigger_step_is_refused_before_anything_runs(tmp_path):
+    ckpt = RolloutCheckpoint(tmp_path)
+    src = source()
+    ckpt.begin(0, src.state_dict())
+    for i in range(N):
+        ckpt.record_group(0, i, [])
+    policy = Policy()
+    sched = scheduler(policy, RolloutCheckpoint(tmp_path))
+    sched.rollout_batch_size = 2
+    with pytest.raises(ValueError, match=r"checkpoint holds group 5 but the fetch gave 2 tasks"):
+        run(sched.execute_rollout(0))
+    assert policy.calls == []
+
+
+def test_the_finished_marker_keeps_the_next_source_state_and_a_damaged_one_is_named(tmp_path):
+    from rayapp.training.trajectories import TrajectoryError
+
+    ckpt = RolloutCheckpoint(tmp_path)
+    src = source()
+    ckpt.begin(3, src.state_dict())
+    src.get_tasks(4)
+    ckpt.finish(3, src.state_dict())
+    assert ckpt.next_source_state(3) == src.state_dict() and ckpt.next_source_state(2) is None
+    marker = tmp_path / "rollout_000003" / "FINISHED"
+    marker.write_bytes(b"\x80\x02garbage")
+    with pytest.raises(TrajectoryError, match=r"rollout_000003/FINISHED: not a torch\.save file"):
+        ckpt.next_source_state(3)

@@ -10,6 +10,7 @@ page and fails when it differs from docs/knobs.md, so code and reference cannot 
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 import msgspec
@@ -37,11 +38,15 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def flag_rows() -> list[str]:
+def _dagger_actions() -> list[argparse.Action]:
     parser = argparse.ArgumentParser(add_help=False)
     dagger.add_dagger_args(parser)
+    return parser._actions  # argparse keeps no public list; this is the parser's own record
+
+
+def flag_rows() -> list[str]:
     rows = []
-    for action in parser._actions:  # argparse keeps no public list; this is the parser's own record
+    for action in _dagger_actions():
         help_text = (action.help or "") % {"default": action.default}
         rows.append(f"| `{', '.join(action.option_strings)}` | `{action.default}` | {_cell(help_text)} |")
     return rows
@@ -56,33 +61,52 @@ def env_rows() -> list[str]:
     return rows
 
 
-def _walk(info: Any, prefix: str) -> list[tuple[str, str, str]]:
-    """(key path, type, default) for every leaf field of a recipe Struct."""
+def _default(f: msgspec.inspect.Field) -> str:
+    if f.required:
+        return "(required)"
+    value = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+    if isinstance(value, msgspec.Struct) and value == msgspec.convert({}, type(value)):
+        return "{}"  # a section left at its defaults
+    return repr(value)
+
+
+def _walk(info: Any, prefix: str) -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, meaning) for every field of a recipe Struct, a section before its
+    fields. The meaning is the field's ``Annotated[T, msgspec.Meta(description=...)]``."""
     out = []
     for f in info.fields:
-        path = f"{prefix}{f.name}"
-        t = f.type
+        path, t, meaning = f"{prefix}{f.name}", f.type, ""
+        if isinstance(t, msgspec.inspect.Metadata):
+            meaning, t = (t.extra_json_schema or {}).get("description", ""), t.type
         if isinstance(t, msgspec.inspect.UnionType):  # X | None: describe X
             inner = [a for a in t.types if not isinstance(a, msgspec.inspect.NoneType)]
             t = inner[0] if len(inner) == 1 else t
+        kind = type(t).__name__.removesuffix("Type").lower()
+        out.append((path, kind, _default(f), meaning))
         if isinstance(t, msgspec.inspect.StructType):
             out += _walk(t, path + ".")
         elif isinstance(t, msgspec.inspect.ListType) and isinstance(t.item_type, msgspec.inspect.StructType):
             out += _walk(t.item_type, path + "[].")
         elif isinstance(t, msgspec.inspect.DictType) and isinstance(t.value_type, msgspec.inspect.StructType):
             out += _walk(t.value_type, path + ".<name>.")
-        else:
-            default = "(required)" if f.required else repr(f.default if f.default is not msgspec.NODEFAULT
-                                                             else f.default_factory())
-            out.append((path, type(t).__name__.removesuffix("Type").lower(), default))
     return out
+
+
+def _dagger_help() -> dict[str, str]:
+    """``dagger.<field>`` -> its --dagger-* flag's help, so the meaning is written once, in dagger.py."""
+    flags = {flag: field for field, flag in dagger.FLAGS.items()}
+    return {f"dagger.{flags[a.option_strings[0]]}": re.sub(r"\s*\(default: %\(default\)s\)$", "", a.help or "")
+            for a in _dagger_actions() if a.option_strings and a.option_strings[0] in flags}
 
 
 def recipe_rows() -> list[str]:
     rows = []
-    for path, kind, default in _walk(msgspec.inspect.type_info(RecipeConfig), ""):
-        flag = SPEC_FLAGS.get(path, "")
-        rows.append(f"| `{path}` | {kind} | `{_cell(default)}` | {f'`{flag}`' if flag else ''} |")
+    flags = SPEC_FLAGS | {f"dagger.{field}": flag for field, flag in dagger.FLAGS.items()}
+    dagger_help = _dagger_help()
+    for path, kind, default, meaning in _walk(msgspec.inspect.type_info(RecipeConfig), ""):
+        flag = flags.get(path, "")
+        meaning = meaning or dagger_help.get(path, "")
+        rows.append(f"| `{path}` | {kind} | `{_cell(default)}` | {_cell(meaning)} | {f'`{flag}`' if flag else ''} |")
     return rows
 
 
@@ -109,9 +133,10 @@ def render() -> str:
         "## Recipe keys (`args` of the rayapp application in a Serve config)",
         "",
         "The spec's launch flags are recipe keys here; the last column names the flag a key stands for.",
+        "A section (type struct, dict or list) comes before its own keys; `{}` is a section left at its defaults.",
         "",
-        "| key | type | default | spec flag |",
-        "| --- | --- | --- | --- |",
+        "| key | type | default | meaning | spec flag |",
+        "| --- | --- | --- | --- | --- |",
         *recipe_rows(),
         "",
     ])

@@ -8,9 +8,10 @@ Structs pickle, so they cross Ray calls as they are.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 
 class Status(enum.StrEnum):
@@ -25,10 +26,12 @@ class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     asyncio concurrency ceiling, CPU cores and memory. ``gpu`` in (0, 1] shares one GPU; above 1 it
     must be a whole number of GPUs on one node."""
 
-    gpu: float = 0.0
-    concurrency: int = 1
-    cpu: float = 0.0
-    memory_gb: float = 0.0
+    gpu: Annotated[float, Meta(description="GPUs: 0 none, a share of one GPU in (0, 1], or a whole number "
+                                           "above 1 (all on one node)")] = 0.0
+    concurrency: Annotated[int, Meta(description="samples at once: a budget's cap, and what one sample counts "
+                                                 "against it")] = 1
+    cpu: Annotated[float, Meta(description="CPU cores")] = 0.0
+    memory_gb: Annotated[float, Meta(description="memory, GB")] = 0.0
 
     def peak(self, other: Resource) -> Resource:
         """Per-field max: the most one sample holds when it runs ``self`` then ``other``."""
@@ -44,20 +47,25 @@ class StoppingCriteria(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """When an episode stops. ``None`` means "not set at this level" in the cascade (spec §2);
     after resolution a ``None`` left over means "no limit"."""
 
-    max_turns: int | None = None
-    max_context_len: int | None = None  # prompt + response tokens
-    timeout_s: float | None = None  # wall clock of the run phase
+    max_turns: Annotated[int | None, Meta(description="most model turns in one episode of a multi-turn agent "
+                                                      "(unset: 1)")] = None
+    max_context_len: Annotated[int | None, Meta(description="most tokens in an episode, prompt + response; the "
+                                                            "agent stops there (truncated)")] = None
+    timeout_s: Annotated[float | None, Meta(description="wall-clock limit of a sample's run phase, seconds; past it "
+                                                        "the sample aborts")] = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Generation settings handed to the inference engine; ``None`` as in StoppingCriteria."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None  # per turn
-    stop: list[str] | None = None
-    seed: int | None = None
+    temperature: Annotated[float | None, Meta(description="sampling temperature, >= 0; 0 = greedy (unset: "
+                                                          "1.0)")] = None
+    top_p: Annotated[float | None, Meta(description="nucleus sampling: the probability mass kept, in (0, 1]")] = None
+    top_k: Annotated[int | None, Meta(description="sample among the k likeliest tokens; -1 = off")] = None
+    max_new_tokens: Annotated[int | None, Meta(description="most tokens generated per model turn (unset: 128, or "
+                                                           "what max_context_len leaves)")] = None
+    stop: Annotated[list[str] | None, Meta(description="strings that end a generation")] = None
+    seed: Annotated[int | None, Meta(description="the request's sampling seed (unset: the engine picks one)")] = None
 
 
 class TaskConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -30,3 +30,28 @@ def test_code_set_variables_are_marked_never_to_set_by_hand():
     for name in ["STACX_DAGGER_BETA", "STACX_DAGGER_T_MAX", "STACX_ROLLOUT_ID"]:
         row = next(line for line in page.splitlines() if line.startswith(f"| `{name}`"))
         assert "code-set" in row
+
+
+def _recipe_rows(page: str) -> list[list[str]]:
+    section = page.split("## Recipe keys", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in rows]
+
+
+def test_every_recipe_key_has_a_meaning():
+    rows = _recipe_rows(render())
+    assert len(rows) > 50
+    for row in rows:
+        assert len(row) == 5, row  # key | type | default | meaning | spec flag
+        assert row[3], f"recipe key {row[0]} has no meaning: give its Struct field Annotated[T, msgspec.Meta(...)]"
+
+
+def test_recipe_key_types_defaults_and_dagger_meanings_come_from_the_code():
+    rows = {row[0].strip("`"): row for row in _recipe_rows(render())}
+    assert rows["scheduler.acquire_timeout_s"][1:3] == ["float", "`3600.0`"]
+    assert rows["pool.cluster_layout"][1:3] == ["union", "`None`"]
+    assert rows["filters.rejection"][2] == "`None`" and rows["filters.abort_cap"][2] == "`{}`"
+    assert rows["evaluators[].evaluator_id"][2] == "`(required)`"
+    # dagger.* meanings are the --dagger-* flags' help, written once in dagger.py
+    assert rows["dagger.beta_start"][3].startswith("β at iteration 0") and "(default:" not in rows["dagger.gamma"][3]
+    assert rows["dagger.beta_start"][4] == "`--dagger-beta-start`"

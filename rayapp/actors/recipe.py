@@ -7,9 +7,10 @@ JSON path, and nothing is deployed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter
@@ -27,99 +28,145 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class EngineConfig(_Strict):
     """One inference deployment. ``options`` go to the backend (``make_backend(backend, **options)``)."""
 
-    backend: str = "hf"
-    num_replicas: int = 1
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    max_ongoing_requests: int = 64
-    request_timeout_s: float = 300.0
-    options: dict[str, Any] = {}
-    # For engines spanning several GPUs (tensor parallel): the replica reserves them as one group.
-    placement_group_bundles: list[dict[str, float]] | None = None
-    placement_group_strategy: str = "STRICT_PACK"
+    backend: Annotated[str, Meta(description="inference backend: hf (transformers) or sglang")] = "hf"
+    num_replicas: Annotated[int, Meta(description="Serve replicas of this engine")] = 1
+    num_cpus: Annotated[float, Meta(description="CPUs Ray reserves for each replica")] = 1.0
+    num_gpus: Annotated[float, Meta(description="GPUs Ray reserves for each replica; a fraction shares one")] = 0.0
+    max_ongoing_requests: Annotated[int, Meta(description="requests one replica serves at once (Serve)")] = 64
+    request_timeout_s: Annotated[float, Meta(description="seconds an agent waits for one generate call; then the "
+                                                         "call is cancelled and the sample aborts")] = 300.0
+    options: Annotated[dict[str, Any], Meta(description="keyword arguments of the backend (model_path, ...)")] = {}
+    placement_group_bundles: Annotated[list[dict[str, float]] | None, Meta(
+        description="bundles each replica reserves as one placement group, for engines spanning several GPUs "
+                    "(tensor parallel)")] = None
+    placement_group_strategy: Annotated[str, Meta(description="Ray strategy of that placement group "
+                                                              "(STRICT_PACK: all on one node)")] = "STRICT_PACK"
 
 
 class PoolConfig(_Strict):
     """The placement pool: the layout (inline JSON, a file, or None to read the live cluster),
     the shorthand's defaults, and whether batches are gated at all."""
 
-    gate: bool = True
-    cluster_layout: str | dict[str, Any] | None = None  # --env-cluster-layout
-    num_cpus: float | None = None  # --env-num-cpus
-    memory_gb: float | None = None  # --env-memory-gb
-    pg_ready_timeout_s: float = 10.0
+    gate: Annotated[bool, Meta(description="admit batches through the placement pool; false: no pool, batches "
+                                           "launch ungated")] = True
+    cluster_layout: Annotated[str | dict[str, Any] | None, Meta(
+        description="what the pool may hand out per node: a layout file, inline JSON or a mapping; unset: the "
+                    "live cluster's nodes")] = None
+    num_cpus: Annotated[float | None, Meta(description="CPUs of a layout node that names none; with no layout, "
+                                                       "overrides each live node's CPUs")] = None
+    memory_gb: Annotated[float | None, Meta(description="memory (GB) of a layout node that names none; with no "
+                                                        "layout, overrides each live node's memory")] = None
+    pg_ready_timeout_s: Annotated[float, Meta(description="seconds a batch's placement group may take to become "
+                                                          "ready; then the grant is rolled back and retried")] = 10.0
 
 
 class SandboxConfig(_Strict):
     """Where an evaluator's episodes act. CPU and memory limits come from its run_resource."""
 
-    kind: str = "local"  # "local" (a process sandbox on the sample's node) or "docker"
-    image: str | None = None  # docker only
-    wall_seconds: float = 60.0  # per command
-    cpu_seconds: int = 60  # per command
-    network: bool = False
+    kind: Annotated[str, Meta(description="local (a process sandbox on the sample's node) or docker")] = "local"
+    image: Annotated[str | None, Meta(description="container image; docker only, and needed there")] = None
+    wall_seconds: Annotated[float, Meta(description="wall-clock limit of one sandbox command, seconds")] = 60.0
+    cpu_seconds: Annotated[int, Meta(description="CPU-time limit of one sandbox command, seconds")] = 60
+    network: Annotated[bool, Meta(description="let sandbox commands reach the network")] = False
 
 
 class EvaluatorConfig(_Strict):
-    evaluator_id: str
-    env: str = "arithmetic"
-    engine: str = "student"
-    teacher: str | None = None  # a second engine: the episode is a DAgger roll-in (student + teacher)
-    resource: Resource = Resource()
-    run_resource: Resource = Resource()
-    eval_resource: Resource = Resource()
-    batch_size: int | None = None
-    default_stopping: StoppingCriteria = StoppingCriteria()
-    default_sampling: SamplingParams = SamplingParams()
-    eval_timeout_s: float = 300.0
-    sandbox: SandboxConfig = SandboxConfig()
+    evaluator_id: Annotated[str, Meta(description="the evaluator's name: tasks whose evaluator_id (default: "
+                                                  "their task_type) is this run here")]
+    env: Annotated[str, Meta(description="env whose agent runs the episodes: arithmetic, math, humaneval or "
+                                         "swe")] = "arithmetic"
+    engine: Annotated[str, Meta(description="engine (a name under engines) the agent generates with")] = "student"
+    teacher: Annotated[str | None, Meta(description="a second engine: episodes are DAgger roll-ins mixing it "
+                                                    "with engine (math, swe); unset: no DAgger")] = None
+    resource: Annotated[Resource, Meta(description="budget of one batch: it is granted tokens for as many of its "
+                                                   "samples as fit; concurrency caps those running at once")] = (
+        Resource())
+    run_resource: Annotated[Resource, Meta(description="what one sample holds in its run phase; cpu and "
+                                                       "memory_gb also limit its sandbox")] = Resource()
+    eval_resource: Annotated[Resource, Meta(description="what one sample holds in its eval phase (it holds the "
+                                                        "larger of the two throughout)")] = Resource()
+    batch_size: Annotated[int | None, Meta(description="most tasks in one batch; unset: a step's tasks of one "
+                                                       "type form one batch")] = None
+    default_stopping: Annotated[StoppingCriteria, Meta(
+        description="stopping criteria of this evaluator: over scheduler.global_stopping, under a dataset's "
+                    "dataset_cfg")] = StoppingCriteria()
+    default_sampling: Annotated[SamplingParams, Meta(
+        description="sampling params of this evaluator: over scheduler.global_sampling, under a dataset's "
+                    "dataset_cfg")] = SamplingParams()
+    eval_timeout_s: Annotated[float, Meta(description="wall-clock limit of a sample's eval (verify) phase, "
+                                                      "seconds; past it the sample aborts")] = 300.0
+    sandbox: Annotated[SandboxConfig, Meta(description="where the agent's commands and tests run")] = (
+        SandboxConfig())
 
 
 class DatasetConfig(_Strict):
     """One dataset of an env; ``dataset_cfg`` is the cascade's third level (flat keys)."""
 
-    env: str = "arithmetic"
-    task_type: str | None = None  # routes the rows to another evaluator; default: the env's own
-    seed: int = 0
-    n_prompts: int = 64  # generated envs: rows made; eval datasets: prompts used
-    n_samples_per_prompt: int | None = None
-    weight: float = 1.0  # rollout mixing weight
-    shuffle: bool = True
-    dataset_cfg: dict[str, Any] = {}
+    env: Annotated[str, Meta(description="env whose rows this dataset holds")] = "arithmetic"
+    task_type: Annotated[str | None, Meta(description="sets the rows' task_type, which routes them to the "
+                                                      "evaluator of that id; unset: the env's own")] = None
+    seed: Annotated[int, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
+    n_prompts: Annotated[int, Meta(description="generated envs: rows made; eval datasets: the first n prompts "
+                                               "used")] = 64
+    n_samples_per_prompt: Annotated[int | None, Meta(description="rollout datasets: samples per prompt (group "
+                                                                 "size); unset: the row's own n_samples")] = None
+    weight: Annotated[float, Meta(description="rollout datasets: mixing weight, tasks are drawn in proportion to "
+                                               "it")] = 1.0
+    shuffle: Annotated[bool, Meta(description="rollout datasets: a fresh seeded row order each epoch; false: row "
+                                              "order")] = True
+    dataset_cfg: Annotated[dict[str, Any], Meta(description="flat overrides: keys naming a stopping or sampling "
+                                                            "field win over the evaluator's and global ones")] = {}
 
 
 class SchedulerConfig(_Strict):
-    seed: int = 0  # the data source's RNG (which dataset each task comes from)
-    rollout_batch_size: int = 8
-    batching: str = "fifo"
-    n_samples_per_eval_prompt: int = 1
-    global_stopping: StoppingCriteria = StoppingCriteria()
-    global_sampling: SamplingParams = SamplingParams()
-    acquire_timeout_s: float = 3600.0
-    progress: bool = True
-    save_eval_details: str | None = None  # --save-eval-details: folder for eval_details/ artifacts
-    trajectory_dir: str | None = None  # where rollouts are saved and reused (STACX_* reuse knobs)
-    checkpoint_dir: str | None = None  # mid-rollout checkpoints: a restarted manager resumes the step
+    seed: Annotated[int, Meta(description="seed of the data source: which dataset each task comes from, and "
+                                          "shuffle orders")] = 0
+    rollout_batch_size: Annotated[int, Meta(description="tasks (prompts) fetched per rollout step")] = 8
+    batching: Annotated[str, Meta(description="batching strategy: fifo, longest_first, budget, or a dotted path "
+                                              "to a callable")] = "fifo"
+    n_samples_per_eval_prompt: Annotated[int, Meta(description="samples per eval prompt (pass@k for k up to "
+                                                               "it)")] = 1
+    global_stopping: Annotated[StoppingCriteria, Meta(
+        description="stopping criteria of every evaluator, the cascade's lowest level")] = StoppingCriteria()
+    global_sampling: Annotated[SamplingParams, Meta(
+        description="sampling params of every evaluator, the cascade's lowest level")] = SamplingParams()
+    acquire_timeout_s: Annotated[float, Meta(description="seconds a batch may wait for the pool to admit it; "
+                                                         "then the step fails")] = 3600.0
+    progress: Annotated[bool, Meta(description="show a progress bar per step")] = True
+    save_eval_details: Annotated[str | None, Meta(description="folder for eval_details/ artifacts (per-sample "
+                                                              "JSONL, eval and train summaries); unset: none")] = None
+    trajectory_dir: Annotated[str | None, Meta(description="folder where rollouts are saved and reused per the "
+                                                           "STACX_* reuse variables; unset: always roll out fresh, "
+                                                           "save nothing")] = None
+    checkpoint_dir: Annotated[str | None, Meta(description="folder for mid-rollout checkpoints (source state + each "
+                                                           "finished group): a restarted manager resumes the step "
+                                                           "without re-running finished groups; unset: none")] = None
 
 
 class FiltersConfig(_Strict):
     """Survivorship filters on each rollout step (spec §5): rejection first, then finish-only on
     the survivors; the abort cap only warns."""
 
-    rejection: RejectionFilter | None = None
-    finish_only: FinishOnlyFilter | None = None
-    abort_cap: AbortCap | None = AbortCap()
+    rejection: Annotated[RejectionFilter | None, Meta(description="drops groups without learning signal; unset: "
+                                                                  "off")] = None
+    finish_only: Annotated[FinishOnlyFilter | None, Meta(description="drops samples that did not finish on their "
+                                                                     "own; unset: off")] = None
+    abort_cap: Annotated[AbortCap | None, Meta(description="warns when too many of a step's samples aborted; "
+                                                           "null: off")] = AbortCap()
 
 
 class RecipeConfig(_Strict):
-    engines: dict[str, EngineConfig]
-    evaluators: list[EvaluatorConfig]
-    data: dict[str, DatasetConfig]  # rollout datasets by name, mixed by weight
-    eval: dict[str, DatasetConfig] = {}
-    pool: PoolConfig = PoolConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
-    filters: FiltersConfig = FiltersConfig()
-    dagger: DAggerSchedule | None = None  # per-iteration beta / t_max, published before each fetch
+    engines: Annotated[dict[str, EngineConfig], Meta(description="inference deployments by name (student, "
+                                                                 "teacher, ...)")]
+    evaluators: Annotated[list[EvaluatorConfig], Meta(description="what runs each task type's episodes")]
+    data: Annotated[dict[str, DatasetConfig], Meta(description="rollout datasets by name, mixed by weight")]
+    eval: Annotated[dict[str, DatasetConfig], Meta(description="eval datasets by name")] = {}
+    pool: Annotated[PoolConfig, Meta(description="the placement pool that admits batches")] = PoolConfig()
+    scheduler: Annotated[SchedulerConfig, Meta(description="the TaskScheduler's settings")] = SchedulerConfig()
+    filters: Annotated[FiltersConfig, Meta(description="survivorship filters on each rollout step")] = (
+        FiltersConfig())
+    dagger: Annotated[DAggerSchedule | None, Meta(description="per-iteration β / t_max, published before each "
+                                                              "fetch; unset: β 0, the student acts alone")] = None
 
 
 def parse_recipe(args: dict[str, Any], source: str = "rollout.yaml") -> RecipeConfig:

@@ -27,15 +27,17 @@ import logging
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import msgspec
+from msgspec import Meta
 
 from rayapp.types import Sample, Status
 
 log = logging.getLogger(__name__)
 
 Group = list[Sample]
+_NAME = Meta(description="the filter's name in drop counts and filter/<name>/... metrics")
 
 
 class DropReason(enum.StrEnum):
@@ -91,11 +93,12 @@ class RejectionFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     A one-sample group is all-same by definition: use this filter with groups of n_samples > 1."""
 
-    min_score_std: float = 0.0
-    drop_all_correct: bool = True
-    drop_all_wrong: bool = True
-    key: str = "score"
-    name: str = "rejection"
+    min_score_std: Annotated[float, Meta(description="also drop groups whose reward std (population) is under "
+                                                     "this; 0: only all-equal groups")] = 0.0
+    drop_all_correct: Annotated[bool, Meta(description="drop groups whose rewards are all equal and > 0")] = True
+    drop_all_wrong: Annotated[bool, Meta(description="drop groups whose rewards are all equal and <= 0")] = True
+    key: Annotated[str, Meta(description="the reward key judged (a sample without it scores 0)")] = "score"
+    name: Annotated[str, _NAME] = "rejection"
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_score_std, int | float) or not self.min_score_std >= 0:
@@ -124,9 +127,11 @@ class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     is left. ``whole_group=True`` drops a group with any unfinished sample entirely, for trainers
     that need every group at full size; its finished samples are counted as ``with_group``."""
 
-    whole_group: bool = False
-    stop_reasons: frozenset[str] = frozenset({"stop"})
-    name: str = "finish_only"
+    whole_group: Annotated[bool, Meta(description="drop a group whole when any of its samples did not finish; "
+                                                  "false: only those samples")] = False
+    stop_reasons: Annotated[frozenset[str], Meta(description="the agent termination reasons that count as "
+                                                             "finished")] = frozenset({"stop"})
+    name: Annotated[str, _NAME] = "finish_only"
 
     def reason(self, sample: Sample) -> DropReason | None:
         """Why ``sample`` did not finish on its own, or None when it did."""
@@ -160,7 +165,8 @@ class AbortCap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A cap on the share of aborted dummies in one step. Above it, the step is still trained on
     (dummies carry zero gradient), but a run of mostly infrastructure failures should be loud."""
 
-    max_aborted_share: float = 0.5
+    max_aborted_share: Annotated[float, Meta(description="fraction of a step's samples, in [0, 1], that may be "
+                                                         "aborted before a warning is logged")] = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_aborted_share, int | float) or not 0.0 <= self.max_aborted_share <= 1.0:

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-core test lint bench clean
+.PHONY: demo demo-dagger demo-core test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 demo: $(STAMP)
 	$(BIN)/rayapp demo
+
+# Three DAgger iterations (rollout k, eval k) on the embedded default; artifacts in /tmp/rayapp-dagger-local.
+demo-dagger: $(STAMP)
+	$(BIN)/rayapp demo --recipe recipes/dagger_local/rollout.yaml --rollouts 3
 
 demo-core: $(STAMP)
 	$(BIN)/python -m rayapp.demo

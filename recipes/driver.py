@@ -2,6 +2,8 @@
 through the manager's handle, and print what a trainer would consume.
 
     python recipes/driver.py --address auto --rollouts 1 --eval
+
+With ``--eval``, iteration k is rollout k then eval k (a DAgger recipe evaluates the student alone).
 """
 
 from __future__ import annotations
@@ -53,9 +55,28 @@ def show_rollout(result) -> None:
               f"{(sum(lp) / len(lp)) if lp else 0.0:.3f} placed_on={s.metadata.get('_placement')}")
     print("  failure classes:", {k.removeprefix("rollout/"): v for k, v in result.metrics.items()
                                    if k.startswith("rollout/") and v})
-    kept = {k.removeprefix("filter/"): v for k, v in result.metrics.items() if k.startswith("filter/")}
-    if kept:
-        print("  filters:", kept)
+    m = result.metrics
+    if "filter/kept_groups" in m:
+        drops = {k.removeprefix("filter/").replace("/dropped/", ": "): int(v) for k, v in m.items()
+                 if k.startswith("filter/") and "/dropped/" in k}
+        print(f"  filters: kept {m['filter/kept_groups']:.0f} groups, {m['filter/kept_samples']:.0f} samples; "
+              f"samples dropped {drops or 'none'}; aborted share {m['filter/abort_share']:.2f}")
+    show_artifacts(result)
+
+
+def show_iteration(result) -> None:
+    """What the scheduler published for this iteration, and who acted in the DAgger roll-ins."""
+    it, m = result.iteration, result.metrics
+    if not it:
+        return
+    print(f"iteration {result.rollout_id}: beta={it.get('beta')} t_max={it.get('t_max')}; roll-in turns by teacher "
+          f"{m.get('dagger/turns/teacher', 0):.0f}, by student {m.get('dagger/turns/student', 0):.0f}; "
+          f"teacher labels for student turns {m.get('dagger/labels', 0):.0f}")
+
+
+def show_artifacts(result) -> None:
+    for kind, path in sorted(result.artifacts.items()):
+        print(f"  artifact {kind:<14} {path}")
 
 
 def show_placement(result) -> None:
@@ -81,15 +102,18 @@ def main() -> None:
     for rid in range(a.rollouts):
         t0 = time.monotonic()
         result = wait_with_progress(handle, handle.generate.remote(rid), f"rollout {rid}", a.timeout)
+        show_iteration(result)
         print(f"[{time.monotonic() - t0:.1f}s] ", end="")
         show_rollout(result)
         show_placement(result)
-    if a.eval:
-        t0 = time.monotonic()
-        ev = wait_with_progress(handle, handle.evaluate.remote(0), "eval 0", a.timeout)
-        print(f"[{time.monotonic() - t0:.1f}s] eval 0:")
-        for k, v in sorted(ev.metrics.items()):
-            print(f"  {k:<28} {v:.3f}")
+        if a.eval:
+            t0 = time.monotonic()
+            ev = wait_with_progress(handle, handle.evaluate.remote(rid), f"eval {rid}", a.timeout)
+            beta = f" (beta={ev.iteration['beta']})" if "beta" in ev.iteration else ""
+            print(f"[{time.monotonic() - t0:.1f}s] eval {rid}{beta}:")
+            for k, v in sorted(ev.metrics.items()):
+                print(f"  {k:<28} {v:.3f}")
+            show_artifacts(ev)
     ray.shutdown()
 
 

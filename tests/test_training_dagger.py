@@ -222,3 +222,16 @@ def test_bad_values_through_the_other_paths():
         DAggerSchedule.from_flags({"lr": 0.1})
     with pytest.raises(ValueError, match="iteration"):
         DAggerSchedule().beta(-1)
+
+
+def test_roll_in_metrics_count_who_acted_and_the_labels():
+    from rayapp.training.dagger import roll_in_metrics
+    from rayapp.types import Sample
+
+    def s(actors, labels=0):
+        return Sample("t", 0, "p", None, metadata={"_turn_actor": actors, "_dagger_labels": [{}] * labels})
+
+    groups = [[s(["teacher", "student"], 1), s(["student", "student"], 2)], [s(["teacher"])]]
+    assert roll_in_metrics(groups) == {"dagger/turns/teacher": 2.0, "dagger/turns/student": 3.0,
+                                       "dagger/labels": 3.0, "dagger/teacher_turn_share": 0.4}
+    assert roll_in_metrics([[Sample("t", 0, "p", None)]]) == {}  # no roll-ins: no dagger metrics

@@ -28,9 +28,10 @@ from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
 from rayapp.envs.registry import AgentDeps, get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.training.artifacts import EvalDetailsWriter
-from rayapp.training.dagger import DAggerIterations
+from rayapp.training.dagger import DAggerIterations, roll_in_metrics
 from rayapp.training.filters import apply_filters
 from rayapp.training.reuse import rollout_or_reuse
+from rayapp.training.trajectories import RolloutCheckpoint
 from rayapp.types import EvaluatorSpec, Resource, Sample, Token
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ async def _await(response: Any) -> Any:
     return await response
 
 
-def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: PoolClient | None) -> TaskScheduler:
+def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: PoolClient | None,
+                    checkpoint: RolloutCheckpoint | None = None) -> TaskScheduler:
     specs = []
     for ev in cfg.evaluators:
         sb = ev.sandbox
@@ -104,7 +106,7 @@ def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: P
     source = MultiDataSource([make_dataset(d, name) for name, d in cfg.data.items()], seed=s.seed)
     eval_sets = {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in cfg.eval.items()}
     return TaskScheduler(
-        specs, source, pool, iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None,
+        specs, source, pool, iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None, checkpoint=checkpoint,
         batching_strategy=load_strategy(s.batching), rollout_batch_size=s.rollout_batch_size,
         eval_datasets=eval_sets, n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
         global_stopping=s.global_stopping, global_sampling=s.global_sampling,
@@ -137,7 +139,9 @@ class SchedulerRolloutManager:
         self.pool_client = PoolClient(pool, owner) if pool is not None else None
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s)
                         for name, h in engines.items()}
-        self.scheduler = build_scheduler(self.cfg, self.engines, self.pool_client)
+        folder = self.cfg.scheduler.checkpoint_dir
+        self.checkpoint = RolloutCheckpoint(folder) if folder else None
+        self.scheduler = build_scheduler(self.cfg, self.engines, self.pool_client, self.checkpoint)
         details = self.cfg.scheduler.save_eval_details
         self.details = EvalDetailsWriter(details) if details else None
         self._step = asyncio.Lock()
@@ -154,10 +158,17 @@ class SchedulerRolloutManager:
     async def generate(self, rollout_id: int) -> RolloutResult:
         async with self._step:
             await self._begin()
-            result = filter_step(await self._rollout(rollout_id), self.cfg.filters)
+            result = await self._rollout(rollout_id)
+            result = filter_step(msgspec.structs.replace(result, metrics={**result.metrics,
+                                                                          **roll_in_metrics(result.groups)}),
+                                 self.cfg.filters)
+            artifacts = dict(result.artifacts)
+            if self.checkpoint is not None:
+                artifacts["checkpoint"] = str(self.checkpoint.folder(rollout_id))
             if self.details is not None:
-                await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)
-            return result
+                path = await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)
+                artifacts["train_summary"] = str(path)
+            return msgspec.structs.replace(result, artifacts=artifacts)
 
     async def _rollout(self, rollout_id: int) -> RolloutResult:
         """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
@@ -172,9 +183,10 @@ class SchedulerRolloutManager:
 
         groups, decision = await rollout_or_reuse(rollout_id, folder, run)
         if ran:
-            return ran[0]
+            saved = {"trajectory_iter" if "_iter_" in p.name else "trajectory": str(p) for p in decision.save_paths}
+            return msgspec.structs.replace(ran[0], artifacts=saved)
         log.info("rollout %d reuses %s (%s)", rollout_id, decision.load_path, decision.mode)
-        return RolloutResult(rollout_id, groups, {"rollout/reused": 1.0})
+        return RolloutResult(rollout_id, groups, {"rollout/reused": 1.0}, artifacts={"reused": str(decision.load_path)})
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         async with self._step:
@@ -184,8 +196,8 @@ class SchedulerRolloutManager:
             # samples stream into eval_details/{id}.jsonl as they finish; the complete files and
             # the summary replace them at the end
             result = await self.scheduler.execute_eval(rollout_id, self.details.on_task_done(rollout_id))
-            await asyncio.to_thread(self.details.write_eval, rollout_id, result)
-            return result
+            paths = await asyncio.to_thread(self.details.write_eval, rollout_id, result)
+            return msgspec.structs.replace(result, artifacts={k: str(p) for k, p in paths.items()})
 
     async def update_weights_from_disk(self, engine: str, path: str) -> list[dict]:
         """The trainer's new weights, loaded by every replica of one engine (between steps)."""

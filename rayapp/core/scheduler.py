@@ -82,6 +82,7 @@ class RolloutResult(msgspec.Struct):
     groups: list[list[Sample]]  # one group per task, in fetch order
     metrics: dict[str, float] = {}
     iteration: dict[str, Any] = {}  # what the IterationSource published for this step
+    artifacts: dict[str, str] = {}  # files the step wrote or read, by kind (set by the host, e.g. the manager)
 
 
 class EvalResult(msgspec.Struct):
@@ -89,6 +90,7 @@ class EvalResult(msgspec.Struct):
     metrics: dict[str, float]
     samples: dict[str, list[Sample]]  # by dataset name
     iteration: dict[str, Any] = {}
+    artifacts: dict[str, str] = {}
 
 
 async def _resolve(value: Any) -> Any:

@@ -312,3 +312,25 @@ class DAggerIterations:
     def eval_state(self, rollout_id: int) -> dict[str, Any]:
         beta = pop_beta_for_eval(self.environ)
         return {**msgspec.to_builtins(self.schedule.state(rollout_id)), "beta": beta}
+
+
+def roll_in_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
+    """Who acted in a step's DAgger roll-ins (the agents' ``_turn_actor`` records), before any
+    filter: ``dagger/turns/teacher``, ``dagger/turns/student``, ``dagger/labels`` (teacher labels
+    kept for student turns) and ``dagger/teacher_turn_share``. Empty for a step with no roll-ins."""
+    turns = {"teacher": 0, "student": 0}
+    labels, seen = 0, False
+    for group in groups:
+        for s in group:
+            actors = s.metadata.get("_turn_actor")
+            if actors is None:
+                continue
+            seen = True
+            for actor in actors:
+                turns[actor] = turns.get(actor, 0) + 1
+            labels += len(s.metadata.get("_dagger_labels", ()))
+    if not seen:
+        return {}
+    total = sum(turns.values())
+    return {**{f"dagger/turns/{k}": float(v) for k, v in turns.items()}, "dagger/labels": float(labels),
+            "dagger/teacher_turn_share": turns["teacher"] / total if total else 0.0}

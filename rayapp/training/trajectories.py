@@ -265,14 +265,14 @@ class RolloutCheckpoint:
         self._run: dict[int, str] = {}  # rollout id -> token of the begin() its groups belong to
         self._done: dict[int, set[int]] = {}
 
-    def _folder(self, rollout_id: int) -> Path:
+    def folder(self, rollout_id: int) -> Path:
         if type(rollout_id) is not int or rollout_id < 0:
             raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
         return self.dir / f"rollout_{rollout_id:06d}"
 
     def begin(self, rollout_id: int, source_state: dict) -> None:
         """Start ``rollout_id`` afresh, discarding any earlier checkpoint of it."""
-        folder = self._folder(rollout_id)
+        folder = self.folder(rollout_id)
         state = {"format": _STATE, "version": VERSION, "rollout_id": rollout_id, "run": uuid.uuid4().hex,
                  "source_state": _plain(source_state, ("source_state",))}
         # state.pt goes first and comes back last: a crash in between leaves no state, so no resume.
@@ -285,7 +285,7 @@ class RolloutCheckpoint:
 
     def record_group(self, rollout_id: int, index: int, group: list[Sample]) -> None:
         """Durably add finished group ``index`` (its position in fetch order); a repeat is a ValueError."""
-        folder = self._folder(rollout_id)
+        folder = self.folder(rollout_id)
         if rollout_id not in self._run:
             raise ValueError(f"rollout {rollout_id}: call begin() or resume() before record_group()")
         if type(index) is not int or index < 0 or index in self._done[rollout_id]:
@@ -298,7 +298,7 @@ class RolloutCheckpoint:
     def finish(self, rollout_id: int, next_source_state: dict | None = None) -> None:
         """Mark ``rollout_id`` complete: ``resume`` returns None for it from now on. The source's
         state after the step's fetch lets a restarted manager continue the stream (``next_source_state``)."""
-        folder = self._folder(rollout_id)
+        folder = self.folder(rollout_id)
         if not (folder / "state.pt").exists():
             raise ValueError(f"rollout {rollout_id}: finish() without begin()")
         done = {"format": _FINISHED, "version": VERSION, "rollout_id": rollout_id,
@@ -311,7 +311,7 @@ class RolloutCheckpoint:
         """The data source's state after finished rollout ``rollout_id``'s fetch; None when it did
         not finish or saved none. A damaged marker is a TrajectoryError: continuing from the start
         instead would silently repeat data."""
-        marker = self._folder(rollout_id) / _DONE
+        marker = self.folder(rollout_id) / _DONE
         if not marker.exists():
             return None
         done = _check_header(_torch_load(marker), _FINISHED, marker)
@@ -323,7 +323,7 @@ class RolloutCheckpoint:
     def resume(self, rollout_id: int) -> ResumeState | None:
         """The saved source state and finished groups of an unfinished ``rollout_id``; None when it
         never began or finished. A damaged state.pt is a TrajectoryError (nothing to resume from)."""
-        folder = self._folder(rollout_id)
+        folder = self.folder(rollout_id)
         if not (folder / "state.pt").exists() or (folder / _DONE).exists():
             return None
         state = _check_header(_torch_load(folder / "state.pt"), _STATE, folder / "state.pt")
@@ -352,5 +352,5 @@ class RolloutCheckpoint:
 
     def discard(self, rollout_id: int) -> None:
         """Remove ``rollout_id``'s checkpoint folder (e.g. after the trainer consumed it)."""
-        shutil.rmtree(self._folder(rollout_id), ignore_errors=True)
+        shutil.rmtree(self.folder(rollout_id), ignore_errors=True)
         self._forget(rollout_id)

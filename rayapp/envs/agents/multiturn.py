@@ -77,8 +77,9 @@ class ToolAgent(ChatAgent):
                 if room is not None:
                     cap = min(room, cap or room)
                 sampling = msgspec.structs.replace(ctx.sampling, max_new_tokens=cap)
-                out, weight = await self.act(GenerateRequest(ids, sampling, stop_token_ids=[tok.eos_token_id]),
-                                             turn, sample, ctx)
+                # a copy: the request is this turn's state, whoever keeps it (a DAgger label records it)
+                req = GenerateRequest(list(ids), sampling, stop_token_ids=[tok.eos_token_id])
+                out, weight = await self.act(req, turn, sample, ctx)
                 if out.finish_reason is FinishReason.ABORT:
                     raise EngineConnectionError(f"engine aborted request {out.request_id}")
                 ids += out.output_ids

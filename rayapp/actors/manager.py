@@ -87,6 +87,12 @@ async def _await(response: Any) -> Any:
     return await response
 
 
+def build_data_source(cfg: RecipeConfig) -> MultiDataSource:
+    """The rollout datasets in name order: Serve hands a config's args over with their keys sorted,
+    so any other order would make the stream depend on how the recipe reached the process."""
+    return MultiDataSource([make_dataset(d, name) for name, d in sorted(cfg.data.items())], seed=cfg.scheduler.seed)
+
+
 def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: PoolClient | None,
                     checkpoint: RolloutCheckpoint | None = None) -> TaskScheduler:
     specs = []
@@ -103,10 +109,10 @@ def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: P
         specs.append(EvaluatorSpec(ev.evaluator_id, agent, ev.resource, ev.run_resource, ev.eval_resource,
                                    ev.batch_size, ev.default_stopping, ev.default_sampling, ev.eval_timeout_s))
     s = cfg.scheduler
-    source = MultiDataSource([make_dataset(d, name) for name, d in cfg.data.items()], seed=s.seed)
-    eval_sets = {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in cfg.eval.items()}
+    eval_sets = {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in sorted(cfg.eval.items())}
     return TaskScheduler(
-        specs, source, pool, iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None, checkpoint=checkpoint,
+        specs, build_data_source(cfg), pool, checkpoint=checkpoint,
+        iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None,
         batching_strategy=load_strategy(s.batching), rollout_batch_size=s.rollout_batch_size,
         eval_datasets=eval_sets, n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
         global_stopping=s.global_stopping, global_sampling=s.global_sampling,

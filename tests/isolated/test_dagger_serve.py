@@ -1,0 +1,130 @@
+"""The DAgger recipe end to end (`serve run recipes/dagger_local/rollout.yaml`): the training
+driver's three iterations, then a manager replica killed mid-rollout that resumes from its
+checkpoint. Runs in its own pytest process (it starts its own Ray cluster)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayapp.cli import LOCAL_ENV, ROOT, free_port, start_head, stop_cluster, wait_for_app
+from rayapp.types import Status
+
+RECIPE = ROOT / "recipes" / "dagger_local" / "rollout.yaml"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    os.environ.update(LOCAL_ENV)
+    tmp = tmp_path_factory.mktemp("dagger")
+    cfg = yaml.safe_load(RECIPE.read_text())
+    cfg["http_options"]["port"] = free_port()
+    args = cfg["applications"][0]["args"]
+    run_dir = tmp / "run"  # this test's own run folder instead of the recipe's /tmp one
+    args["scheduler"] |= {"save_eval_details": str(run_dir), "trajectory_dir": str(run_dir / "trajectories"),
+                          "checkpoint_dir": str(run_dir / "checkpoints")}
+    recipe = tmp / "rollout.yaml"
+    recipe.write_text(yaml.safe_dump(cfg))
+    temp_dir = Path(f"/tmp/rayapp-dagger-{os.getpid()}")
+    address = start_head(4, 8, temp_dir, free_port())
+    log = tmp / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", f"--address={address}",
+                                 str(recipe)], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_app(address, "rayapp", 600, proc, log)
+        yield {"address": address, "run": run_dir, "args": args, "log": log}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        stop_cluster(temp_dir)
+
+
+def test_the_driver_runs_three_dagger_iterations(app):
+    from rayapp.training.trajectories import load_trajectories
+
+    out = subprocess.run([sys.executable, str(ROOT / "recipes" / "driver.py"), f"--address={app['address']}",
+                          "--rollouts", "3", "--eval"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    iterations = re.findall(r"^iteration (\d): beta=([\d.]+) t_max=(\d+); roll-in turns by teacher (\d+), "
+                            r"by student (\d+); teacher labels for student turns (\d+)$", text, re.M)
+    assert [(int(i), float(b), int(t)) for i, b, t, *_ in iterations] == [(0, 1.0, 1), (1, 0.5, 2), (2, 0.0, 3)]
+    teacher_turns = [int(x[3]) for x in iterations]
+    assert teacher_turns[0] > 0 and teacher_turns[2] == 0  # β=1 at iteration 0, student-only at β=0
+    assert int(iterations[2][4]) == int(iterations[2][5]) > 0  # every student turn got the teacher's label
+    assert re.findall(r"^\[[\d.]+s\] eval (\d) \(beta=0\.0\):$", text, re.M) == ["0", "1", "2"]
+    assert len(re.findall(r"^  filters: kept \d+ groups, \d+ samples; samples dropped", text, re.M)) == 3
+    artifacts = re.findall(r"^  artifact (\w+) +(\S+)$", text, re.M)
+    kinds = [k for k, _ in artifacts]
+    for kind in ("checkpoint", "train_summary", "trajectory", "trajectory_iter", "samples", "placement", "summary"):
+        assert kinds.count(kind) == 3, (kind, kinds)
+    assert all(Path(p).exists() for _, p in artifacts), artifacts
+
+    # the per-iteration trajectories hold every sample (before the filters) with who acted per turn
+    for it, check in ((0, lambda actors: actors[0] == "teacher" and set(actors[1:]) <= {"student"}),
+                      (2, lambda actors: set(actors) == {"student"})):
+        rid, groups = load_trajectories(app["run"] / "trajectories" / f"trajectory_sft_samples_iter_{it:03d}.pt")
+        assert rid == it and len(groups) == 4
+        ran = [s for g in groups for s in g if s.status is not Status.ABORTED]
+        assert ran and all(check(s.metadata["_turn_actor"]) for s in ran), [s.metadata["_turn_actor"] for s in ran]
+        if it == 2:
+            assert all(len(s.metadata["_dagger_labels"]) == len(s.metadata["_turn_actor"]) for s in ran)
+
+
+def test_a_killed_manager_replica_resumes_its_rollout_without_loss_or_duplicates(app):
+    import ray
+    from ray import serve
+
+    from rayapp.actors.manager import build_data_source
+    from rayapp.actors.recipe import parse_recipe
+    from rayapp.training.trajectories import RolloutCheckpoint, load_trajectories
+
+    ray.init(address=app["address"], namespace="rayapp-resume", logging_level="error", log_to_driver=False)
+    try:
+        h = serve.get_app_handle("rayapp")
+        step = h.generate.remote(3)
+        folder = app["run"] / "checkpoints" / "rollout_000003"
+        deadline = time.monotonic() + 300
+        while not list(folder.glob("group_*.pt")):  # kill once a group is on disk and others still run
+            assert time.monotonic() < deadline, "no group finished within 300 s"
+            time.sleep(0.1)
+        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA") and "SchedulerRolloutManager" in a["name"]]
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        with pytest.raises(Exception):  # noqa: B017 - the caller sees the replica die, whatever Ray calls it
+            step.result(timeout_s=120)
+        before = RolloutCheckpoint(app["run"] / "checkpoints").resume(3)
+        assert before is not None and before.groups, "the kill left no checkpoint to resume"
+
+        result = None
+        for _ in range(30):  # until Serve has replaced the replica
+            try:
+                result = h.generate.remote(3).result(timeout_s=600)
+                break
+            except Exception:  # the dead replica's errors while Serve replaces it
+                time.sleep(2)
+        assert result is not None, app["log"].read_text()[-3000:]
+        assert result.metrics["rollout/resumed_groups"] == len(before.groups)
+        assert RolloutCheckpoint(app["run"] / "checkpoints").resume(3) is None  # finished
+
+        # what the trainer gets (saved before the filters): the tasks the source gives from the saved
+        # state, in fetch order, each group whole; the groups finished before the kill, as recorded
+        _, groups = load_trajectories(app["run"] / "trajectories" / "trajectory_sft_samples_iter_003.pt")
+        source = build_data_source(parse_recipe(app["args"]))
+        source.load_state_dict(before.source_state)
+        assert [g[0].task_id for g in groups] == [t.task_id for t in source.get_tasks(4)]
+        assert all([s.index for s in g] == [0, 1] for g in groups)
+        for i, group in before.groups.items():
+            assert groups[i] == group  # not re-run: same tokens, rewards, placement group names
+        placement = h.placement.remote().result(timeout_s=60)
+        assert placement["held_tokens"] == 0 and placement["batches"] == {} and placement["waiting"] == 0
+    finally:
+        ray.shutdown()

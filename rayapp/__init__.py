@@ -1,6 +1,7 @@
 """rayapp: a Ray-native rollout scheduler for agentic RL training of language models.
 
-The public API, re-exported from the pure core (``rayapp.core``) and the data model."""
+The public API, re-exported from the pure core (``rayapp.core``), the data model, the agents and the
+training-loop pieces that need neither Ray nor torch (the DAgger schedule and agent, the filters)."""
 
 from rayapp.core.agent import AgentHandler, FunctionAgent
 from rayapp.core.batching import (
@@ -29,9 +30,12 @@ from rayapp.core.termination import (
 )
 from rayapp.envs.agents.base import BaseAgent
 from rayapp.envs.agents.chat import ChatAgent
+from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
+from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
+from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
 from rayapp.types import (
     AgentResult,
     Batch,
@@ -50,6 +54,7 @@ from rayapp.types import (
 
 __all__ = [
     "STRATEGIES",
+    "AbortCap",
     "AbortReason",
     "AgentHandler",
     "AgentResult",
@@ -59,6 +64,10 @@ __all__ = [
     "BatchingStrategy",
     "CascadeError",
     "ChatAgent",
+    "DAggerAgent",
+    "DAggerIterations",
+    "DAggerRollIn",
+    "DAggerSchedule",
     "DatasetError",
     "DatasetSpec",
     "DeadlockError",
@@ -70,6 +79,7 @@ __all__ = [
     "Evaluator",
     "EvaluatorSpec",
     "FailureClass",
+    "FinishOnlyFilter",
     "FunctionAgent",
     "Group",
     "LayoutError",
@@ -78,6 +88,7 @@ __all__ = [
     "NodeSpec",
     "PlacementPool",
     "PoolError",
+    "RejectionFilter",
     "Resource",
     "RolloutResult",
     "Sample",
@@ -91,6 +102,8 @@ __all__ = [
     "TaskScheduler",
     "Token",
     "ToolAgent",
+    "add_dagger_args",
+    "apply_filters",
     "budget_batching",
     "budget_tokens",
     "build_sampling_params",
@@ -107,4 +120,5 @@ __all__ = [
     "parse_cluster_layout",
     "pass_at_k",
     "resolve_stopping",
+    "roll_in_metrics",
 ]

@@ -165,11 +165,10 @@ class SchedulerRolloutManager:
         async with self._step:
             await self._begin()
             result = await self._rollout(rollout_id)
-            result = filter_step(msgspec.structs.replace(result, metrics={**result.metrics,
-                                                                          **roll_in_metrics(result.groups)}),
-                                 self.cfg.filters)
+            result.metrics.update(roll_in_metrics(result.groups))  # before the filters: every roll-in counts
+            result = filter_step(result, self.cfg.filters)
             artifacts = dict(result.artifacts)
-            if self.checkpoint is not None:
+            if self.checkpoint is not None and self.checkpoint.folder(rollout_id).exists():  # not when reused
                 artifacts["checkpoint"] = str(self.checkpoint.folder(rollout_id))
             if self.details is not None:
                 path = await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)

@@ -59,7 +59,8 @@ def show_rollout(result) -> None:
     if "filter/kept_groups" in m:
         drops = {k.removeprefix("filter/").replace("/dropped/", ": "): int(v) for k, v in m.items()
                  if k.startswith("filter/") and "/dropped/" in k}
-        print(f"  filters: kept {m['filter/kept_groups']:.0f} groups, {m['filter/kept_samples']:.0f} samples; "
+        print(f"  filters: kept {m['filter/kept_groups']:.0f} of {m['filter/input_groups']:.0f} groups, "
+              f"{m['filter/kept_samples']:.0f} of {m['filter/input_samples']:.0f} samples; "
               f"samples dropped {drops or 'none'}; aborted share {m['filter/abort_share']:.2f}")
     show_artifacts(result)
 

@@ -160,6 +160,7 @@ def test_filter_step_keeps_survivors_and_counts_every_drop():
     assert m["filter/rejection/dropped_groups/all_correct"] == 1 and m["filter/rejection/dropped_groups/all_wrong"] == 1
     assert m["filter/rejection/dropped/all_correct"] == 2 and m["filter/finish_only/dropped/truncated"] == 1
     assert m["filter/kept_samples"] == 3 and m["rollout/success"] == 3.0
+    assert (m["filter/input_groups"], m["filter/input_samples"], m["filter/kept_groups"]) == (4, 8, 2)
 
 
 def test_a_recipe_takes_a_dagger_schedule_and_filters():

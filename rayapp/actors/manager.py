@@ -131,7 +131,9 @@ def filter_step(result: RolloutResult, cfg: FiltersConfig) -> RolloutResult:
     for kind, counts in (("dropped", report.dropped), ("dropped_groups", report.dropped_groups)):
         for name, reasons in counts.items():
             metrics |= {f"filter/{name}/{kind}/{reason}": float(n) for reason, n in reasons.items()}
-    metrics |= {"filter/kept_groups": float(len(report.groups)), "filter/kept_samples": float(report.kept_samples),
+    metrics |= {"filter/input_groups": float(len(result.groups)),
+                "filter/input_samples": float(sum(len(g) for g in result.groups)),
+                "filter/kept_groups": float(len(report.groups)), "filter/kept_samples": float(report.kept_samples),
                 "filter/abort_share": float(report.abort_share),
                 "filter/abort_share_exceeded": float(report.abort_share_exceeded)}
     return msgspec.structs.replace(result, groups=report.groups, metrics=metrics)

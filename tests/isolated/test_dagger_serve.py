@@ -61,7 +61,7 @@ def test_the_driver_runs_three_dagger_iterations(app):
     assert teacher_turns[0] > 0 and teacher_turns[2] == 0  # β=1 at iteration 0, student-only at β=0
     assert int(iterations[2][4]) == int(iterations[2][5]) > 0  # every student turn got the teacher's label
     assert re.findall(r"^\[[\d.]+s\] eval (\d) \(beta=0\.0\):$", text, re.M) == ["0", "1", "2"]
-    assert len(re.findall(r"^  filters: kept \d+ groups, \d+ samples; samples dropped", text, re.M)) == 3
+    assert len(re.findall(r"^  filters: kept \d+ of 4 groups, \d+ of 8 samples; samples dropped", text, re.M)) == 3
     artifacts = re.findall(r"^  artifact (\w+) +(\S+)$", text, re.M)
     kinds = [k for k, _ in artifacts]
     for kind in ("checkpoint", "train_summary", "trajectory", "trajectory_iter", "samples", "placement", "summary"):

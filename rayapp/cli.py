@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,30 @@ def stop_cluster(temp_dir: Path, grace_s: float = 15.0) -> list[int]:
     return ray_processes(temp_dir)
 
 
+@contextlib.contextmanager
+def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 4, num_cpus: int = 8,
+              dashboard_port: int | None = None, timeout_s: float = 900.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A Ray head on 127.0.0.1 with logical GPUs and ``serve run recipe`` on it (output in ``log``),
+    yielded as (address, serve process) once the app is RUNNING; both are stopped when the block ends."""
+    proc = None
+    try:
+        address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port())
+        with open(log, "w") as out:
+            proc = subprocess.Popen([_bin("serve"), "run", f"--address={address}", str(recipe)], stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        wait_for_app(address, "rayapp", timeout_s, proc, log)
+        yield address, proc
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        left = stop_cluster(temp_dir)
+        print("shut down: " + ("no Ray process left" if not left else f"{len(left)} Ray processes left: {left}"))
+
+
 def demo(args: argparse.Namespace) -> int:
     os.environ.update(LOCAL_ENV)
     from rayapp.inference.tiny_model import ensure_tiny_model
@@ -94,31 +119,17 @@ def demo(args: argparse.Namespace) -> int:
     temp_dir = Path(args.temp_dir or f"/tmp/rayapp-demo-{os.getpid()}")
     dashboard_port = free_port()
     serve_log = temp_dir.parent / f"{temp_dir.name}-serve.log"
-    address, serve_proc = None, None
-    try:
-        t1 = time.monotonic()
-        address = start_head(args.num_gpus, args.num_cpus, temp_dir, dashboard_port)
+    t1 = time.monotonic()
+    with local_app(args.recipe, temp_dir, serve_log, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
+                   dashboard_port=dashboard_port, timeout_s=args.timeout) as (address, _):
         print(f"ray head at {address} with {args.num_gpus} logical GPUs; dashboard http://127.0.0.1:{dashboard_port}"
               f" (placement groups: /#/cluster, API /api/v0/placement_groups)", flush=True)
-        with open(serve_log, "w") as log:
-            serve_proc = subprocess.Popen([_bin("serve"), "run", f"--address={address}", args.recipe],
-                                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        wait_for_app(address, "rayapp", args.timeout, serve_proc, serve_log)
         print(f"serve app running ({time.monotonic() - t1:.1f}s after ray start); log: {serve_log}", flush=True)
         t2 = time.monotonic()
         subprocess.run([sys.executable, str(ROOT / "recipes" / "driver.py"), f"--address={address}",
                         "--rollouts", str(args.rollouts), "--eval"], check=True, timeout=args.timeout)
         print(f"driver done in {time.monotonic() - t2:.1f}s", flush=True)
-        return 0
-    finally:
-        if serve_proc is not None and serve_proc.poll() is None:
-            os.killpg(serve_proc.pid, signal.SIGTERM)
-            try:
-                serve_proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve_proc.pid, signal.SIGKILL)
-        left = stop_cluster(temp_dir)
-        print("shut down: " + ("no Ray process left" if not left else f"{len(left)} Ray processes left: {left}"))
+    return 0
 
 
 def main() -> None:

@@ -4,7 +4,6 @@ checkpoint. Runs in its own pytest process (it starts its own Ray cluster)."""
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, start_head, stop_cluster, wait_for_app
+from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app
 from rayapp.types import Status
 
 RECIPE = ROOT / "recipes" / "dagger_local" / "rollout.yaml"
@@ -32,19 +31,9 @@ def app(tmp_path_factory):
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
     temp_dir = Path(f"/tmp/rayapp-dagger-{os.getpid()}")
-    address = start_head(4, 8, temp_dir, free_port())
     log = tmp / "serve.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", f"--address={address}",
-                                 str(recipe)], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for_app(address, "rayapp", 600, proc, log)
+    with local_app(recipe, temp_dir, log, timeout_s=600) as (address, _):
         yield {"address": address, "run": run_dir, "args": args, "log": log}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        stop_cluster(temp_dir)
 
 
 def test_the_driver_runs_three_dagger_iterations(app):

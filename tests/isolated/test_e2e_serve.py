@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, ray_processes, start_head, stop_cluster, wait_for_app
+from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app, ray_processes, stop_cluster
 
 DRIVER = r"""
 import json, sys, ray
@@ -56,20 +56,10 @@ def app(tmp_path_factory):
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
     dash = free_port()
-    address = start_head(4, 8, temp_dir, dash)
     log = tmp / "serve.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", f"--address={address}",
-                                 str(recipe)], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for_app(address, "rayapp", 600, proc, log)
+    with local_app(recipe, temp_dir, log, dashboard_port=dash, timeout_s=600) as (address, proc):
         yield {"address": address, "http": f"http://127.0.0.1:{http_port}/rayapp", "dash": dash, "proc": proc,
                "temp_dir": temp_dir, "log": log, "details": details / "eval_details"}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        stop_cluster(temp_dir)
 
 
 def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_groups(app):

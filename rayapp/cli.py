@@ -23,6 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Why: for the knob reference. Never set the first two on a real cluster.
+LOCAL_ENV_WHY = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "Ray's; 0 keeps GCS, raylet, dashboard and Serve on 127.0.0.1 "
+                                         "(one machine only)",
+    "RAY_AUTH_MODE": "Ray's; disabled turns token auth off for the local dashboard API (one machine only)",
+    "RAY_USAGE_STATS_ENABLED": "Ray's; 0: no usage statistics (the machine has no outside network)",
+}
 
 
 def free_port() -> int:
@@ -132,17 +139,25 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rayapp", description="rayapp command line")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help=__doc__.splitlines()[0])
-    d.add_argument("--recipe", default=str(ROOT / "recipes" / "local" / "rollout.yaml"))
-    d.add_argument("--num-gpus", type=int, default=4)
-    d.add_argument("--num-cpus", type=int, default=8)
-    d.add_argument("--rollouts", type=int, default=1)
-    d.add_argument("--timeout", type=float, default=900.0)
-    d.add_argument("--temp-dir", default=None)
-    args = p.parse_args()
+    d.add_argument("--recipe", default="recipes/local/rollout.yaml",
+                   help="the Serve config to run; a relative path not found here is taken from the checkout")
+    d.add_argument("--num-gpus", type=int, default=4, help="logical GPUs of the local Ray head")
+    d.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray head")
+    d.add_argument("--rollouts", type=int, default=1, help="iterations the driver runs: rollout k, then eval k")
+    d.add_argument("--timeout", type=float, default=900.0, help="seconds for the app to start, and for each step")
+    d.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-demo-<pid>)")
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    recipe = Path(args.recipe)
+    if not recipe.is_absolute() and not recipe.exists():
+        args.recipe = str(ROOT / recipe)
     sys.exit(demo(args))
 
 

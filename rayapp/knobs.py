@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from rayapp import cli
 from rayapp.actors.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
 from rayapp.actors.recipe import RecipeConfig
 from rayapp.training import dagger, reuse
@@ -44,12 +45,23 @@ def _dagger_actions() -> list[argparse.Action]:
     return parser._actions  # argparse keeps no public list; this is the parser's own record
 
 
-def flag_rows() -> list[str]:
+def _flag_rows(actions: list[argparse.Action]) -> list[str]:
     rows = []
-    for action in _dagger_actions():
+    for action in actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
         help_text = (action.help or "") % {"default": action.default}
         rows.append(f"| `{', '.join(action.option_strings)}` | `{action.default}` | {_cell(help_text)} |")
     return rows
+
+
+def flag_rows() -> list[str]:
+    return _flag_rows(_dagger_actions())
+
+
+def demo_flag_rows() -> list[str]:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return _flag_rows(sub.choices["demo"]._actions)
 
 
 def env_rows() -> list[str]:
@@ -58,6 +70,8 @@ def env_rows() -> list[str]:
         rows.append(f"| `{name}` | — | {_cell(meaning)} |")
     for name, (default, meaning) in sorted({**reuse.ENV_KNOBS, **RECIPE_ENV_KNOBS, **OTHER_ENV}.items()):
         rows.append(f"| `{name}` | `{default or '(unset)'}` | {_cell(meaning)} |")
+    for name, why in sorted(cli.LOCAL_ENV_WHY.items()):
+        rows.append(f"| `{name}` | `{cli.LOCAL_ENV[name]}` in `rayapp demo` and the tests | {_cell(why)} |")
     return rows
 
 
@@ -123,6 +137,12 @@ def render() -> str:
         "| flag | default | meaning |",
         "| --- | --- | --- |",
         *flag_rows(),
+        "",
+        "`rayapp demo` (the embedded default end to end; `make demo`, `make demo-dagger`):",
+        "",
+        "| flag | default | meaning |",
+        "| --- | --- | --- |",
+        *demo_flag_rows(),
         "",
         "## Environment variables",
         "",

@@ -125,9 +125,11 @@ def test_the_finished_marker_keeps_the_next_source_state_and_a_damaged_one_is_na
     ckpt = RolloutCheckpoint(tmp_path)
     src = source()
     ckpt.begin(3, src.state_dict())
+    ckpt.record_group(3, 0, [])
     src.get_tasks(4)
     ckpt.finish(3, src.state_dict())
     assert ckpt.next_source_state(3) == src.state_dict() and ckpt.next_source_state(2) is None
+    assert sorted(p.name for p in (tmp_path / "rollout_000003").iterdir()) == ["FINISHED", "state.pt"]  # groups gone
     marker = tmp_path / "rollout_000003" / "FINISHED"
     marker.write_bytes(b"\x80\x02garbage")
     with pytest.raises(TrajectoryError, match=r"rollout_000003/FINISHED: not a torch\.save file"):

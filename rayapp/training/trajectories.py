@@ -248,7 +248,8 @@ class RolloutCheckpoint:
     finished groups and without losing or duplicating one. Layout, one folder per rollout::
 
         {dir}/rollout_{id:06d}/state.pt          data source state at begin() (written first)
-        {dir}/rollout_{id:06d}/group_{i:06d}.pt  one per finished group, each written atomically
+        {dir}/rollout_{id:06d}/group_{i:06d}.pt  one per finished group, each written atomically;
+                                                 removed by finish()
         {dir}/rollout_{id:06d}/FINISHED          finish() was called: never resumed; holds the
                                                  source state after the fetch (next_source_state)
 
@@ -305,6 +306,11 @@ class RolloutCheckpoint:
                 "next_source_state": None if next_source_state is None
                 else _plain(next_source_state, ("next_source_state",))}
         atomic_write(folder / _DONE, lambda f: torch.save(done, f))
+        # A finished rollout is never resumed: its groups (the trainer has them, and the trajectory
+        # file when one is kept) would only double the run's disk use.
+        for p in folder.iterdir():
+            if _GROUP_RE.match(p.name):
+                p.unlink(missing_ok=True)
         self._forget(rollout_id)
 
     def next_source_state(self, rollout_id: int) -> dict | None:

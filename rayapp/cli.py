@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     recipe = Path(args.recipe)
-    if not recipe.is_absolute() and not recipe.exists():
-        args.recipe = str(ROOT / recipe)
+    # serve run starts in the checkout: hand it an absolute path
+    args.recipe = str(recipe.resolve() if recipe.exists() or recipe.is_absolute() else ROOT / recipe)
     sys.exit(demo(args))
 
 

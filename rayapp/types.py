@@ -156,6 +156,7 @@ class EpisodeContext(msgspec.Struct):
     stopping: StoppingCriteria
     sampling: SamplingParams
     iteration: dict[str, Any] = {}  # the iteration's published state (e.g. DAgger beta, t_max)
+    step: str = "rollout"  # the step the episode belongs to: "rollout" or "eval"
 
 
 class EvaluatorSpec(msgspec.Struct):

@@ -174,10 +174,11 @@ def test_a_recipe_takes_a_dagger_schedule_and_filters():
         parse_recipe(args)
 
 
-def test_stacx_dagger_env_concurrency_sets_the_ceiling_of_dagger_evaluators_only():
+def test_stacx_dagger_env_concurrency_sets_the_ceiling_of_swe_dagger_evaluators_only():
     args = yaml.safe_load(yaml.safe_dump(LOCAL))
     args["engines"]["teacher"] = args["engines"]["student"]
     args["evaluators"][3]["teacher"] = "teacher"  # swe becomes a DAgger evaluator
+    args["evaluators"][1]["teacher"] = "teacher"  # math too: not the SWE recipe's variable's business
     cfg = parse_recipe(args)
     assert apply_env(cfg, {}) is cfg
     out = apply_env(cfg, {"STACX_DAGGER_ENV_CONCURRENCY": "7"})

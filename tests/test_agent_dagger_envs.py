@@ -32,7 +32,7 @@ def gold_write(repo):
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
 
-def episode(tok, model_dir, beta, t_max, student_script, teacher_script):
+def episode(tok, model_dir, beta, t_max, student_script, teacher_script, step="rollout"):
     task = load_swe_tasks()[0]
     student = ScriptedEngine(tok, model_dir, student_script)
     teacher = ScriptedEngine(tok, model_dir, teacher_script)
@@ -43,7 +43,7 @@ def episode(tok, model_dir, beta, t_max, student_script, teacher_script):
     agent = DAggerSweAgent(AgentDeps(student, run_inline, open_sandbox, teacher=teacher))
     sample = Sample(task.task_id, 0, task.prompt, task.label)
     ctx = EpisodeContext(2, None, StoppingCriteria(max_turns=3), SamplingParams(max_new_tokens=4096),
-                         {"beta": beta, "t_max": t_max})
+                         {"beta": beta, "t_max": t_max}, step)
 
     async def both_phases():
         result = await agent.run(sample, ctx)
@@ -78,6 +78,13 @@ def test_at_beta_zero_the_student_acts_and_the_teacher_only_labels(tok, model_di
     [label] = sample.metadata["_dagger_labels"]
     assert label["turn"] == 1 and "write_file" in label["text"]  # what the expert would have done there
     assert label["label_ids"] and label["state_len"] == len(teacher.requests[0].input_ids)
+
+
+def test_an_eval_step_asks_the_teacher_for_no_labels(tok, model_dir):
+    sample, _, _, student, teacher = episode(tok, model_dir, beta=0.0, t_max=0, student_script=[DONE],
+                                             teacher_script=[DONE], step="eval")
+    assert sample.metadata["_turn_actor"] == ["student"] and "_dagger_labels" not in sample.metadata
+    assert teacher.requests == [] and len(student.requests) == 1
 
 
 def test_a_recipe_with_a_teacher_builds_the_dagger_agents():

@@ -1,5 +1,5 @@
 """A rollout cut short resumes from its checkpoint (TaskScheduler + RolloutCheckpoint, in one process;
-the manager-replica kill is tests/isolated/test_e2e_serve.py)."""
+the manager-replica kill is tests/isolated/test_dagger_serve.py)."""
 
 import asyncio
 import logging
@@ -12,7 +12,7 @@ from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, verify
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.training.trajectories import RolloutCheckpoint
-from rayapp.types import AgentResult, EvaluatorSpec, Resource
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample
 
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 16, "memory_gb": 64}}'
 N = 6  # groups per rollout
@@ -85,8 +85,11 @@ def test_a_rollout_killed_mid_way_resumes_without_rerunning_finished_groups(tmp_
     assert RolloutCheckpoint(tmp_path).resume(1) is None  # finished: never resumed again
 
     # a process restarted between steps continues the stream where rollout 1 left it
-    after = run(scheduler(Policy(), RolloutCheckpoint(tmp_path), make_pool(LAYOUT)).execute_rollout(2))
-    assert ids(after) == expected[2]
+    later = scheduler(Policy(), RolloutCheckpoint(tmp_path), make_pool(LAYOUT))
+    assert ids(run(later.execute_rollout(2))) == expected[2]
+    # a trainer that goes back to an earlier step gets that step's tasks again, then the stream goes on
+    assert ids(run(later.execute_rollout(1))) == expected[1]
+    assert ids(run(later.execute_rollout(2))) == expected[2]
 
 
 def test_a_failed_checkpoint_write_costs_resumability_not_the_step(tmp_path, caplog):
@@ -105,16 +108,24 @@ def test_a_checkpoint_needs_a_source_that_saves_its_state(tmp_path):
         TaskScheduler([spec], ArithmeticSource(), checkpoint=RolloutCheckpoint(tmp_path))
 
 
-def test_a_checkpoint_of_a_bigger_step_is_refused_before_anything_runs(tmp_path):
+@pytest.mark.parametrize(("change", "message"), [
+    ("batch_size", r"group 2 is 'arithmetic-\d-\d+' x\d, but the fetch from the saved source state gave nothing there"),
+    ("datasets", r"group 0 is 'arithmetic-\d-\d+' x\d, but the fetch from the saved source state gave 'arith"),
+])
+def test_a_checkpoint_of_another_data_config_is_refused_before_anything_runs(tmp_path, change, message):
     ckpt = RolloutCheckpoint(tmp_path)
     src = source()
     ckpt.begin(0, src.state_dict())
-    for i in range(N):
-        ckpt.record_group(0, i, [])
+    for i, t in enumerate(src.get_tasks(N)):
+        ckpt.record_group(0, i, [Sample(t.task_id, j, t.prompt, t.label) for j in range(t.config.n_samples)])
     policy = Policy()
     sched = scheduler(policy, RolloutCheckpoint(tmp_path))
-    sched.rollout_batch_size = 2
-    with pytest.raises(ValueError, match=r"checkpoint holds group 5 but the fetch gave 2 tasks"):
+    if change == "batch_size":
+        sched.rollout_batch_size = 2
+    else:  # the same dataset names, other rows: the saved state fetches other tasks
+        sched.data_source = MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=7).get_tasks(5), weight=2.0),
+                                             DatasetSpec("b", ArithmeticSource(seed=8).get_tasks(7))], seed=9)
+    with pytest.raises(ValueError, match=message):
         run(sched.execute_rollout(0))
     assert policy.calls == []
 
@@ -129,7 +140,11 @@ def test_the_finished_marker_keeps_the_next_source_state_and_a_damaged_one_is_na
     src.get_tasks(4)
     ckpt.finish(3, src.state_dict())
     assert ckpt.next_source_state(3) == src.state_dict() and ckpt.next_source_state(2) is None
-    assert sorted(p.name for p in (tmp_path / "rollout_000003").iterdir()) == ["FINISHED", "state.pt"]  # groups gone
+    assert (tmp_path / "rollout_000003" / "group_000000.pt").exists()  # kept while the trainer may still retry
+    for rid in (4, 5):
+        ckpt.begin(rid, src.state_dict())
+    assert sorted(p.name for p in (tmp_path / "rollout_000003").iterdir()) == ["FINISHED", "state.pt"]  # pruned
+    assert ckpt.next_source_state(3) == src.state_dict()  # the seek still works after the prune
     marker = tmp_path / "rollout_000003" / "FINISHED"
     marker.write_bytes(b"\x80\x02garbage")
     with pytest.raises(TrajectoryError, match=r"rollout_000003/FINISHED: not a torch\.save file"):

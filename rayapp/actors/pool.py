@@ -138,7 +138,9 @@ class _Hold(msgspec.Struct):
 
 
 class PlacementPoolService:
-    """Hosted as one Serve replica (or a plain Ray actor in tests)."""
+    """Hosted as one Serve replica (or a plain Ray actor in tests). Every method is ``async``: Serve
+    runs a plain ``def`` in a worker thread, and the ledger and the waiting acquires belong to the
+    replica's event loop."""
 
     def __init__(self, cluster_layout: Any = None, num_cpus: float | None = None, memory_gb: float | None = None,
                  pg_ready_timeout_s: float = 10.0):
@@ -208,7 +210,7 @@ class PlacementPoolService:
         remove_placement_group(hold.pg)
         self.ledger.release(hold.tokens)
 
-    def release_owner(self, owner: str) -> int:
+    async def release_owner(self, owner: str) -> int:
         """Free every batch an owner still holds (a restarted manager's predecessor) and cancel its
         acquires still waiting: a dead caller never cancels them, and one granted later would leak.
         Returns how many batches were freed."""
@@ -222,10 +224,10 @@ class PlacementPoolService:
             log.warning("release_owner %s: cancelled %d waiting acquires", owner, len(waiting))
         return len(stale)
 
-    def max_tokens_for(self, per_sample: Resource) -> int:
+    async def max_tokens_for(self, per_sample: Resource) -> int:
         return self.ledger.max_tokens_for(per_sample)
 
-    def placement(self) -> dict[str, Any]:
+    async def placement(self) -> dict[str, Any]:
         """Who holds what: each held group's tokens (node, GPU ids, fraction), and the ledger's free view."""
         return {
             "batches": {name: {"owner": h.owner, "tokens": [
@@ -236,5 +238,5 @@ class PlacementPoolService:
             "waiting": self.ledger.waiting,
         }
 
-    def snapshot(self) -> dict:
+    async def snapshot(self) -> dict:
         return self.ledger.snapshot()

@@ -209,8 +209,8 @@ def parse_recipe(args: dict[str, Any], source: str = "rollout.yaml") -> RecipeCo
 ENV_CONCURRENCY = "STACX_DAGGER_ENV_CONCURRENCY"
 ENV_KNOBS: dict[str, tuple[str, str]] = {
     ENV_CONCURRENCY: ("(unset)", "user-set: when set, the per-evaluator concurrency (resource.concurrency, the "
-                                 "semaphore ceiling) of every DAgger evaluator (one with a teacher); the spec's "
-                                 "SWE recipe default is 4"),
+                                 "semaphore ceiling) of every SWE DAgger evaluator (env swe with a teacher); the "
+                                 "spec's SWE recipe default is 4"),
 }
 
 
@@ -227,5 +227,5 @@ def apply_env(recipe: RecipeConfig, environ: Mapping[str, str], source: str = "r
     except ValueError:
         raise RecipeError(f'recipe "{source}": {ENV_CONCURRENCY}={raw!r}: expected an integer >= 1') from None
     evaluators = [msgspec.structs.replace(ev, resource=msgspec.structs.replace(ev.resource, concurrency=concurrency))
-                  if ev.teacher is not None else ev for ev in recipe.evaluators]
+                  if ev.teacher is not None and ev.env == "swe" else ev for ev in recipe.evaluators]
     return msgspec.structs.replace(recipe, evaluators=evaluators)

@@ -89,10 +89,11 @@ class Evaluator:
         on_task_done: OnTaskDone | None = None,
         clock: Callable[[], float] = time.time,
         iteration: dict[str, Any] | None = None,
+        step: str = "rollout",
     ):
         self.spec = spec
         self.rollout_id = rollout_id
-        self.iteration = dict(iteration or {})
+        self.iteration, self.step = dict(iteration or {}), step
         self.on_task_done = on_task_done
         self.clock = clock
         self._sem = asyncio.Semaphore(max(1, spec.resource.concurrency))
@@ -124,7 +125,8 @@ class Evaluator:
                 if token is not None:
                     sample.metadata["_placement"] = {"node": token.node, "gpu_ids": list(token.gpu_ids),
                                                      "gpu": token.gpu}
-                ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration)
+                ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration,
+                                     self.step)
                 result = await _bounded(self.spec.handler.run(sample, ctx), group.stopping.timeout_s, "run")
                 if not isinstance(result, AgentResult):
                     raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")

@@ -142,7 +142,7 @@ class TaskScheduler:
         self.iteration = iteration
         if checkpoint is not None and not all(hasattr(data_source, m) for m in ("state_dict", "load_state_dict")):
             raise ValueError("a checkpoint needs a data_source with state_dict() and load_state_dict()")
-        self.checkpoint, self._steps = checkpoint, 0
+        self.checkpoint = checkpoint
         self.acquire_timeout_s = acquire_timeout_s
         self.progress, self.clock = progress, clock
         self._warned: set[str] = set()
@@ -166,10 +166,8 @@ class TaskScheduler:
         for t in fetched:
             tasks.append(msgspec.structs.replace(t) if id(t) in seen else t)
             seen.add(id(t))
-        if any(i >= len(tasks) for i in finished):
-            raise ValueError(f"rollout {rollout_id}: the checkpoint holds group {max(finished)} but the fetch gave "
-                             f"{len(tasks)} tasks (rollout_batch_size changed?)")
         groups = self._distribute(rollout_id, tasks)
+        self._check_resumed(rollout_id, finished, [groups[id(t)].samples for t in tasks])
         todo = [t for i, t in enumerate(tasks) if i not in finished]
         batches = self.batching_strategy(todo, self.specs)  # batch
         callback = self._recording(rollout_id, tasks, on_task_done or self.on_task_done)
@@ -177,14 +175,17 @@ class TaskScheduler:
         samples = [finished[i] if i in finished else groups[id(t)].samples for i, t in enumerate(tasks)]
         metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
         if self.checkpoint is not None:
-            await asyncio.to_thread(self.checkpoint.finish, rollout_id, self.data_source.state_dict())
             metrics["rollout/resumed_groups"] = float(len(finished))
+            try:
+                await asyncio.to_thread(self.checkpoint.finish, rollout_id, self.data_source.state_dict())
+            except Exception:  # the step is done: a lost marker costs the next restart its seek, not the samples
+                log.exception("rollout %d: could not mark its checkpoint finished", rollout_id)
         return RolloutResult(rollout_id, samples, metrics, state)
 
     async def _begin_checkpoint(self, rollout_id: int) -> dict[int, list[Sample]]:
-        """Resume ``rollout_id`` (its source state back, its finished groups), or begin it. A fresh
-        process's first step continues the data stream where the last finished step left it."""
-        first, self._steps = self._steps == 0, self._steps + 1
+        """Resume ``rollout_id`` (its source state back, its finished groups), or begin it where the
+        data stream stood after rollout ``rollout_id - 1`` when that one finished here: a restarted
+        process, or a trainer that went back to an earlier step, gets the same tasks again."""
         ck = self.checkpoint
         if ck is None:
             return {}
@@ -194,13 +195,28 @@ class TaskScheduler:
             log.warning("rollout %d resumes from its checkpoint: %d groups finished before", rollout_id,
                         len(resumed.groups))
             return dict(resumed.groups)
-        if first and rollout_id > 0:
-            before = await asyncio.to_thread(ck.next_source_state, rollout_id - 1)
-            if before is not None:
-                self.data_source.load_state_dict(before)
-                log.info("rollout %d continues the data stream where rollout %d left it", rollout_id, rollout_id - 1)
+        before = await asyncio.to_thread(ck.next_source_state, rollout_id - 1) if rollout_id > 0 else None
+        if before is not None:
+            self.data_source.load_state_dict(before)
+        elif rollout_id > 0:
+            log.info("rollout %d: no finished checkpoint of rollout %d; the data stream goes on from where the "
+                     "source stands", rollout_id, rollout_id - 1)
         await asyncio.to_thread(ck.begin, rollout_id, self.data_source.state_dict())
         return {}
+
+    @staticmethod
+    def _check_resumed(rollout_id: int, finished: dict[int, list[Sample]], fetched: list[list[Sample]]) -> None:
+        """Restored groups must be the groups of the tasks fetched again: a changed data config (datasets,
+        weights, group sizes, batch size) fetches others, and splicing them in would lose and repeat tasks."""
+        for i, group in sorted(finished.items()):
+            want = (fetched[i][0].task_id, len(fetched[i])) if i < len(fetched) else None
+            got = (group[0].task_id, len(group)) if group else (None, 0)
+            if got != want:
+                raise ValueError(f"rollout {rollout_id}: its checkpoint's group {i} is {got[0]!r} x{got[1]}, but "
+                                 f"the fetch from the saved source state gave "
+                                 f"{'nothing there' if want is None else f'{want[0]!r} x{want[1]}'}: the data "
+                                 f"config changed since the checkpoint was written; restore it, or delete that "
+                                 f"rollout's checkpoint to run the step afresh")
 
     def _recording(self, rollout_id: int, tasks: list[Task], callback: OnTaskDone | None) -> OnTaskDone | None:
         """``callback``, after each finished group is recorded in the checkpoint. A failed write
@@ -323,13 +339,14 @@ class TaskScheduler:
             async with asyncio.TaskGroup() as tg:  # one failing batch cancels the rest
                 for i, b in enumerate(batches):
                     label = f"{phase}{rollout_id}/b{i}/{b.task_type}"
-                    tg.create_task(self._run_batch(rollout_id, b, groups, task_done, label, iteration))
+                    tg.create_task(self._run_batch(rollout_id, b, groups, task_done, label, iteration, phase))
         finally:
             bar.close()
             st["phase"] = f"{phase} done" if st["tasks_done"] == n_tasks else f"{phase} failed"
 
     async def _run_batch(self, rollout_id: int, batch: Batch, groups: dict[int, Group],
-                         task_done: OnTaskDone, label: str, iteration: dict[str, Any] | None) -> None:
+                         task_done: OnTaskDone, label: str, iteration: dict[str, Any] | None,
+                         phase: str) -> None:
         spec = self._resolve_spec(batch)
         st = self._status
         tokens: list[Token] | None = None
@@ -340,7 +357,7 @@ class TaskScheduler:
         st["batches_running"] += 1
         try:
             evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, on_task_done=task_done,
-                                  clock=self.clock, iteration=iteration)
+                                  clock=self.clock, iteration=iteration, step=phase)
             await evaluator.run([groups[id(t)] for t in batch.tasks])
         finally:
             st["batches_running"] -= 1

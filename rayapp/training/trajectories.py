@@ -249,7 +249,7 @@ class RolloutCheckpoint:
 
         {dir}/rollout_{id:06d}/state.pt          data source state at begin() (written first)
         {dir}/rollout_{id:06d}/group_{i:06d}.pt  one per finished group, each written atomically;
-                                                 removed by finish()
+                                                 pruned once two later rollouts began
         {dir}/rollout_{id:06d}/FINISHED          finish() was called: never resumed; holds the
                                                  source state after the fetch (next_source_state)
 
@@ -283,6 +283,17 @@ class RolloutCheckpoint:
             shutil.rmtree(folder)
         atomic_write(folder / "state.pt", lambda f: torch.save(state, f))
         self._run[rollout_id], self._done[rollout_id] = state["run"], set()
+        self._prune(before=rollout_id - 1)
+
+    def _prune(self, before: int) -> None:
+        """Drop the group files of finished rollouts older than ``before``: the trainer asked for later
+        steps since, and kept copies would double the run's disk use. Their state and FINISHED stay."""
+        for folder in self.dir.glob("rollout_*"):
+            m = re.fullmatch(r"rollout_(\d{6,})", folder.name)
+            if m and int(m.group(1)) < before and (folder / _DONE).exists():
+                for p in folder.iterdir():
+                    if _GROUP_RE.match(p.name):
+                        p.unlink(missing_ok=True)
 
     def record_group(self, rollout_id: int, index: int, group: list[Sample]) -> None:
         """Durably add finished group ``index`` (its position in fetch order); a repeat is a ValueError."""
@@ -306,11 +317,6 @@ class RolloutCheckpoint:
                 "next_source_state": None if next_source_state is None
                 else _plain(next_source_state, ("next_source_state",))}
         atomic_write(folder / _DONE, lambda f: torch.save(done, f))
-        # A finished rollout is never resumed: its groups (the trainer has them, and the trajectory
-        # file when one is kept) would only double the run's disk use.
-        for p in folder.iterdir():
-            if _GROUP_RE.match(p.name):
-                p.unlink(missing_ok=True)
         self._forget(rollout_id)
 
     def next_source_state(self, rollout_id: int) -> dict | None:

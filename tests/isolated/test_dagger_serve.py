@@ -2,6 +2,7 @@
 driver's three iterations, then a manager replica killed mid-rollout that resumes from its
 checkpoint. Runs in its own pytest process (it starts its own Ray cluster)."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -68,6 +69,28 @@ def test_the_driver_runs_three_dagger_iterations(app):
             assert all(len(s.metadata["_dagger_labels"]) == len(s.metadata["_turn_actor"]) for s in ran)
 
 
+def kill_mid_rollout(ray, handle, rid, folder, checkpoints):
+    """Start rollout ``rid``, kill the manager replica once a group of it is on disk; what the
+    checkpoint then holds (None when the step finished first)."""
+    for _ in range(60):  # a replica killed before: wait until Serve has replaced it
+        try:
+            handle.status.remote().result(timeout_s=30)
+            break
+        except Exception:
+            time.sleep(1)
+    step = handle.generate.remote(rid)
+    deadline = time.monotonic() + 300
+    while not list(folder.glob("group_*.pt")):
+        assert time.monotonic() < deadline, f"no group of rollout {rid} finished within 300 s"
+        time.sleep(0.1)
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith("SERVE_REPLICA") and "SchedulerRolloutManager" in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    with contextlib.suppress(Exception):  # the caller sees the replica die, whatever Ray calls it
+        step.result(timeout_s=120)
+    return checkpoints.resume(rid)
+
+
 def test_a_killed_manager_replica_resumes_its_rollout_without_loss_or_duplicates(app):
     import ray
     from ray import serve
@@ -79,34 +102,27 @@ def test_a_killed_manager_replica_resumes_its_rollout_without_loss_or_duplicates
     ray.init(address=app["address"], namespace="rayapp-resume", logging_level="error", log_to_driver=False)
     try:
         h = serve.get_app_handle("rayapp")
-        step = h.generate.remote(3)
-        folder = app["run"] / "checkpoints" / "rollout_000003"
-        deadline = time.monotonic() + 300
-        while not list(folder.glob("group_*.pt")):  # kill once a group is on disk and others still run
-            assert time.monotonic() < deadline, "no group finished within 300 s"
-            time.sleep(0.1)
-        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("SERVE_REPLICA") and "SchedulerRolloutManager" in a["name"]]
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-        with pytest.raises(Exception):  # noqa: B017 - the caller sees the replica die, whatever Ray calls it
-            step.result(timeout_s=120)
-        before = RolloutCheckpoint(app["run"] / "checkpoints").resume(3)
-        assert before is not None and before.groups, "the kill left no checkpoint to resume"
+        checkpoints = RolloutCheckpoint(app["run"] / "checkpoints")
+        for rid in (3, 4, 5):  # a step whose groups all finish before the kill lands is tried again with the next
+            before = kill_mid_rollout(ray, h, rid, app["run"] / "checkpoints" / f"rollout_{rid:06d}", checkpoints)
+            if before is not None:
+                break
+        assert before is not None and before.groups, "no kill landed mid-rollout in three tries"
 
         result = None
         for _ in range(30):  # until Serve has replaced the replica
             try:
-                result = h.generate.remote(3).result(timeout_s=600)
+                result = h.generate.remote(rid).result(timeout_s=600)
                 break
             except Exception:  # the dead replica's errors while Serve replaces it
                 time.sleep(2)
         assert result is not None, app["log"].read_text()[-3000:]
         assert result.metrics["rollout/resumed_groups"] == len(before.groups)
-        assert RolloutCheckpoint(app["run"] / "checkpoints").resume(3) is None  # finished
+        assert checkpoints.resume(rid) is None  # finished
 
         # what the trainer gets (saved before the filters): the tasks the source gives from the saved
         # state, in fetch order, each group whole; the groups finished before the kill, as recorded
-        _, groups = load_trajectories(app["run"] / "trajectories" / "trajectory_sft_samples_iter_003.pt")
+        _, groups = load_trajectories(app["run"] / "trajectories" / f"trajectory_sft_samples_iter_{rid:03d}.pt")
         source = build_data_source(parse_recipe(app["args"]))
         source.load_state_dict(before.source_state)
         assert [g[0].task_id for g in groups] == [t.task_id for t in source.get_tasks(4)]

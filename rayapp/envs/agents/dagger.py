@@ -7,7 +7,8 @@ the trajectory. Training targets are the teacher's: its tokens carry loss 1 wher
 the student acted, its tokens carry loss 0 and the teacher's label for that same state (asked of
 the teacher with the same context) is kept in ``metadata["_dagger_labels"]`` for the trainer's SFT
 batch. ``metadata["_turn_actor"]`` records who acted at each turn. β and t_max come from
-``ctx.iteration`` (the scheduler's published state); without one β is 0 (student only).
+``ctx.iteration`` (the scheduler's published state); without one β is 0 (student only). In an eval
+step (``ctx.step == "eval"``) no labels are asked for.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ class DAggerRollIn:
             self._record_turn(sample, ctx, turn, out.engine, actor="teacher")
             return out, 1
         out = await self.engine.generate(req)
-        label = await self.teacher.generate(req)  # the expert's action in the state the student reached
-        sample.metadata.setdefault("_dagger_labels", []).append(
-            {"turn": turn, "state_len": len(req.input_ids), "label_ids": list(label.output_ids), "text": label.text})
+        if ctx.step != "eval":  # labels are training data: an eval step would pay the teacher for nothing
+            label = await self.teacher.generate(req)  # the expert's action in the state the student reached
+            sample.metadata.setdefault("_dagger_labels", []).append(
+                {"turn": turn, "state_len": len(req.input_ids), "label_ids": list(label.output_ids),
+                 "text": label.text})
         actors.append("student")
         self._record_turn(sample, ctx, turn, out.engine, actor="student")
         return out, 0

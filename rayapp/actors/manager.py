@@ -170,8 +170,9 @@ class SchedulerRolloutManager:
             result.metrics.update(roll_in_metrics(result.groups))  # before the filters: every roll-in counts
             result = filter_step(result, self.cfg.filters)
             artifacts = dict(result.artifacts)
-            if self.checkpoint is not None and self.checkpoint.folder(rollout_id).exists():  # not when reused
-                artifacts["checkpoint"] = str(self.checkpoint.folder(rollout_id))
+            folder = self.checkpoint.folder(rollout_id) if self.checkpoint is not None else None
+            if folder is not None and folder.exists():  # not when the step was reused
+                artifacts["checkpoint"] = str(folder)
             if self.details is not None:
                 path = await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)
                 artifacts["train_summary"] = str(path)

@@ -229,35 +229,34 @@ def _mapping_to_argv(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+# Struct field -> (type, help) of its --dagger-* flag; "%(default)s" is argparse's default.
+_FLAG_HELP: dict[str, tuple[Any, str]] = {
+    "beta_schedule": (str, "how β decays from --dagger-beta-start to --dagger-beta-end (default: %(default)s)"),
+    "beta_start": (float, "β at iteration 0: probability that the teacher acts at a turn, in [0, 1] "
+                          "(default: %(default)s)"),
+    "beta_end": (float, "floor β decays to, in [0, --dagger-beta-start] (default: %(default)s)"),
+    "decay_iters": (int, "iterations over which linear and cosine decay reach the floor (default: %(default)s)"),
+    "gamma": (float, "per-iteration factor of the exponential decay, in [0, 1] (default: %(default)s)"),
+    "step_size": (int, "the step decay multiplies β by --dagger-step-gamma every this many iterations "
+                       "(default: %(default)s)"),
+    "step_gamma": (float, "factor of the step decay, in [0, 1] (default: the value of --dagger-gamma)"),
+    "t_max_start": (int, "roll-in tail length t_max at iteration 0 (default: %(default)s)"),
+    "t_max_end": (int, "t_max the ramp stops at (default: %(default)s)"),
+    "t_max_step": (int, "t_max change per iteration; 0 turns the ramp off and leaves STACX_DAGGER_T_MAX "
+                        "unset (default: %(default)s)"),
+}
+
+
 def add_dagger_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the DAgger flags to ``parser`` (as one argument group, returned). Defaults come from
     ``DAggerSchedule``'s own, so the parser, the Struct and a generated knob reference agree."""
     d = DAggerSchedule()
     g = parser.add_argument_group("DAgger schedule", "β decay and t_max ramp, evaluated per rollout index")
-    g.add_argument(FLAGS["beta_schedule"], dest=_dest("beta_schedule"), choices=BETA_SCHEDULES,
-                   default=d.beta_schedule, help="how β decays from --dagger-beta-start to --dagger-beta-end "
-                   "(default: %(default)s)")
-    g.add_argument(FLAGS["beta_start"], dest=_dest("beta_start"), type=float, default=d.beta_start,
-                   help="β at iteration 0: probability that the teacher acts at a turn, in [0, 1] "
-                   "(default: %(default)s)")
-    g.add_argument(FLAGS["beta_end"], dest=_dest("beta_end"), type=float, default=d.beta_end,
-                   help="floor β decays to, in [0, --dagger-beta-start] (default: %(default)s)")
-    g.add_argument(FLAGS["decay_iters"], dest=_dest("decay_iters"), type=int, default=d.decay_iters,
-                   help="iterations over which linear and cosine decay reach the floor (default: %(default)s)")
-    g.add_argument(FLAGS["gamma"], dest=_dest("gamma"), type=float, default=d.gamma,
-                   help="per-iteration factor of the exponential decay, in [0, 1] (default: %(default)s)")
-    g.add_argument(FLAGS["step_size"], dest=_dest("step_size"), type=int, default=d.step_size,
-                   help="the step decay multiplies β by --dagger-step-gamma every this many iterations "
-                   "(default: %(default)s)")
-    g.add_argument(FLAGS["step_gamma"], dest=_dest("step_gamma"), type=float, default=d.step_gamma,
-                   help="factor of the step decay, in [0, 1] (default: the value of --dagger-gamma)")
-    g.add_argument(FLAGS["t_max_start"], dest=_dest("t_max_start"), type=int, default=d.t_max_start,
-                   help="roll-in tail length t_max at iteration 0 (default: %(default)s)")
-    g.add_argument(FLAGS["t_max_end"], dest=_dest("t_max_end"), type=int, default=d.t_max_end,
-                   help="t_max the ramp stops at (default: %(default)s)")
-    g.add_argument(FLAGS["t_max_step"], dest=_dest("t_max_step"), type=int, default=d.t_max_step,
-                   help="t_max change per iteration; 0 turns the ramp off and leaves STACX_DAGGER_T_MAX "
-                   "unset (default: %(default)s)")
+    for field, flag in FLAGS.items():
+        kind, help_text = _FLAG_HELP[field]
+        choices = BETA_SCHEDULES if field == "beta_schedule" else None
+        g.add_argument(flag, dest=_dest(field), type=kind, choices=choices, default=getattr(d, field),
+                       help=help_text)
     return g
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 
 from rayapp import cli
-from rayapp.actors.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
-from rayapp.actors.recipe import RecipeConfig
+from rayapp.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
+from rayapp.recipe import RecipeConfig
 from rayapp.training import dagger, reuse
 
 # Environment variables read outside the two tables above.
@@ -96,6 +96,8 @@ def _walk(info: Any, prefix: str) -> list[tuple[str, str, str, str]]:
             inner = [a for a in t.types if not isinstance(a, msgspec.inspect.NoneType)]
             t = inner[0] if len(inner) == 1 else t
         kind = type(t).__name__.removesuffix("Type").lower()
+        if isinstance(t, msgspec.inspect.LiteralType):  # a closed set of names: list them
+            kind = " or ".join(map(str, t.values))
         out.append((path, kind, _default(f), meaning))
         if isinstance(t, msgspec.inspect.StructType):
             out += _walk(t, path + ".")

@@ -88,13 +88,15 @@ def test_an_eval_step_asks_the_teacher_for_no_labels(tok, model_dir):
 
 
 def test_a_recipe_with_a_teacher_builds_the_dagger_agents():
-    from rayapp.actors.manager import build_scheduler
-    from rayapp.actors.recipe import parse_recipe
+    from rayapp.recipe import build_scheduler, parse_recipe
+
+    async def not_called(*args, **kwargs):
+        raise AssertionError("wiring must not run or open anything")
 
     cfg = yaml.safe_load((ROOT / "recipes" / "dagger_local" / "rollout.yaml").read_text())
     recipe = parse_recipe(cfg["applications"][0]["args"])
     engines = {"student": object(), "teacher": object()}
-    sched = build_scheduler(recipe, engines, None)
+    sched = build_scheduler(recipe, engines, None, executor=not_called, open_sandbox=not_called)
     swe, math = sched.specs["swe"].handler, sched.specs["math"].handler
     assert isinstance(swe, DAggerSweAgent) and isinstance(swe, SweAgent)
     assert isinstance(math, DAggerAgent)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayapp.actors.recipe import parse_recipe
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool, budget_tokens
 from rayapp.envs.registry import get_env
+from rayapp.recipe import parse_recipe
 from rayapp.types import EvaluatorSpec, Resource, StoppingCriteria
 
 ROOT = Path(__file__).resolve().parents[1]

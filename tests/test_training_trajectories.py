@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import rayapp.training.trajectories as tr
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
-from rayapp.training.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy
+from rayapp.training.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy, SaveKind
 from rayapp.training.trajectories import (
     RolloutCheckpoint,
     TrajectoryError,
@@ -190,16 +190,17 @@ def _decide(env, rollout_id, save_dir):
 
 def test_decision_table(tmp_path):
     main, it = tmp_path / MAIN_FILE, lambda n: tmp_path / f"trajectory_sft_samples_iter_{n:03d}.pt"
+    both = lambda n: {SaveKind.MAIN: main, SaveKind.PER_ITER: it(n)}  # noqa: E731
     fresh = {"STACX_FORCE_FRESH_ROLLOUT": "1"}
-    assert _decide(fresh, 0, tmp_path) == Decision(True, None, [main, it(0)], "force-fresh")
-    assert _decide(fresh, 12, tmp_path) == Decision(True, None, [main, it(12)], "force-fresh")
-    assert _decide({**fresh, "STACX_SAVE_PER_ITER_PT": "0"}, 3, tmp_path).save_paths == [main]
+    assert _decide(fresh, 0, tmp_path) == Decision(True, None, both(0), "force-fresh")
+    assert _decide(fresh, 12, tmp_path) == Decision(True, None, both(12), "force-fresh")
+    assert _decide({**fresh, "STACX_SAVE_PER_ITER_PT": "0"}, 3, tmp_path).save_paths == {SaveKind.MAIN: main}
     assert _decide({**fresh, "STACX_REUSE_ROLLOUT": "1"}, 3, tmp_path).fresh  # fresh bypasses reuse
-    assert _decide({"STACX_REUSE_ROLLOUT": "true"}, 0, tmp_path) == Decision(False, main, [], "reuse")
-    assert _decide({"STACX_REUSE_ROLLOUT": "1"}, 5, tmp_path) == Decision(False, main, [], "reuse")
-    assert _decide({}, 0, tmp_path) == Decision(True, None, [main, it(0)], "first")
-    assert _decide({"STACX_SAVE_PER_ITER_PT": "off"}, 0, tmp_path).save_paths == [main]
-    assert _decide({}, 1, tmp_path) == Decision(False, main, [], "auto-reuse")
+    assert _decide({"STACX_REUSE_ROLLOUT": "true"}, 0, tmp_path) == Decision(False, main, {}, "reuse")
+    assert _decide({"STACX_REUSE_ROLLOUT": "1"}, 5, tmp_path) == Decision(False, main, {}, "reuse")
+    assert _decide({}, 0, tmp_path) == Decision(True, None, both(0), "first")
+    assert _decide({"STACX_SAVE_PER_ITER_PT": "off"}, 0, tmp_path).save_paths == {SaveKind.MAIN: main}
+    assert _decide({}, 1, tmp_path) == Decision(False, main, {}, "auto-reuse")
     assert _decide({"STACX_REUSE_ROLLOUT": "", "STACX_FORCE_FRESH_ROLLOUT": " "}, 2, tmp_path).mode == "auto-reuse"
 
 
@@ -211,7 +212,7 @@ def test_per_iter_replay_in_order_and_errors(tmp_path):
         (d / name).write_bytes(b"")
     env = {"STACX_REUSE_PER_ITER_DIR": str(d)}
     assert [_decide(env, k, tmp_path).load_path.name[-6:] for k in range(3)] == ["000.pt", "002.pt", "010.pt"]
-    assert _decide(env, 1, tmp_path) == Decision(False, d / "trajectory_sft_samples_iter_002.pt", [], "replay")
+    assert _decide(env, 1, tmp_path) == Decision(False, d / "trajectory_sft_samples_iter_002.pt", {}, "replay")
     with pytest.raises(ValueError, match=r"holds 3 per-iteration files; iteration 3 has none to replay"):
         _decide(env, 3, tmp_path)
     with pytest.raises(ValueError, match=r"STACX_REUSE_PER_ITER_DIR=.*is not a folder"):
@@ -365,7 +366,7 @@ def test_rollout_or_reuse_saves_fresh_iterations_and_reloads_them(tmp_path):
 
     policy = ReusePolicy()  # neither knob: iteration 0 runs and saves, later ones reuse it
     groups0, d0 = asyncio.run(rollout_or_reuse(0, tmp_path, run, policy))
-    assert d0.fresh and len(calls) == 1 and all(p.exists() for p in d0.save_paths)
+    assert d0.fresh and len(calls) == 1 and all(p.exists() for p in d0.save_paths.values())
     groups1, d1 = asyncio.run(rollout_or_reuse(1, tmp_path, run, policy))
     assert not d1.fresh and len(calls) == 1  # no second rollout
     assert groups1[0][0].tokens == [1, 2, 3] and groups1[0][0].reward == {"score": 1.0}

@@ -22,7 +22,7 @@ from ray.serve import Application
 from rayapp.actors.engine import InferenceEngine
 from rayapp.actors.manager import SchedulerRolloutManager
 from rayapp.actors.pool import PlacementPoolService
-from rayapp.actors.recipe import RecipeConfig, RecipeError, parse_recipe
+from rayapp.recipe import RecipeConfig, RecipeError, parse_recipe
 
 # Waiting acquires are long-lived requests: the pool must take many at once.
 POOL_MAX_ONGOING = 100_000
@@ -38,7 +38,7 @@ def check_live_gpus(cfg: RecipeConfig, source: str) -> None:
         return
     if ray.cluster_resources().get("GPU", 0) <= 0:
         raise RecipeError(
-            f'recipe "{source}": evaluators {wanted} hold GPU fractions, but this Ray cluster has no GPUs. On one '
+            source, "$.evaluators", f"{wanted} hold GPU fractions, but this Ray cluster has no GPUs. On one "
             f"machine start Ray with logical GPUs first (ray start --head --num-gpus=4 "
             f"--node-ip-address=127.0.0.1), or give pool.cluster_layout / gpu: 0")
 

@@ -4,6 +4,7 @@ knobs: roll out fresh and save, or load a saved trajectory file (``trajectories.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import re
@@ -41,13 +42,20 @@ def _env_bool(env: Mapping[str, str], name: str) -> bool:
     raise ValueError(f"{name}={env.get(name)!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
 
 
+class SaveKind(enum.StrEnum):
+    """Which file a fresh iteration saves; the value names it among a step's artifacts."""
+
+    MAIN = "trajectory"  # MAIN_FILE, overwritten by every fresh iteration
+    PER_ITER = "trajectory_iter"  # PER_ITER_FILE, this iteration's own
+
+
 @dataclass(frozen=True)
 class Decision:
     """What one iteration does: roll out (``fresh``) or load ``load_path``; then save ``save_paths``."""
 
     fresh: bool
     load_path: Path | None
-    save_paths: list[Path]
+    save_paths: dict[SaveKind, Path]
     mode: str = ""  # "force-fresh" | "first" | "reuse" | "auto-reuse" | "replay", for logs
 
 
@@ -103,11 +111,13 @@ class ReusePolicy:
         if type(rollout_id) is not int or rollout_id < 0:
             raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
         main = Path(save_dir) / MAIN_FILE
-        saves = [main] + ([Path(save_dir) / PER_ITER_FILE.format(rollout_id)] if self.save_per_iter_pt else [])
+        saves = {SaveKind.MAIN: main}
+        if self.save_per_iter_pt:
+            saves[SaveKind.PER_ITER] = Path(save_dir) / PER_ITER_FILE.format(rollout_id)
         if self.force_fresh:
             return Decision(True, None, saves, "force-fresh")
         if self.reuse_rollout:
-            return Decision(False, main, [], "reuse")
+            return Decision(False, main, {}, "reuse")
         if self.reuse_per_iter_dir is not None:
             folder = self.reuse_per_iter_dir
             if not folder.is_dir():
@@ -118,10 +128,10 @@ class ReusePolicy:
             if rollout_id >= len(files):
                 raise ValueError(f"STACX_REUSE_PER_ITER_DIR={str(folder)!r} holds {len(files)} per-iteration "
                                  f"files; iteration {rollout_id} has none to replay")
-            return Decision(False, files[rollout_id], [], "replay")
+            return Decision(False, files[rollout_id], {}, "replay")
         if rollout_id == 0:
             return Decision(True, None, saves, "first")
-        return Decision(False, main, [], "auto-reuse")  # multi-epoch SFT on iteration 0's data
+        return Decision(False, main, {}, "auto-reuse")  # multi-epoch SFT on iteration 0's data
 
 
 
@@ -134,6 +144,6 @@ async def rollout_or_reuse(rollout_id: int, save_dir: str | os.PathLike, run: An
         _, groups = await asyncio.to_thread(load_trajectories, decision.load_path)
         return groups, decision
     groups = await run()
-    for path in decision.save_paths:
+    for path in decision.save_paths.values():
         await asyncio.to_thread(save_trajectories, path, groups, rollout_id)
     return groups, decision

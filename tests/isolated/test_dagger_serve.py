@@ -95,8 +95,7 @@ def test_a_killed_manager_replica_resumes_its_rollout_without_loss_or_duplicates
     import ray
     from ray import serve
 
-    from rayapp.actors.manager import build_data_source
-    from rayapp.actors.recipe import parse_recipe
+    from rayapp.recipe import build_data_source, parse_recipe
     from rayapp.training.trajectories import RolloutCheckpoint, load_trajectories
 
     ray.init(address=app["address"], namespace="rayapp-resume", logging_level="error", log_to_driver=False)

@@ -1,24 +1,41 @@
 """A recipe: the ``args`` of the rayapp application in a Serve config (``rollout.yaml``).
 
-Validated whole with msgspec before anything starts; one error names the file (when known) and the
-JSON path, and nothing is deployed.
+Validated whole once, before anything starts: the Structs carry their own bounds (``Meta(ge=...)``,
+``Literal``s), ``rayapp.core.convert`` turns a misfit into one error naming the file and the JSON
+path, the batching strategy's dotted path is resolved, and ``check_recipe`` holds the few rules
+that span fields. Code behind ``parse_recipe`` trusts the types. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any
+import functools
+import os
+from collections.abc import Iterator, Mapping
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
+from rayapp.core.batching import BatchingStrategy, load_strategy
+from rayapp.core.convert import InputError, convert
+from rayapp.envs.registry import ENVS
 from rayapp.training.dagger import DAggerSchedule
-from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter
+from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.types import Resource, SamplingParams, StoppingCriteria
 
+Count = Annotated[int, Meta(ge=1)]
+Amount = Annotated[float, Meta(ge=0)]
+Seconds = Annotated[float, Meta(gt=0)]
+Backend = Literal["hf", "sglang"]  # rayapp.inference.make_backend's names
+SandboxKind = Literal["local", "docker"]
+PlacementStrategy = Literal["STRICT_PACK", "PACK", "STRICT_SPREAD", "SPREAD"]  # Ray's placement group strategies
 
-class RecipeError(ValueError):
-    pass
+
+class RecipeError(InputError):
+    """A recipe that does not fit: ``recipe "<file>": $.path: reason``."""
+
+    def __init__(self, file: str | os.PathLike, path: str, reason: str):
+        super().__init__(f'recipe "{file}"', path, reason)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -28,18 +45,18 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class EngineConfig(_Strict):
     """One inference deployment. ``options`` go to the backend (``make_backend(backend, **options)``)."""
 
-    backend: Annotated[str, Meta(description="inference backend: hf (transformers) or sglang")] = "hf"
-    num_replicas: Annotated[int, Meta(description="Serve replicas of this engine")] = 1
-    num_cpus: Annotated[float, Meta(description="CPUs Ray reserves for each replica")] = 1.0
-    num_gpus: Annotated[float, Meta(description="GPUs Ray reserves for each replica; a fraction shares one")] = 0.0
-    max_ongoing_requests: Annotated[int, Meta(description="requests one replica serves at once (Serve)")] = 64
-    request_timeout_s: Annotated[float, Meta(description="seconds an agent waits for one generate call; then the "
+    backend: Annotated[Backend, Meta(description="inference backend: hf (transformers) or sglang")] = "hf"
+    num_replicas: Annotated[Count, Meta(description="Serve replicas of this engine")] = 1
+    num_cpus: Annotated[Amount, Meta(description="CPUs Ray reserves for each replica")] = 1.0
+    num_gpus: Annotated[Amount, Meta(description="GPUs Ray reserves for each replica; a fraction shares one")] = 0.0
+    max_ongoing_requests: Annotated[Count, Meta(description="requests one replica serves at once (Serve)")] = 64
+    request_timeout_s: Annotated[Seconds, Meta(description="seconds an agent waits for one generate call; then the "
                                                          "call is cancelled and the sample aborts")] = 300.0
     options: Annotated[dict[str, Any], Meta(description="keyword arguments of the backend (model_path, ...)")] = {}
-    placement_group_bundles: Annotated[list[dict[str, float]] | None, Meta(
+    placement_group_bundles: Annotated[list[dict[str, Amount]] | None, Meta(
         description="bundles each replica reserves as one placement group, for engines spanning several GPUs "
                     "(tensor parallel)")] = None
-    placement_group_strategy: Annotated[str, Meta(description="Ray strategy of that placement group "
+    placement_group_strategy: Annotated[PlacementStrategy, Meta(description="Ray strategy of that placement group "
                                                               "(STRICT_PACK: all on one node)")] = "STRICT_PACK"
 
 
@@ -52,21 +69,22 @@ class PoolConfig(_Strict):
     cluster_layout: Annotated[str | dict[str, Any] | None, Meta(
         description="what the pool may hand out per node: a layout file, inline JSON or a mapping; unset: the "
                     "live cluster's nodes")] = None
-    num_cpus: Annotated[float | None, Meta(description="CPUs of a layout node that names none; with no layout, "
+    num_cpus: Annotated[Amount | None, Meta(description="CPUs of a layout node that names none; with no layout, "
                                                        "overrides each live node's CPUs")] = None
-    memory_gb: Annotated[float | None, Meta(description="memory (GB) of a layout node that names none; with no "
+    memory_gb: Annotated[Amount | None, Meta(description="memory (GB) of a layout node that names none; with no "
                                                         "layout, overrides each live node's memory")] = None
-    pg_ready_timeout_s: Annotated[float, Meta(description="seconds a batch's placement group may take to become "
+    pg_ready_timeout_s: Annotated[Seconds, Meta(description="seconds a batch's placement group may take to become "
                                                           "ready; then the grant is rolled back and retried")] = 10.0
 
 
 class SandboxConfig(_Strict):
     """Where an evaluator's episodes act. CPU and memory limits come from its run_resource."""
 
-    kind: Annotated[str, Meta(description="local (a process sandbox on the sample's node) or docker")] = "local"
+    kind: Annotated[SandboxKind, Meta(description="local (a process sandbox on the sample's node) or docker")] = (
+        "local")
     image: Annotated[str | None, Meta(description="container image; docker only, and needed there")] = None
-    wall_seconds: Annotated[float, Meta(description="wall-clock limit of one sandbox command, seconds")] = 60.0
-    cpu_seconds: Annotated[int, Meta(description="CPU-time limit of one sandbox command, seconds")] = 60
+    wall_seconds: Annotated[Seconds, Meta(description="wall-clock limit of one sandbox command, seconds")] = 60.0
+    cpu_seconds: Annotated[Count, Meta(description="CPU-time limit of one sandbox command, seconds")] = 60
     network: Annotated[bool, Meta(description="let sandbox commands reach the network")] = False
 
 
@@ -85,7 +103,7 @@ class EvaluatorConfig(_Strict):
                                                        "memory_gb also limit its sandbox")] = Resource()
     eval_resource: Annotated[Resource, Meta(description="what one sample holds in its eval phase (it holds the "
                                                         "larger of the two throughout)")] = Resource()
-    batch_size: Annotated[int | None, Meta(description="most tasks in one batch; unset: a step's tasks of one "
+    batch_size: Annotated[Count | None, Meta(description="most tasks in one batch; unset: a step's tasks of one "
                                                        "type form one batch")] = None
     default_stopping: Annotated[StoppingCriteria, Meta(
         description="stopping criteria of this evaluator: over scheduler.global_stopping, under a dataset's "
@@ -93,7 +111,7 @@ class EvaluatorConfig(_Strict):
     default_sampling: Annotated[SamplingParams, Meta(
         description="sampling params of this evaluator: over scheduler.global_sampling, under a dataset's "
                     "dataset_cfg")] = SamplingParams()
-    eval_timeout_s: Annotated[float, Meta(description="wall-clock limit of a sample's eval (verify) phase, "
+    eval_timeout_s: Annotated[Seconds, Meta(description="wall-clock limit of a sample's eval (verify) phase, "
                                                       "seconds; past it the sample aborts")] = 300.0
     sandbox: Annotated[SandboxConfig, Meta(description="where the agent's commands and tests run")] = (
         SandboxConfig())
@@ -106,11 +124,11 @@ class DatasetConfig(_Strict):
     task_type: Annotated[str | None, Meta(description="sets the rows' task_type, which routes them to the "
                                                       "evaluator of that id; unset: the env's own")] = None
     seed: Annotated[int, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
-    n_prompts: Annotated[int, Meta(description="generated envs: rows made; eval datasets: the first n prompts "
+    n_prompts: Annotated[Count, Meta(description="generated envs: rows made; eval datasets: the first n prompts "
                                                "used")] = 64
-    n_samples_per_prompt: Annotated[int | None, Meta(description="rollout datasets: samples per prompt (group "
+    n_samples_per_prompt: Annotated[Count | None, Meta(description="rollout datasets: samples per prompt (group "
                                                                  "size); unset: the row's own n_samples")] = None
-    weight: Annotated[float, Meta(description="rollout datasets: mixing weight, tasks are drawn in proportion to "
+    weight: Annotated[Amount, Meta(description="rollout datasets: mixing weight, tasks are drawn in proportion to "
                                                "it")] = 1.0
     shuffle: Annotated[bool, Meta(description="rollout datasets: a fresh seeded row order each epoch; false: row "
                                               "order")] = True
@@ -118,19 +136,21 @@ class DatasetConfig(_Strict):
                                                             "field win over the evaluator's and global ones")] = {}
 
 
-class SchedulerConfig(_Strict):
+class SchedulerConfig(_Strict, dict=True):
+    """The TaskScheduler's settings. ``dict=True`` only makes room for ``strategy``'s cache."""
+
     seed: Annotated[int, Meta(description="seed of the data source: which dataset each task comes from, and "
                                           "shuffle orders")] = 0
-    rollout_batch_size: Annotated[int, Meta(description="tasks (prompts) fetched per rollout step")] = 8
+    rollout_batch_size: Annotated[Count, Meta(description="tasks (prompts) fetched per rollout step")] = 8
     batching: Annotated[str, Meta(description="batching strategy: fifo, longest_first, budget, or a dotted path "
                                               "to a callable")] = "fifo"
-    n_samples_per_eval_prompt: Annotated[int, Meta(description="samples per eval prompt (pass@k for k up to "
+    n_samples_per_eval_prompt: Annotated[Count, Meta(description="samples per eval prompt (pass@k for k up to "
                                                                "it)")] = 1
     global_stopping: Annotated[StoppingCriteria, Meta(
         description="stopping criteria of every evaluator, the cascade's lowest level")] = StoppingCriteria()
     global_sampling: Annotated[SamplingParams, Meta(
         description="sampling params of every evaluator, the cascade's lowest level")] = SamplingParams()
-    acquire_timeout_s: Annotated[float, Meta(description="seconds a batch may wait for the pool to admit it; "
+    acquire_timeout_s: Annotated[Seconds, Meta(description="seconds a batch may wait for the pool to admit it; "
                                                          "then the step fails")] = 3600.0
     progress: Annotated[bool, Meta(description="show a progress bar per step")] = True
     save_eval_details: Annotated[str | None, Meta(description="folder for eval_details/ artifacts (per-sample "
@@ -141,6 +161,11 @@ class SchedulerConfig(_Strict):
     checkpoint_dir: Annotated[str | None, Meta(description="folder for mid-rollout checkpoints (source state + each "
                                                            "finished group): a restarted manager resumes the step "
                                                            "without re-running finished groups; unset: none")] = None
+
+    @functools.cached_property
+    def strategy(self) -> BatchingStrategy:
+        """``batching`` resolved; ``parse_recipe`` resolves it first, so a bad path fails there."""
+        return load_strategy(self.batching)
 
 
 class FiltersConfig(_Strict):
@@ -153,6 +178,10 @@ class FiltersConfig(_Strict):
                                                                      "own; unset: off")] = None
     abort_cap: Annotated[AbortCap | None, Meta(description="warns when too many of a step's samples aborted; "
                                                            "null: off")] = AbortCap()
+
+    def chain(self) -> list[Filter]:
+        """The filters that are on, in the order they run."""
+        return [f for f in (self.rejection, self.finish_only) if f is not None]
 
 
 class RecipeConfig(_Strict):
@@ -169,40 +198,56 @@ class RecipeConfig(_Strict):
                                                               "fetch; unset: β 0, the student acts alone")] = None
 
 
-def parse_recipe(args: dict[str, Any], source: str = "rollout.yaml") -> RecipeConfig:
+def parse_recipe(args: dict[str, Any], source: str | os.PathLike = "rollout.yaml") -> RecipeConfig:
+    """``args`` as a RecipeConfig, or one RecipeError naming ``source`` and the JSON path."""
     try:
-        recipe = msgspec.convert(args, RecipeConfig)
-    except msgspec.ValidationError as e:
-        raise RecipeError(f'recipe "{source}": {e}') from None
-    if not recipe.engines:
-        raise RecipeError(f'recipe "{source}": $.engines: at least one engine is needed')
-    for i, ev in enumerate(recipe.evaluators):
-        for key in ("engine", "teacher"):
-            name = getattr(ev, key)
-            if name is not None and name not in recipe.engines:
-                raise RecipeError(f'recipe "{source}": $.evaluators[{i}].{key}: {name!r} is not one of '
-                                  f"{sorted(recipe.engines)}")
-    if not recipe.evaluators:
-        raise RecipeError(f'recipe "{source}": $.evaluators: at least one evaluator is needed')
-    if not recipe.data:
-        raise RecipeError(f'recipe "{source}": $.data: at least one dataset is needed')
-    from rayapp.envs.registry import ENVS
+        # msgspec writes a dict value's path as `$.engines[...]`: convert the named sections' entries
+        # one by one first, so an error names the engine or dataset.
+        for key, type_ in (("engines", EngineConfig), ("data", DatasetConfig), ("eval", DatasetConfig)):
+            section = args.get(key) if isinstance(args, dict) else None
+            for name, value in section.items() if isinstance(section, dict) else ():
+                convert(value, type_, "", root=f"$.{key}.{name}")
+        recipe = convert(args, RecipeConfig, "")
+    except InputError as e:
+        raise RecipeError(source, e.path, e.reason) from None
+    problem = next(check_recipe(recipe), None)
+    if problem is not None:
+        raise RecipeError(source, *problem)
+    return recipe
 
+
+def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
+    """The rules that span fields, as (JSON path, reason), first problem first: engines, evaluators
+    and datasets exist, names point at engines and envs that exist, a DAgger evaluator's env has a
+    DAgger agent, a docker sandbox names an image, and the batching strategy resolves."""
+    for key, what in (("engines", "engine"), ("evaluators", "evaluator"), ("data", "dataset")):
+        if not getattr(recipe, key):
+            yield f"$.{key}", f"at least one {what} is needed"
+    for i, ev in enumerate(recipe.evaluators):
+        yield from _check_evaluator(f"$.evaluators[{i}]", ev, recipe.engines)
     for where, datasets in (("data", recipe.data), ("eval", recipe.eval)):
         for name, d in datasets.items():
             if d.env not in ENVS:
-                raise RecipeError(f'recipe "{source}": $.{where}.{name}.env: {d.env!r} is not one of {sorted(ENVS)}')
-    for i, ev in enumerate(recipe.evaluators):
-        if ev.env not in ENVS:
-            raise RecipeError(f'recipe "{source}": $.evaluators[{i}].env: {ev.env!r} is not one of {sorted(ENVS)}')
-        if ev.teacher is not None and ENVS[ev.env].make_dagger_agent is None:
-            dagger_envs = sorted(n for n, e in ENVS.items() if e.make_dagger_agent is not None)
-            raise RecipeError(f'recipe "{source}": $.evaluators[{i}].teacher: env {ev.env!r} has no DAgger agent; '
-                              f"DAgger runs on {dagger_envs}")
-        if ev.sandbox.kind not in ("local", "docker") or (ev.sandbox.kind == "docker") != bool(ev.sandbox.image):
-            raise RecipeError(f'recipe "{source}": $.evaluators[{i}].sandbox: kind "local", or kind "docker" '
-                              f"with an image")
-    return recipe
+                yield f"$.{where}.{name}.env", f"{d.env!r} is not one of {sorted(ENVS)}"
+    try:
+        recipe.scheduler.strategy  # noqa: B018 -- resolved (and cached) now, so a bad path fails here
+    except ValueError as e:
+        yield "$.scheduler.batching", str(e)
+
+
+def _check_evaluator(at: str, ev: EvaluatorConfig, engines: Mapping[str, EngineConfig]) -> Iterator[tuple[str, str]]:
+    for key in ("engine", "teacher"):
+        name = getattr(ev, key)
+        if name is not None and name not in engines:
+            yield f"{at}.{key}", f"{name!r} is not one of {sorted(engines)}"
+    # Env names stay plain strings checked against the registry, so a plug-in env needs no new type.
+    if ev.env not in ENVS:
+        yield f"{at}.env", f"{ev.env!r} is not one of {sorted(ENVS)}"
+    elif ev.teacher is not None and ENVS[ev.env].make_dagger_agent is None:
+        dagger_envs = sorted(n for n, e in ENVS.items() if e.make_dagger_agent is not None)
+        yield f"{at}.teacher", f"env {ev.env!r} has no DAgger agent; DAgger runs on {dagger_envs}"
+    if (ev.sandbox.kind == "docker") != bool(ev.sandbox.image):
+        yield f"{at}.sandbox", 'kind "local", or kind "docker" with an image'
 
 
 # Launch-time environment variables the spec's recipes read (name -> (default, meaning)).
@@ -225,7 +270,7 @@ def apply_env(recipe: RecipeConfig, environ: Mapping[str, str], source: str = "r
         if concurrency < 1:
             raise ValueError
     except ValueError:
-        raise RecipeError(f'recipe "{source}": {ENV_CONCURRENCY}={raw!r}: expected an integer >= 1') from None
+        raise RecipeError(source, f"{ENV_CONCURRENCY}={raw!r}", "expected an integer >= 1") from None
     evaluators = [msgspec.structs.replace(ev, resource=msgspec.structs.replace(ev.resource, concurrency=concurrency))
                   if ev.teacher is not None and ev.env == "swe" else ev for ev in recipe.evaluators]
     return msgspec.structs.replace(recipe, evaluators=evaluators)

@@ -1,0 +1,47 @@
+"""Recipes: the typed ``args`` of a Serve config (``config``) and the pure wiring that turns one
+into evaluators, datasets, a scheduler and a step runner (``wiring``). No Ray here: the Ray shell
+(``rayapp.actors``) hands in its engine clients, pool client and bundle executors."""
+
+from rayapp.recipe.config import (
+    ENV_KNOBS,
+    DatasetConfig,
+    EngineConfig,
+    EvaluatorConfig,
+    FiltersConfig,
+    PoolConfig,
+    RecipeConfig,
+    RecipeError,
+    SandboxConfig,
+    SchedulerConfig,
+    apply_env,
+    check_recipe,
+    parse_recipe,
+)
+from rayapp.recipe.wiring import (
+    build_data_source,
+    build_eval_sets,
+    build_evaluator_specs,
+    build_scheduler,
+    build_step_runner,
+)
+
+__all__ = [
+    "ENV_KNOBS",
+    "DatasetConfig",
+    "EngineConfig",
+    "EvaluatorConfig",
+    "FiltersConfig",
+    "PoolConfig",
+    "RecipeConfig",
+    "RecipeError",
+    "SandboxConfig",
+    "SchedulerConfig",
+    "apply_env",
+    "build_data_source",
+    "build_eval_sets",
+    "build_evaluator_specs",
+    "build_scheduler",
+    "build_step_runner",
+    "check_recipe",
+    "parse_recipe",
+]

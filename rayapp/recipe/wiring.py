@@ -1,0 +1,92 @@
+"""A parsed recipe wired into what runs it: evaluator specs (each env's agent bound to its
+resources), the rollout data source, the eval sets, the TaskScheduler, and the StepRunner around it.
+
+The host lends what crosses process boundaries: engine clients by name, the pool client (None:
+batches run ungated), ``executor`` (runs a plain function where a sample's token is reserved:
+the Ray shell's ``run_in_bundle``) and ``open_sandbox(token, *, kind, limits, image=...)``. So the
+wiring imports no Ray, and a test wires a recipe with stand-ins.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from rayapp.core.scheduler import Pool, TaskScheduler
+from rayapp.envs.agents.chat import Engine, Executor
+from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
+from rayapp.envs.registry import AgentDeps, get_env, make_dataset
+from rayapp.envs.sandboxes import limits_from_resource
+from rayapp.recipe.config import EvaluatorConfig, RecipeConfig
+from rayapp.training.artifacts import EvalDetailsWriter
+from rayapp.training.dagger import DAggerIterations
+from rayapp.training.step import StepRunner
+from rayapp.training.trajectories import RolloutCheckpoint
+from rayapp.types import EvaluatorSpec, Task
+
+SandboxOpener = Callable[..., Awaitable[Any]]
+
+
+def _evaluator_spec(ev: EvaluatorConfig, engines: Mapping[str, Engine], executor: Executor,
+                    open_sandbox: SandboxOpener) -> EvaluatorSpec:
+    sb = ev.sandbox
+    limits = limits_from_resource(ev.run_resource, wall_seconds=sb.wall_seconds, cpu_seconds=sb.cpu_seconds,
+                                  network=sb.network)
+    image = {"image": sb.image} if sb.image else {}
+    opener = functools.partial(open_sandbox, kind=sb.kind, limits=limits, **image)
+    env = get_env(ev.env)
+    deps = AgentDeps(engines[ev.engine], executor, opener, teacher=engines[ev.teacher] if ev.teacher else None)
+    agent = (env.make_dagger_agent if ev.teacher else env.make_agent)(deps)
+    return EvaluatorSpec(
+        evaluator_id=ev.evaluator_id, handler=agent, resource=ev.resource, run_resource=ev.run_resource,
+        eval_resource=ev.eval_resource, batch_size=ev.batch_size, default_stopping=ev.default_stopping,
+        default_sampling=ev.default_sampling, eval_timeout_s=ev.eval_timeout_s,
+    )
+
+
+def build_evaluator_specs(cfg: RecipeConfig, engines: Mapping[str, Engine], *, executor: Executor,
+                          open_sandbox: SandboxOpener) -> list[EvaluatorSpec]:
+    """One EvaluatorSpec per recipe evaluator: its env's agent (the DAgger one when it names a
+    teacher) over the named engines, sandboxes limited by its run_resource."""
+    return [_evaluator_spec(ev, engines, executor, open_sandbox) for ev in cfg.evaluators]
+
+
+def build_data_source(cfg: RecipeConfig) -> MultiDataSource:
+    """The rollout datasets in name order: Serve hands a config's args over with their keys sorted,
+    so any other order would make the stream depend on how the recipe reached the process."""
+    return MultiDataSource([make_dataset(d, name) for name, d in sorted(cfg.data.items())], seed=cfg.scheduler.seed)
+
+
+def build_eval_sets(cfg: RecipeConfig) -> dict[str, list[Task]]:
+    """Each eval dataset's first ``n_prompts`` rows, by name."""
+    return {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in sorted(cfg.eval.items())}
+
+
+def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
+                    open_sandbox: SandboxOpener, checkpoint: RolloutCheckpoint | None = None) -> TaskScheduler:
+    s = cfg.scheduler
+    return TaskScheduler(
+        build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox),
+        build_data_source(cfg), pool, checkpoint=checkpoint,
+        iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None,
+        batching_strategy=s.strategy, rollout_batch_size=s.rollout_batch_size,
+        eval_datasets=build_eval_sets(cfg), n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
+        global_stopping=s.global_stopping, global_sampling=s.global_sampling,
+        acquire_timeout_s=s.acquire_timeout_s, progress=s.progress,
+    )
+
+
+def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
+                      open_sandbox: SandboxOpener,
+                      release_previous: Callable[[], Awaitable[int]] | None = None) -> StepRunner:
+    """The recipe's scheduler inside its step pipeline: its filters, trajectory folder (reuse),
+    checkpoint folder and eval_details folder."""
+    s = cfg.scheduler
+    checkpoint = RolloutCheckpoint(s.checkpoint_dir) if s.checkpoint_dir else None
+    scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox,
+                                checkpoint=checkpoint)
+    return StepRunner(scheduler, filters=cfg.filters.chain(), abort_cap=cfg.filters.abort_cap,
+                      trajectory_dir=s.trajectory_dir, checkpoint=checkpoint,
+                      details=EvalDetailsWriter(s.save_eval_details) if s.save_eval_details else None,
+                      release_previous=release_previous)

@@ -1,0 +1,131 @@
+"""One training step of a recipe, end to end, in the order the trainer's data depends on (spec §5):
+
+- rollout: a fresh run of the scheduler, or the saved trajectories the reuse policy points at
+  (``reuse.py``); then the roll-in metrics, counted before any filter drops a sample (every roll-in
+  the teacher paid for counts); then the survivorship filters (rejection, then finish-only; the
+  abort cap warns); then the artifacts: the trajectory files by kind, the checkpoint folder, the
+  train summary.
+- eval: a run whose finished groups stream into ``eval_details/``, then the complete files.
+
+One step runs at a time: a second call waits its turn, and so does work that must fall between
+steps (``between_steps``: loading new weights). Before the first step, ``release_previous`` frees
+what a previous host of the same pool owner still held (a replica that replaced a crashed one).
+Nothing here imports Ray: the Serve manager only translates calls into these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
+from rayapp.training.artifacts import EvalDetailsWriter
+from rayapp.training.dagger import roll_in_metrics
+from rayapp.training.filters import AbortCap, Filter, apply_filters
+from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
+from rayapp.training.trajectories import RolloutCheckpoint
+from rayapp.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+def filter_step(result: RolloutResult, filters: Sequence[Filter], abort_cap: AbortCap | None) -> RolloutResult:
+    """The step with ``filters`` applied in order: the trainer gets the surviving groups; every drop
+    is counted by filter and reason in the step's metrics."""
+    if not filters and abort_cap is None:
+        return result
+    report = apply_filters(result.groups, list(filters), abort_cap=abort_cap, rollout_id=result.rollout_id)
+    metrics = dict(result.metrics)
+    for kind, counts in (("dropped", report.dropped), ("dropped_groups", report.dropped_groups)):
+        for name, reasons in counts.items():
+            metrics |= {f"filter/{name}/{kind}/{reason}": float(n) for reason, n in reasons.items()}
+    metrics |= {"filter/input_groups": float(len(result.groups)),
+                "filter/input_samples": float(sum(len(g) for g in result.groups)),
+                "filter/kept_groups": float(len(report.groups)), "filter/kept_samples": float(report.kept_samples),
+                "filter/abort_share": float(report.abort_share),
+                "filter/abort_share_exceeded": float(report.abort_share_exceeded)}
+    return msgspec.structs.replace(result, groups=report.groups, metrics=metrics)
+
+
+class StepRunner:
+    """The step pipeline around one TaskScheduler (module docstring). ``trajectory_dir`` unset:
+    every rollout is fresh and nothing is saved; ``reuse`` unset: the policy is read from the
+    STACX_* variables at each step."""
+
+    def __init__(self, scheduler: TaskScheduler, *, filters: Sequence[Filter] = (), abort_cap: AbortCap | None = None,
+                 trajectory_dir: str | os.PathLike | None = None, checkpoint: RolloutCheckpoint | None = None,
+                 details: EvalDetailsWriter | None = None,
+                 release_previous: Callable[[], Awaitable[int]] | None = None, reuse: ReusePolicy | None = None):
+        self.scheduler, self.filters, self.abort_cap = scheduler, list(filters), abort_cap
+        self.trajectory_dir, self.checkpoint, self.details = trajectory_dir, checkpoint, details
+        self.release_previous, self.reuse = release_previous, reuse
+        self._lock = asyncio.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    def status(self) -> dict[str, Any]:
+        return {**self.scheduler.status(), "busy": self.busy}
+
+    @contextlib.asynccontextmanager
+    async def between_steps(self) -> AsyncIterator[None]:
+        """Hold off steps while the body runs (it waits for a running step to finish first)."""
+        async with self._lock:
+            yield
+
+    async def _begin(self) -> None:
+        if self.release_previous is not None:
+            freed = await self.release_previous()
+            if freed:
+                log.warning("freed %d batches left by a previous host of this pool owner", freed)
+            self.release_previous = None  # once; a failed release is tried again before the next step
+
+    async def rollout(self, rollout_id: int) -> RolloutResult:
+        async with self._lock:
+            await self._begin()
+            result = await self._run_or_reuse(rollout_id)
+            result.metrics.update(roll_in_metrics(result.groups))  # before the filters: every roll-in counts
+            result = filter_step(result, self.filters, self.abort_cap)
+            artifacts = dict(result.artifacts)
+            folder = self.checkpoint.folder(rollout_id) if self.checkpoint is not None else None
+            if folder is not None and folder.exists():  # not when the step was reused
+                artifacts["checkpoint"] = str(folder)
+            if self.details is not None:
+                path = await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)
+                artifacts["train_summary"] = str(path)
+            return msgspec.structs.replace(result, artifacts=artifacts)
+
+    async def _run_or_reuse(self, rollout_id: int) -> RolloutResult:
+        """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
+        if self.trajectory_dir is None:
+            return await self.scheduler.execute_rollout(rollout_id)
+        ran: list[RolloutResult] = []
+
+        async def run() -> list[list[Sample]]:
+            ran.append(await self.scheduler.execute_rollout(rollout_id))
+            return ran[0].groups
+
+        groups, decision = await rollout_or_reuse(rollout_id, self.trajectory_dir, run, self.reuse)
+        if ran:
+            saved = {kind.value: str(path) for kind, path in decision.save_paths.items()}
+            return msgspec.structs.replace(ran[0], artifacts=saved)
+        log.info("rollout %d reuses %s (%s)", rollout_id, decision.load_path, decision.mode)
+        return RolloutResult(rollout_id, groups, {"rollout/reused": 1.0}, artifacts={"reused": str(decision.load_path)})
+
+    async def evaluate(self, rollout_id: int) -> EvalResult:
+        async with self._lock:
+            await self._begin()
+            if self.details is None:
+                return await self.scheduler.execute_eval(rollout_id)
+            # samples stream into eval_details/{id}.jsonl as they finish; the complete files and
+            # the summary replace them at the end
+            result = await self.scheduler.execute_eval(rollout_id, self.details.on_task_done(rollout_id))
+            paths = await asyncio.to_thread(self.details.write_eval, rollout_id, result)
+            return msgspec.structs.replace(result, artifacts={k: str(p) for k, p in paths.items()})

@@ -1,0 +1,151 @@
+"""Recipes without Ray: parsing, the bounds on the types, the cross-field rules, the launch-time
+variables, and the wiring of a recipe into evaluator specs."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rayapp.cli import ROOT
+from rayapp.core.batching import budget_batching, fifo_batching
+from rayapp.core.convert import InputError
+from rayapp.recipe import RecipeError, apply_env, build_evaluator_specs, parse_recipe
+from rayapp.types import Resource, SamplingParams, StoppingCriteria
+
+LOCAL = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())["applications"][0]["args"]
+
+
+def _local():
+    return yaml.safe_load(yaml.safe_dump(LOCAL))
+
+
+def test_the_local_recipe_parses():
+    cfg = parse_recipe(LOCAL)
+    assert cfg.engines["student"].backend == "hf" and cfg.pool.gate
+    assert cfg.evaluators[0].run_resource == Resource(gpu=0.25, cpu=0.5, memory_gb=1)
+    assert [e.env for e in cfg.evaluators] == ["arithmetic", "math", "humaneval", "swe"]
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda a: a["evaluators"][0]["resource"].update(gpu="lots"), r"\$\.evaluators\[0\]\.resource\.gpu"),
+    (lambda a: a["evaluators"][0].update(engine="teacher"), r"\$\.evaluators\[0\]\.engine: 'teacher'"),
+    (lambda a: a["pool"].update(cluster_layuot="x"), r"\$\.pool: object contains unknown field cluster_layuot"),
+    (lambda a: a.update(engines={}), r"\$\.engines: at least one engine"),
+    (lambda a: a.update(evaluators=[]), r"\$\.evaluators: at least one evaluator"),
+    (lambda a: a["evaluators"][3].update(teacher="expert"), r"\$\.evaluators\[3\]\.teacher: 'expert' is not one of"),
+    (lambda a: a["evaluators"][0].update(teacher="student"),
+     r"\$\.evaluators\[0\]\.teacher: env 'arithmetic' has no DAgger agent; DAgger runs on \['math', 'swe'\]"),
+])
+def test_a_bad_recipe_gets_one_error_naming_the_path(mutate, message):
+    args = _local()
+    mutate(args)
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(args, source="x.yaml")
+
+
+def test_a_recipe_takes_a_dagger_schedule_and_filters():
+    args = _local()
+    args["dagger"] = {"beta_schedule": "cosine", "beta_start": 1.0, "beta_end": 0.1, "decay_iters": 3}
+    args["filters"] = {"rejection": {"drop_all_wrong": True}, "finish_only": {"whole_group": False}}
+    cfg = parse_recipe(args)
+    assert cfg.dagger.beta(3) == pytest.approx(0.1) and cfg.filters.rejection.drop_all_wrong
+    args["filters"]["rejection"]["drop_al_wrong"] = True
+    with pytest.raises(RecipeError, match="drop_al_wrong"):
+        parse_recipe(args)
+
+
+def test_stacx_dagger_env_concurrency_sets_the_ceiling_of_swe_dagger_evaluators_only():
+    args = _local()
+    args["engines"]["teacher"] = args["engines"]["student"]
+    args["evaluators"][3]["teacher"] = "teacher"  # swe becomes a DAgger evaluator
+    args["evaluators"][1]["teacher"] = "teacher"  # math too: not the SWE recipe's variable's business
+    cfg = parse_recipe(args)
+    assert apply_env(cfg, {}) is cfg
+    out = apply_env(cfg, {"STACX_DAGGER_ENV_CONCURRENCY": "7"})
+    assert [e.resource.concurrency for e in out.evaluators] == [3, 3, 3, 7]
+    assert out.evaluators[3].resource.cpu == cfg.evaluators[3].resource.cpu
+    for bad in ("0", "four", "2.5"):
+        with pytest.raises(RecipeError, match=f"STACX_DAGGER_ENV_CONCURRENCY='{bad}': expected an integer >= 1"):
+            apply_env(cfg, {"STACX_DAGGER_ENV_CONCURRENCY": bad})
+
+
+
+
+ENGINE = r"\$\.engines\.student\."
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda a: a["engines"]["student"].update(backend="vllm"), ENGINE + r"backend: invalid enum value 'vllm'"),
+    (lambda a: a["engines"]["student"].update(num_replicas=0), ENGINE + r"num_replicas: expected int >= 1"),
+    (lambda a: a["engines"]["student"].update(request_timeout_s=0), ENGINE + r"request_timeout_s: expected float > 0"),
+    (lambda a: a["pool"].update(num_cpus=-1), r"\$\.pool\.num_cpus: expected float >= 0"),
+    (lambda a: a["scheduler"].update(rollout_batch_size=0), r"\$\.scheduler\.rollout_batch_size: expected int >= 1"),
+    (lambda a: a["data"]["math"].update(weight=-0.5), r"\$\.data\.math\.weight: expected float >= 0"),
+    (lambda a: a["evaluators"][2]["sandbox"].update(kind="podman"),
+     r"\$\.evaluators\[2\]\.sandbox\.kind: invalid enum value 'podman'"),
+    (lambda a: a["evaluators"][2]["sandbox"].update(kind="docker"),
+     r'\$\.evaluators\[2\]\.sandbox: kind "local", or kind "docker" with an image'),
+    (lambda a: a["evaluators"][1].update(env="chess"), r"\$\.evaluators\[1\]\.env: 'chess' is not one of"),
+    (lambda a: a["eval"]["math"].update(env="chess"), r"\$\.eval\.math\.env: 'chess' is not one of"),
+    (lambda a: a.update(data={}), r"\$\.data: at least one dataset is needed"),
+    (lambda a: a["scheduler"].update(batching="fastest"), r"\$\.scheduler\.batching: batching strategy 'fastest'"),
+    (lambda a: a["scheduler"].update(batching="no_such_pkg.mod.fn"),
+     r"\$\.scheduler\.batching: batching strategy 'no_such_pkg\.mod\.fn': cannot import"),
+])
+def test_the_bounds_on_the_types_and_the_cross_field_rules_name_the_path(mutate, message):
+    args = _local()
+    mutate(args)
+    with pytest.raises(RecipeError, match=r'^recipe "x\.yaml": ' + message):
+        parse_recipe(args, source="x.yaml")
+
+
+def test_a_recipe_error_is_the_input_error_of_the_one_door():
+    args = _local()
+    args["engines"]["student"]["num_gpus"] = -1
+    with pytest.raises(InputError) as info:
+        parse_recipe(args, source="r.yaml")
+    e = info.value
+    assert (e.source, e.path, e.reason) == ('recipe "r.yaml"', "$.engines.student.num_gpus", "expected float >= 0.0")
+    assert str(e) == 'recipe "r.yaml": $.engines.student.num_gpus: expected float >= 0.0'
+
+
+def test_the_batching_strategy_is_resolved_at_parse_time():
+    assert parse_recipe(LOCAL).scheduler.strategy is fifo_batching
+    args = _local()
+    args["scheduler"]["batching"] = "rayapp.core.batching:budget_batching"  # a plugin by dotted path
+    assert parse_recipe(args).scheduler.strategy is budget_batching
+
+
+def test_every_shipped_recipe_parses():
+    for path in sorted((ROOT / "recipes").glob("*/rollout.yaml")):
+        (app,) = yaml.safe_load(path.read_text())["applications"]
+        parse_recipe(app["args"], source=str(path))
+
+
+def test_the_wiring_copies_each_evaluator_field_by_name():
+    args = _local()
+    ev = args["evaluators"][0]
+    ev |= {"batch_size": 5, "eval_timeout_s": 7.5, "eval_resource": {"cpu": 0.25, "memory_gb": 3},
+           "default_stopping": {"max_turns": 2}, "default_sampling": {"top_p": 0.5}}
+    engines = {"student": object()}
+
+    async def not_called(*a, **kw):
+        raise AssertionError("the wiring must not run or open anything")
+
+    spec = build_evaluator_specs(parse_recipe(args), engines, executor=not_called, open_sandbox=not_called)[0]
+    assert spec.evaluator_id == "arithmetic" and spec.handler.engine is engines["student"]
+    assert (spec.batch_size, spec.eval_timeout_s) == (5, 7.5)
+    assert spec.resource == Resource(gpu=0.75, concurrency=3, cpu=1.5, memory_gb=3)
+    assert spec.run_resource == Resource(gpu=0.25, cpu=0.5, memory_gb=1)
+    assert spec.eval_resource == Resource(cpu=0.25, memory_gb=3)
+    assert spec.default_stopping == StoppingCriteria(max_turns=2)
+    assert spec.default_sampling == SamplingParams(top_p=0.5)
+
+
+def test_the_recipe_the_wiring_and_the_step_pipeline_import_neither_ray_nor_fastapi():
+    code = ("import sys, rayapp.recipe, rayapp.training.step; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'fastapi')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -223,7 +223,7 @@ class AbortRecord(msgspec.Struct):
 
     reason: AbortReason
     phase: EpisodePhase
-    window: tuple[float, float]  # the evaluator's clock when the episode started and when it aborted
+    window: list[float]  # [started, ended]: the evaluator's clock at the episode's start and at its abort
     elapsed_s: float
     node: str | None
     gpu_ids: list[int]

@@ -171,7 +171,7 @@ class Evaluator:
     def _abort(self, sample: Sample, ctx: EpisodeContext, e: Exception, phase: EpisodePhase, started: float) -> None:
         reason, ended, token = classify_abort(e), self.clock(), ctx.token
         ctx.record.abort = AbortRecord(
-            reason, phase, (started, ended), round(ended - started, 3), token.node if token else None,
+            reason, phase, [started, ended], round(ended - started, 3), token.node if token else None,
             list(token.gpu_ids) if token else [], ctx.record.turns or 0, f"{type(e).__name__}: {e}"[:2000])
         sample.status = Status.ABORTED
         sample.reward = {"score": 0.0}

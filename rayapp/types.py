@@ -265,26 +265,23 @@ class EpisodeRecord(msgspec.Struct):
         if self.turns is not None:
             out[EpisodeKey.TURNS.value] = self.turns
         if self.abort is not None:
-            out[EpisodeKey.TERMINATION_REASON.value] = self.abort.reason.value
+            out[EpisodeKey.TERMINATION_REASON.value] = str(self.abort.reason)
             if self.termination_reason is not None:
-                out[EpisodeKey.TERMINATION_REASON_AGENT.value] = self.termination_reason.value
+                out[EpisodeKey.TERMINATION_REASON_AGENT.value] = str(self.termination_reason)
             abort = msgspec.to_builtins(self.abort)
             del abort["reason"]  # carried by _termination_reason
             out[EpisodeKey.ABORT.value] = abort
-        elif self.turns is not None or self.termination_reason is not None:
-            out[EpisodeKey.TERMINATION_REASON.value] = _value(self.termination_reason)
+        elif self.turns is not None or self.termination_reason is not None:  # the run phase is over
+            reason = self.termination_reason
+            out[EpisodeKey.TERMINATION_REASON.value] = None if reason is None else str(reason)
         if self.turn_records:
             out[EpisodeKey.TURN_PLACEMENT.value] = msgspec.to_builtins(self.turn_records)
-            actors = [t.actor.value for t in self.turn_records if t.actor is not None]
+            actors = [str(t.actor) for t in self.turn_records if t.actor is not None]
             if actors:
                 out[EpisodeKey.TURN_ACTOR.value] = actors
         if self.dagger_labels:
             out[EpisodeKey.DAGGER_LABELS.value] = msgspec.to_builtins(self.dagger_labels)
         return out
-
-
-def _value(reason: enum.StrEnum | None) -> str | None:
-    return None if reason is None else reason.value
 
 
 R = TypeVar("R")

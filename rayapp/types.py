@@ -8,7 +8,9 @@ Structs pickle, so they cross Ray calls as they are.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -19,6 +21,46 @@ class Status(enum.StrEnum):
     COMPLETED = "completed"
     TRUNCATED = "truncated"
     ABORTED = "aborted"
+
+
+class TerminationReason(enum.StrEnum):
+    """Why an agent ended its own episode (``AgentResult.termination_reason``)."""
+
+    STOP = "stop"  # the model finished on its own
+    MAX_TURNS = "max_turns"  # StoppingCriteria.max_turns model turns were used
+    MAX_CONTEXT_LEN = "max_context_len"  # the episode filled StoppingCriteria.max_context_len tokens
+    LENGTH = "length"  # a generation hit max_new_tokens (or the engine's context) with room left
+
+
+class AbortReason(enum.StrEnum):
+    """Why the evaluator aborted an episode: the transport class of the error (``classify_abort``)."""
+
+    AGENT_TIMEOUT = "agent_timeout"  # the episode or a step of it ran out of time
+    INFRA_CONN = "infra_conn"  # the inference engine (or another service) could not be reached
+    INFRA_SANDBOX = "infra_sandbox"  # the sandbox crashed, was killed or ran out of memory
+    INFRA_OTHER = "infra_other"  # anything else: a bug, a bad result shape, ...
+
+
+class StepKind(enum.StrEnum):
+    """The scheduler step an episode belongs to."""
+
+    ROLLOUT = "rollout"
+    EVAL = "eval"
+
+
+class EpisodePhase(enum.StrEnum):
+    """The evaluator's two phases of one episode. The verifier's value stays "eval", the word
+    abort records have always carried."""
+
+    RUN = "run"
+    VERIFY = "eval"
+
+
+class Actor(enum.StrEnum):
+    """Who acted at a model turn of a DAgger roll-in."""
+
+    TEACHER = "teacher"
+    STUDENT = "student"
 
 
 class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -143,20 +185,150 @@ class AgentResult(msgspec.Struct):
     rollout_log_probs: list[float] = []
     loss_mask: list[int] = []
     turns: int = 1
-    termination_reason: str | None = None  # the agent's own: "stop", "max_turns", ...
+    termination_reason: TerminationReason | None = None  # the agent's own
     truncated: bool = False
     metadata: dict[str, Any] = {}
 
 
+class Placement(msgspec.Struct):
+    """The token an episode ran under: where, on which GPUs, what share of each."""
+
+    node: str
+    gpu_ids: list[int]
+    gpu: float
+
+
+class TurnRecord(msgspec.Struct, omit_defaults=True):
+    """One model turn: which engine answered and where the episode's token sat (``node`` and
+    ``gpu_ids`` are unset without a token); ``actor`` only in a DAgger roll-in."""
+
+    turn: int
+    engine: str
+    node: str | None = None
+    gpu_ids: list[int] | None = None
+    actor: Actor | None = None
+
+
+class DaggerLabel(msgspec.Struct):
+    """The teacher's action in a state the student reached: its output for the same context."""
+
+    turn: int
+    state_len: int  # tokens of the state (the request's input ids)
+    label_ids: list[int]
+    text: str
+
+
+class AbortRecord(msgspec.Struct):
+    """What a failure summary needs of an aborted episode."""
+
+    reason: AbortReason
+    phase: EpisodePhase
+    window: list[float]  # [started, ended]: the evaluator's clock at the episode's start and at its abort
+    elapsed_s: float
+    node: str | None
+    gpu_ids: list[int]
+    turns: int
+    error: str
+
+
+class EpisodeKey(enum.StrEnum):
+    """The ``Sample.metadata`` keys the trainer reads of an episode (spec §4), written only by
+    ``EpisodeRecord.to_metadata``."""
+
+    TURNS = "_turns"
+    TERMINATION_REASON = "_termination_reason"  # the abort reason when aborted, else the agent's
+    TERMINATION_REASON_AGENT = "_termination_reason_agent"  # the agent's, when an abort overrode it
+    PLACEMENT = "_placement"
+    TURN_PLACEMENT = "_turn_placement"
+    TURN_ACTOR = "_turn_actor"
+    DAGGER_LABELS = "_dagger_labels"
+    ABORT = "_abort"
+
+
+class EpisodeRecord(msgspec.Struct):
+    """What one episode did, filled through its EpisodeContext: by the agent while it runs (turns,
+    turn records, labels; kept current, so that an abort mid-episode still says how far it got)
+    and by the evaluator (placement, the result's turns and reason, the abort)."""
+
+    turns: int | None = None
+    termination_reason: TerminationReason | None = None  # the agent's own
+    placement: Placement | None = None
+    turn_records: list[TurnRecord] = []
+    dagger_labels: list[DaggerLabel] = []
+    abort: AbortRecord | None = None
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The spec's metadata keys of this record (``EpisodeKey``), plain data, set ones only."""
+        out: dict[str, Any] = {}
+        if self.placement is not None:
+            out[EpisodeKey.PLACEMENT.value] = msgspec.to_builtins(self.placement)
+        if self.turns is not None:
+            out[EpisodeKey.TURNS.value] = self.turns
+        if self.abort is not None:
+            out[EpisodeKey.TERMINATION_REASON.value] = str(self.abort.reason)
+            if self.termination_reason is not None:
+                out[EpisodeKey.TERMINATION_REASON_AGENT.value] = str(self.termination_reason)
+            abort = msgspec.to_builtins(self.abort)
+            del abort["reason"]  # carried by _termination_reason
+            out[EpisodeKey.ABORT.value] = abort
+        elif self.turns is not None or self.termination_reason is not None:  # the run phase is over
+            reason = self.termination_reason
+            out[EpisodeKey.TERMINATION_REASON.value] = None if reason is None else str(reason)
+        if self.turn_records:
+            out[EpisodeKey.TURN_PLACEMENT.value] = msgspec.to_builtins(self.turn_records)
+            actors = [str(t.actor) for t in self.turn_records if t.actor is not None]
+            if actors:
+                out[EpisodeKey.TURN_ACTOR.value] = actors
+        if self.dagger_labels:
+            out[EpisodeKey.DAGGER_LABELS.value] = msgspec.to_builtins(self.dagger_labels)
+        return out
+
+
+R = TypeVar("R")
+
+
 class EpisodeContext(msgspec.Struct):
-    """What the evaluator hands an agent for one sample: its token, its resolved settings."""
+    """What the evaluator hands an agent for one sample: its token, its resolved settings, the
+    episode's record, and the resources the agent keeps between the run and verify phases.
+
+    The evaluator enters the context (``async with ctx``) around both phases and so closes what
+    was kept whatever happens, cancellation included; an agent run outside an evaluator should be
+    entered the same way."""
 
     rollout_id: int
     token: Token | None
     stopping: StoppingCriteria
     sampling: SamplingParams
     iteration: dict[str, Any] = {}  # the iteration's published state (e.g. DAgger beta, t_max)
-    step: str = "rollout"  # the step the episode belongs to: "rollout" or "eval"
+    step: StepKind = StepKind.ROLLOUT
+    record: EpisodeRecord = msgspec.field(default_factory=EpisodeRecord)
+    _kept: dict[str, Any] = {}
+    _exits: AsyncExitStack = msgspec.field(default_factory=AsyncExitStack)
+
+    def record_turn(self, turn: int, engine: str, actor: Actor | None = None) -> None:
+        """Count model turn ``turn`` as done and record who answered it, and where."""
+        self.record.turns = turn
+        where = (self.token.node, list(self.token.gpu_ids)) if self.token is not None else (None, None)
+        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor))
+
+    def keep(self, name: str, resource: R, close: Callable[[], Awaitable[Any]]) -> R:
+        """Hold ``resource`` under ``name`` until the episode ends; ``close()`` is awaited then."""
+        if name in self._kept:
+            raise ValueError(f"episode {self.rollout_id}: a resource named {name!r} is already kept")
+        self._kept[name] = resource
+        self._exits.push_async_callback(close)
+        return resource
+
+    def kept(self, name: str) -> Any:
+        """The resource kept under ``name``; KeyError when none is."""
+        return self._kept[name]
+
+    async def __aenter__(self) -> EpisodeContext:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._kept.clear()
+        await self._exits.aclose()
 
 
 class EvaluatorSpec(msgspec.Struct):

@@ -16,7 +16,7 @@ from rayapp.envs.datasets.swe import load_repos, load_swe_tasks
 from rayapp.envs.registry import AgentDeps, DAggerSweAgent, SweAgent
 from rayapp.envs.sandboxes import make_sandbox
 from rayapp.inference.tiny_model import load_tokenizer
-from rayapp.types import EpisodeContext, Sample, SamplingParams, StoppingCriteria
+from rayapp.types import EpisodeContext, Sample, SamplingParams, StepKind, StoppingCriteria
 
 DONE = "I fixed the bug."
 
@@ -32,7 +32,7 @@ def gold_write(repo):
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
 
-def episode(tok, model_dir, beta, t_max, student_script, teacher_script, step="rollout"):
+def episode(tok, model_dir, beta, t_max, student_script, teacher_script, step=StepKind.ROLLOUT):
     task = load_swe_tasks()[0]
     student = ScriptedEngine(tok, model_dir, student_script)
     teacher = ScriptedEngine(tok, model_dir, teacher_script)
@@ -46,10 +46,12 @@ def episode(tok, model_dir, beta, t_max, student_script, teacher_script, step="r
                          {"beta": beta, "t_max": t_max}, step)
 
     async def both_phases():
-        result = await agent.run(sample, ctx)
-        return result, await agent.evaluate(sample, result, ctx)  # verified in the episode's own sandbox
+        async with ctx:  # as the evaluator does: the context closes the sandbox the agent kept
+            result = await agent.run(sample, ctx)
+            return result, await agent.evaluate(sample, result, ctx)  # verified in the episode's own sandbox
 
     result, reward = run(both_phases())
+    sample.metadata.update(ctx.record.to_metadata())  # what the evaluator hands the trainer
     return sample, result, reward, student, teacher
 
 
@@ -61,7 +63,8 @@ def test_the_teachers_turn_fixes_the_repository_the_student_finishes_in(tok, mod
     assert reward["score"] == 1.0  # the teacher's write_file landed in the sandbox the verifier ran in
     assert result.termination_reason == "stop"
     # targets: the teacher's tokens carry loss; the student's turn carries none, and its label is the teacher's
-    teacher_turn = len(tok.encode(gold_write(repo), add_special_tokens=False)) + 1  # + eos
+    # (the turn ends at its tool call's closing tag; the eos that closes it is the environment's)
+    teacher_turn = len(tok.encode(gold_write(repo), add_special_tokens=False))
     assert sum(result.loss_mask) == teacher_turn and result.loss_mask[:teacher_turn] == [1] * teacher_turn
     [label] = sample.metadata["_dagger_labels"]
     assert label["turn"] == 2 and label["text"] == DONE
@@ -82,7 +85,7 @@ def test_at_beta_zero_the_student_acts_and_the_teacher_only_labels(tok, model_di
 
 def test_an_eval_step_asks_the_teacher_for_no_labels(tok, model_dir):
     sample, _, _, student, teacher = episode(tok, model_dir, beta=0.0, t_max=0, student_script=[DONE],
-                                             teacher_script=[DONE], step="eval")
+                                             teacher_script=[DONE], step=StepKind.EVAL)
     assert sample.metadata["_turn_actor"] == ["student"] and "_dagger_labels" not in sample.metadata
     assert teacher.requests == [] and len(student.requests) == 1
 

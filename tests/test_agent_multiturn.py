@@ -24,7 +24,8 @@ def tok(model_dir):
 
 class ScriptedEngine:
     """Answers each turn with the next scripted text, tokenized by the real tokenizer (so ids,
-    text and eos are exactly what an engine would return); honours max_new_tokens."""
+    text and eos are exactly what an engine would return); honours max_new_tokens and stop
+    strings as the backends do (the ids end with the match, the text stops before it)."""
 
     def __init__(self, tok, model_dir, script):
         self.tok, self.model_dir, self.script, self.requests = tok, str(model_dir), list(script), []
@@ -36,16 +37,22 @@ class ScriptedEngine:
         self.requests.append(req)
         text = self.script.pop(0) if self.script else "The answer is 4."
         ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
+        matches = [(text.index(s), s) for s in req.sampling.stop or [] if s in text]
+        stop_at = None
+        if matches:
+            stop_at, found = min(matches)
+            ids = self.tok.encode(text[: stop_at + len(found)], add_special_tokens=False)
         finish = FinishReason.STOP
         if req.sampling.max_new_tokens is not None and len(ids) > req.sampling.max_new_tokens:
-            ids, finish = ids[: req.sampling.max_new_tokens], FinishReason.LENGTH
-        return GenerateOutput("r", ids, [-0.5] * len(ids), finish, self.tok.decode(ids, skip_special_tokens=True),
+            ids, finish, stop_at = ids[: req.sampling.max_new_tokens], FinishReason.LENGTH, None
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return GenerateOutput("r", ids, [-0.5] * len(ids), finish, text if stop_at is None else text[:stop_at],
                               engine="scripted")
 
 
-def ctx(max_turns=4, max_context_len=None, token=None):
+def ctx(max_turns=4, max_context_len=None, token=None, stop=None):
     return EpisodeContext(0, token, StoppingCriteria(max_turns=max_turns, max_context_len=max_context_len),
-                          SamplingParams(max_new_tokens=64))
+                          SamplingParams(max_new_tokens=64, stop=stop))
 
 
 def sample():
@@ -69,7 +76,10 @@ def check_invariants(tok, result: AgentResult, engine: ScriptedEngine, limit):
     # the model's tokens are exactly what the engine produced, turn after turn
     produced = [i for r in engine.outputs for i in r]
     assert model == produced
-    assert tok.decode(model, skip_special_tokens=True) == "".join(engine.texts)
+    for ids, text in zip(engine.outputs, engine.texts, strict=True):  # the text, up to a stop string
+        assert tok.decode(ids, skip_special_tokens=True).startswith(text)
+    for req in engine.sent:
+        assert "</tool_call>" in req.sampling.stop  # every turn pauses at its tool call
     if limit is not None:
         prompt_len = len(result.tokens) - n
         # a prompt longer than the context gets no response at all; otherwise the context holds
@@ -78,10 +88,11 @@ def check_invariants(tok, result: AgentResult, engine: ScriptedEngine, limit):
 
 
 def recording(engine):
-    engine.outputs, engine.texts, engine.logprobs = [], [], []
+    engine.outputs, engine.texts, engine.logprobs, engine.sent = [], [], [], []
     real = engine.generate
 
     async def generate(req, timeout_s=None):
+        engine.sent.append(req)
         out = await real(req, timeout_s)
         engine.outputs.append(out.output_ids)
         engine.texts.append(out.text)
@@ -110,13 +121,33 @@ def test_a_tool_call_round_trip_and_the_final_answer(tok, model_dir):
     engine = recording(ScriptedEngine(tok, model_dir, [CALL, "The answer is 4."]))
     s = sample()
     token = Token(3, "node-a", (1,), 0.25, 1.0, 1.0)
-    result = run(ToolAgent(engine, verify).run(s, ctx(token=token)))
+    c = ctx(token=token)
+    result = run(ToolAgent(engine, verify).run(s, c))
     assert result.termination_reason == "stop" and not result.truncated and result.turns == 2
     assert verify(s, result) == {"score": 1.0}
     # the second request saw the tool's answer, as environment tokens
     second_prompt = tok.decode(engine.requests[1].input_ids)
     assert '"result": "4"' in second_prompt and "<|tool|>" in second_prompt
-    assert [p["node"] for p in s.metadata["_turn_placement"]] == ["node-a", "node-a"]
+    assert [t.node for t in c.record.turn_records] == ["node-a", "node-a"]
+    assert c.record.to_metadata()["_turn_placement"] == [
+        {"turn": i, "engine": "scripted", "node": "node-a", "gpu_ids": [1]} for i in (1, 2)]
+
+
+def test_a_turn_ends_at_its_tool_call_so_nothing_after_it_is_trained_on(tok, model_dir):
+    # the model would go on past its call, making up the tool's answer; the stop string ends the turn there
+    made_up = '<|tool|>{"name": "calculator", "result": "5"}<|eos|><|assistant|>The answer is 5.'
+    engine = recording(ScriptedEngine(tok, model_dir, [CALL + made_up, "The answer is 4."]))
+    s = sample()
+    result = run(ToolAgent(engine, verify).run(s, ctx(stop=["###"])))
+    assert [r.sampling.stop for r in engine.requests] == [["###", "</tool_call>"]] * 2  # the user's first
+    first = engine.outputs[0]
+    assert tok.decode(first, skip_special_tokens=True) == CALL  # the turn ends with the call's closing tag
+    response = result.tokens[-result.response_length:]
+    trained = tok.decode([t for t, m in zip(response, result.loss_mask, strict=True) if m == 1],
+                         skip_special_tokens=True)
+    assert trained == CALL + "The answer is 4."
+    assert "5" not in tok.decode(response, skip_special_tokens=True)
+    assert result.termination_reason == "stop" and verify(s, result) == {"score": 1.0}
 
 
 def test_a_malformed_call_is_an_observation_not_a_crash(tok, model_dir):
@@ -161,14 +192,26 @@ def test_an_episode_on_the_real_hf_engine(tok, model_dir):
         async def generate(self, req, timeout_s=None):
             return await backend.generate(req)
 
-    engine = recording(Local())
+    def episode(c):
+        engine = recording(Local())
+        return engine, run(asyncio.wait_for(ToolAgent(engine, verify).run(sample(), c), 120))
+
     try:
-        result = run(asyncio.wait_for(ToolAgent(engine, verify).run(sample(), ctx(max_turns=3, max_context_len=300)),
-                                      120))
+        engine, result = episode(ctx(max_turns=3, max_context_len=300))
+        check_invariants(tok, result, engine, 300)
+        assert result.termination_reason in {"stop", "max_turns", "max_context_len", "length"}
+        # the stop strings reach the real engine and end the turn there (the tiny model writes no tool
+        # calls, so a stop string it does write stands in for "</tool_call>")
+        c = ctx(max_turns=3, stop=["answer"])
+        c.sampling = SamplingParams(temperature=0, max_new_tokens=64, stop=["answer"])
+        engine, result = episode(c)
     finally:
         backend.shutdown()
-    check_invariants(tok, result, engine, 300)
-    assert result.termination_reason in {"stop", "max_turns", "max_context_len", "length"}
+    check_invariants(tok, result, engine, None)
+    assert [r.sampling.stop for r in engine.sent] == [["answer", "</tool_call>"]]
+    trained = [t for t, m in zip(result.tokens[-result.response_length:], result.loss_mask, strict=True) if m]
+    assert tok.decode(trained, skip_special_tokens=True).endswith("answer")  # nothing after the stop string
+    assert result.response == "The " and result.termination_reason == "stop"
 
 
 def test_dagger_roll_in_mixes_student_and_teacher_by_beta_and_t_max(tok, model_dir):
@@ -181,24 +224,79 @@ def test_dagger_roll_in_mixes_student_and_teacher_by_beta_and_t_max(tok, model_d
         agent = DAggerAgent(student, teacher, verify)
         c = EpisodeContext(3, None, StoppingCriteria(max_turns=max_turns), SamplingParams(max_new_tokens=64),
                            {"beta": beta, "t_max": t_max})
-        s = sample()
-        return s, run(agent.run(s, c))
+        result = run(agent.run(sample(), c))
+        return c.record.to_metadata(), result  # the metadata the trainer gets
 
-    s, result = episode(beta=1.0, t_max=0)
-    assert s.metadata["_turn_actor"] == ["teacher"] * 4 and "_dagger_labels" not in s.metadata
-    assert [p["actor"] for p in s.metadata["_turn_placement"]] == ["teacher"] * 4
+    m, result = episode(beta=1.0, t_max=0)
+    assert m["_turn_actor"] == ["teacher"] * 4 and "_dagger_labels" not in m
+    assert [p["actor"] for p in m["_turn_placement"]] == ["teacher"] * 4
     assert sum(result.loss_mask) > 0  # the teacher's tokens are the training targets
 
-    s, result = episode(beta=0.0, t_max=0)
-    assert s.metadata["_turn_actor"] == ["student"] * 4
+    m, result = episode(beta=0.0, t_max=0)
+    assert m["_turn_actor"] == ["student"] * 4
     assert sum(result.loss_mask) == 0  # no student token is a target...
-    assert [lab["turn"] for lab in s.metadata["_dagger_labels"]] == [1, 2, 3, 4]  # ...the teacher's labels are
-    assert all(lab["label_ids"] for lab in s.metadata["_dagger_labels"])
+    assert [lab["turn"] for lab in m["_dagger_labels"]] == [1, 2, 3, 4]  # ...the teacher's labels are
+    assert all(lab["label_ids"] for lab in m["_dagger_labels"])
 
-    s, _ = episode(beta=1.0, t_max=2)  # the mixture covers the first t_max turns only
-    assert s.metadata["_turn_actor"] == ["teacher", "teacher", "student", "student"]
+    m, _ = episode(beta=1.0, t_max=2)  # the mixture covers the first t_max turns only
+    assert m["_turn_actor"] == ["teacher", "teacher", "student", "student"]
 
     a, _ = episode(beta=0.5, t_max=0, max_turns=8)
     b, _ = episode(beta=0.5, t_max=0, max_turns=8)
-    assert a.metadata["_turn_actor"] == b.metadata["_turn_actor"]  # seeded: the roll-in replays
-    assert set(a.metadata["_turn_actor"]) == {"teacher", "student"}
+    assert a["_turn_actor"] == b["_turn_actor"]  # seeded: the roll-in replays
+    assert set(a["_turn_actor"]) == {"teacher", "student"}
+
+
+class FakeSandbox:
+    def __init__(self):
+        self.closed = 0
+
+    async def close(self):
+        self.closed += 1
+
+
+def test_a_kept_sandbox_is_closed_when_the_step_is_cancelled_between_run_and_verify(tok, model_dir):
+    from rayapp.core.evaluator import Evaluator, Group
+    from rayapp.types import EvaluatorSpec, Resource, Task, TaskConfig
+
+    opened = []
+
+    async def factory(sample, c):
+        opened.append(FakeSandbox())
+        return opened[-1]
+
+    between = asyncio.Event()
+
+    class Paused(ToolAgent):  # the run phase is over (the sandbox kept), the verify phase not begun
+        async def run(self, sample, c):
+            result = await super().run(sample, c)
+            between.set()
+            await asyncio.Event().wait()
+            return result
+
+        async def verify_in(self, sandbox, sample, result):
+            raise AssertionError("never verified")
+
+    agent = Paused(ScriptedEngine(tok, model_dir, ["The answer is 4."]), None, tools=["bash"],
+                   sandbox_factory=factory, keep_sandbox=True)
+    token = Token(0, "node-a", (0,), 1.0, 1.0, 1.0)
+    ev = Evaluator(EvaluatorSpec("tools", agent, Resource(concurrency=1)), rollout_id=0, tokens=[token])
+    task = Task("t", "What is 2 + 2?", TaskConfig("tools"), "4")
+    group = Group(task, [sample()], StoppingCriteria(max_turns=2), SamplingParams(max_new_tokens=64))
+
+    async def step():
+        running = asyncio.create_task(ev.run([group]))
+        await asyncio.wait_for(between.wait(), 30)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+    run(step())
+    [sandbox] = opened
+    assert sandbox.closed == 1
+    def holds(v):
+        return v is sandbox or (isinstance(v, dict) and holds(list(v.values()))) or \
+            (isinstance(v, list | tuple) and any(holds(x) for x in v))
+
+    assert not [k for k, v in vars(agent).items() if holds(v)]  # the agent keeps nothing of the episode
+    assert ev._local.qsize() == 1  # and the token came back

@@ -15,6 +15,7 @@ from rayapp.types import (
     StoppingCriteria,
     Task,
     TaskConfig,
+    TerminationReason,
     Token,
 )
 
@@ -113,10 +114,10 @@ def test_on_task_done_fires_per_task_as_it_finishes_not_at_the_end():
     assert run(scenario()) == ["t0", "t1"]
 
 
-def failing_agent(exc, phase="run", reason_before="stop"):
+def failing_agent(exc, phase="run", reason_before=TerminationReason.STOP):
     async def run_fn(sample, ctx):
-        sample.metadata["_termination_reason"] = reason_before
-        sample.metadata["_turns"] = 4
+        ctx.record.termination_reason = reason_before  # the agent keeps its progress current
+        ctx.record.turns = 4
         if phase == "run":
             raise exc
         return ok_result()
@@ -202,3 +203,70 @@ def test_truncated_episode_and_default_loss_mask():
 def test_a_gated_batch_without_tokens_is_refused():
     with pytest.raises(ValueError, match="at least one token"):
         Evaluator(spec(Recorder()), rollout_id=0, tokens=[])
+
+
+def test_an_unknown_termination_reason_aborts_naming_it():
+    res = AgentResult(tokens=[1, 2, 3], response_length=1, termination_reason="max_context")
+    groups = make_groups(1, 1)
+    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 1})), rollout_id=0,
+                  tokens=None).run(groups))
+    s = groups[0].samples[0]
+    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
+    assert "termination_reason 'max_context'" in s.metadata["_abort"]["error"]
+
+
+def test_a_plain_string_reason_becomes_the_enum_and_the_metadata_holds_plain_values():
+    res = AgentResult(tokens=[1, 2, 3], response_length=1, termination_reason="length", turns=2)
+    groups = make_groups(1, 1)
+    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 0})), rollout_id=0,
+                  tokens=tokens(1)).run(groups))
+    meta = groups[0].samples[0].metadata
+    assert res.termination_reason is TerminationReason.LENGTH
+    assert meta == {"_placement": {"node": "node0", "gpu_ids": [0], "gpu": 0.5}, "_turns": 2,
+                    "_termination_reason": "length"}
+    assert type(meta["_termination_reason"]) is str
+
+
+class Kept:
+    def __init__(self):
+        self.closed = 0
+
+    async def close(self):
+        self.closed += 1
+
+
+@pytest.mark.parametrize("outcome", ["verified", "run_fails", "verify_fails"])
+def test_what_the_agent_keeps_in_the_context_is_closed_once_whatever_happens(outcome):
+    kept = Kept()
+
+    async def run_fn(sample, ctx):
+        ctx.keep("thing", kept, kept.close)
+        if outcome == "run_fails":
+            raise RuntimeError("boom")
+        return ok_result()
+
+    async def verify(sample, result):
+        assert kept.closed == 0  # still open for the verifier
+        if outcome == "verify_fails":
+            raise RuntimeError("boom")
+        return {"score": 1.0}
+
+    groups = make_groups(1, 1)
+    run(Evaluator(spec(FunctionAgent(run_fn, verify)), rollout_id=0, tokens=tokens(1)).run(groups))
+    assert kept.closed == 1
+    assert groups[0].samples[0].status is (Status.COMPLETED if outcome == "verified" else Status.ABORTED)
+
+
+def test_a_failing_close_aborts_the_sample_and_the_token_comes_back():
+    async def run_fn(sample, ctx):
+        async def close():
+            raise ConnectionError("sandbox gone")
+        ctx.keep("thing", object(), close)
+        return ok_result()
+
+    groups = make_groups(1, 1)
+    ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0})), rollout_id=0, tokens=tokens(1))
+    run(ev.run(groups))
+    s = groups[0].samples[0]
+    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_conn"
+    assert ev._local.qsize() == 1

@@ -110,7 +110,9 @@ def test_finish_reasons_max_tokens_stop_token_stop_string(backend, greedy, promp
     out = run(backend.generate(GenerateRequest(prompt, SamplingParams(temperature=0, stop=["answer"]))))
     assert out.finish_reason is FinishReason.STOP and out.text == "The "  # cut before the stop string
     assert greedy.output_ids[:len(out.output_ids)] == out.output_ids  # ids end at the token boundary
-    assert "answer" in backend.tokenizer.decode(out.output_ids)
+    # ... of the token that completed the match: nothing generated past it
+    assert backend.tokenizer.decode(out.output_ids, skip_special_tokens=True).endswith("answer")
+    assert len(out.output_ids) < len(greedy.output_ids)
 
 
 def test_context_overflow_ends_with_length_not_a_crash(backend):

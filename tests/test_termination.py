@@ -11,6 +11,7 @@ from rayapp.core.termination import (
     classify_abort,
     classify_termination,
 )
+from rayapp.types import TerminationReason
 
 
 class RemoteError(Exception):
@@ -70,6 +71,9 @@ def test_a_self_referencing_cause_chain_terminates():
     ({"score": 0.0}, "max_turns", FailureClass.MAX_TURNS),
     ({"score": 0.0}, "max_context_len", FailureClass.MAX_CONTEXT),
     ({"score": 0.0}, "length", FailureClass.MAX_CONTEXT),
+    ({"score": 0.0}, TerminationReason.MAX_CONTEXT_LEN, FailureClass.MAX_CONTEXT),  # the enum reads as its value
+    ({"score": 0.0}, "max_context", FailureClass.WRONG_ANSWER),  # a failure class, not a reason any agent gives
+    ({"score": 0.0}, AbortReason.INFRA_CONN, FailureClass.INFRA_CONN),
     ({"score": 0.0}, "agent_timeout", FailureClass.AGENT_TIMEOUT),
     ({"score": 0.0}, "infra_conn", FailureClass.INFRA_CONN),
     ({"score": 0.0}, "infra_sandbox", FailureClass.INFRA_SANDBOX),

@@ -7,7 +7,19 @@ import rayapp.training.artifacts as art
 from rayapp.core.metrics import failure_summary
 from rayapp.core.scheduler import EvalResult, RolloutResult
 from rayapp.training.artifacts import EvalDetailsWriter, JsonlAppender, read_jsonl
-from rayapp.types import Sample, Status, Task, TaskConfig
+from rayapp.types import (
+    AbortReason,
+    AbortRecord,
+    EpisodePhase,
+    EpisodeRecord,
+    Placement,
+    Sample,
+    Status,
+    Task,
+    TaskConfig,
+    TerminationReason,
+    TurnRecord,
+)
 
 
 def _placed(turn, node="10.0.0.2", gpus=(0,), engine="student"):
@@ -53,6 +65,22 @@ EXPECTED_PLACEMENT = [
     {"dataset": "swe", "task_id": "s1", "index": 0, "turn": 1, "node": "10.0.0.3", "gpu_ids": [2],
      "engine": "student"},
 ]
+
+
+def test_the_episode_record_derives_the_metadata_these_files_read():
+    result, _ = _result()
+    [aborted] = result.samples["swe"]
+    record = EpisodeRecord(turns=1, termination_reason=None, placement=Placement("10.0.0.3", [2], 1.0),
+                           turn_records=[TurnRecord(1, "student")],
+                           abort=AbortRecord(AbortReason.INFRA_SANDBOX, EpisodePhase.RUN, [1.0, 2.5], 1.5, "10.0.0.3",
+                                             [2], 1, "SandboxError: container died"))
+    assert record.to_metadata() == aborted.metadata
+    record.termination_reason = TerminationReason.STOP  # an abort in the verify phase keeps the agent's reason
+    assert record.to_metadata()["_termination_reason_agent"] == "stop"
+    assert record.to_metadata()["_termination_reason"] == "infra_sandbox"
+    done = EpisodeRecord(turns=4, termination_reason=TerminationReason.MAX_TURNS).to_metadata()
+    assert done == {"_turns": 4, "_termination_reason": "max_turns"}
+    assert art.sample_record("math", Sample("m", 0, "p", metadata=done))["failure_class"] == "max_turns"
 
 
 def test_write_eval_contents_are_exact(tmp_path):

@@ -226,10 +226,12 @@ def test_bad_values_through_the_other_paths():
 
 def test_roll_in_metrics_count_who_acted_and_the_labels():
     from rayapp.training.dagger import roll_in_metrics
-    from rayapp.types import Sample
+    from rayapp.types import Actor, DaggerLabel, EpisodeRecord, Sample, TurnRecord
 
-    def s(actors, labels=0):
-        return Sample("t", 0, "p", None, metadata={"_turn_actor": actors, "_dagger_labels": [{}] * labels})
+    def s(actors, labels=0):  # the metadata an evaluator derives from the episode's record
+        record = EpisodeRecord(turn_records=[TurnRecord(i, "e", actor=Actor(a)) for i, a in enumerate(actors, 1)],
+                               dagger_labels=[DaggerLabel(1, 3, [4], "x")] * labels)
+        return Sample("t", 0, "p", None, metadata=record.to_metadata())
 
     groups = [[s(["teacher", "student"], 1), s(["student", "student"], 2)], [s(["teacher"])]]
     assert roll_in_metrics(groups) == {"dagger/turns/teacher": 2.0, "dagger/turns/student": 3.0,

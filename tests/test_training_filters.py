@@ -4,12 +4,14 @@ conservation of every sample, and the aborted-share cap's one warning."""
 import copy
 import logging
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rayapp.training.filters import (
     AbortCap,
+    DropReason,
     FilterReport,
     FinishOnlyFilter,
     RejectionFilter,
@@ -195,6 +197,31 @@ def test_bad_filter_lists_and_plugins():
 
     with pytest.raises(RuntimeError, match=r"'lossy'.*exactly once"):
         apply_filters(step(), [Lossy()])
+
+    class Vague:
+        name = "vague"
+
+        def judge(self, group):
+            return Verdict(kept=[], dropped=[(s, "meh") for s in group], group_reason="meh")
+
+    with pytest.raises(ValueError, match=r"'vague' gave drop reason 'meh'"):
+        apply_filters(step(), [Vague()])
+
+
+def test_verdicts_hold_drop_reasons_and_the_summary_plain_strings():
+    report = apply_filters(step(), SPEC_ORDER)
+    assert report.drops and all(type(d.reason) is DropReason for d in report.drops)
+    assert all(type(r) is DropReason for per in report.dropped.values() for r in per)
+    summary = report.summary()
+    assert all(type(r) is str for per in summary["dropped"].values() for r in per)
+    assert summary["dropped"] == report.dropped  # the same counts
+
+
+def test_stop_reasons_are_termination_reasons_checked_when_parsed():
+    parsed = msgspec.convert({"stop_reasons": ["stop", "length"]}, FinishOnlyFilter)
+    assert parsed.stop_reasons == {"stop", "length"}
+    with pytest.raises(msgspec.ValidationError, match=r"max_context.*\$\.stop_reasons\[0\]"):
+        msgspec.convert({"stop_reasons": ["max_context"]}, FinishOnlyFilter)  # a failure class, not a reason
 
 
 def test_report_defaults_are_independent():

@@ -1,9 +1,10 @@
 """The handler an EvaluatorSpec binds (spec §4): the agent that owns one sample's episode.
 
-Two phases run under the one token the sample holds: ``run`` (the episode, returns an
-AgentResult) and ``evaluate`` (the verifier, returns the reward dict). While it runs, an agent may
-keep ``sample.metadata["_turns"]`` and ``["_termination_reason"]`` current, so that an abort
-mid-episode still reports how far it got.
+Two phases run under the one token the sample holds and share one EpisodeContext: ``run`` (the
+episode, returns an AgentResult) and ``evaluate`` (the verifier, returns the reward dict). While
+it runs, an agent keeps ``ctx.record`` current (``ctx.record_turn`` per model turn), so that an
+abort mid-episode still reports how far it got; what it needs from run to verify (a sandbox) it
+hands to ``ctx.keep``, which closes it when the episode ends.
 """
 
 from __future__ import annotations

@@ -2,8 +2,11 @@
 
 Invariants it keeps:
 - at most ``spec.resource.concurrency`` samples run at once (an asyncio.Semaphore);
-- each running sample holds exactly one token of the batch's local pool across run AND eval,
+- each running sample holds exactly one token of the batch's local pool across run AND verify,
   given back in ``finally`` whatever happens, so the batch returns every token it was granted;
+- one EpisodeContext spans both phases: what the agent kept in it is closed when the episode ends,
+  cancellation included, and its EpisodeRecord becomes the sample's episode metadata keys in
+  every outcome but cancellation;
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
   ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
 - ``on_task_done`` fires once per task, as soon as that task's group is finished.
@@ -21,14 +24,19 @@ from typing import Any
 
 from rayapp.core.termination import AgentTimeout, classify_abort
 from rayapp.types import (
+    AbortRecord,
     AgentResult,
     EpisodeContext,
+    EpisodePhase,
     EvaluatorSpec,
+    Placement,
     Sample,
     SamplingParams,
     Status,
+    StepKind,
     StoppingCriteria,
     Task,
+    TerminationReason,
     Token,
 )
 
@@ -49,7 +57,7 @@ class Group:
     sampling: SamplingParams
 
 
-async def _bounded(coro: Awaitable[Any], timeout_s: float | None, phase: str) -> Any:
+async def _bounded(coro: Awaitable[Any], timeout_s: float | None, phase: EpisodePhase) -> Any:
     """Await one phase under its wall clock; running out is an AgentTimeout that says which (a
     TimeoutError the phase raised itself passes through as it is)."""
     clock = asyncio.timeout(timeout_s)
@@ -60,6 +68,20 @@ async def _bounded(coro: Awaitable[Any], timeout_s: float | None, phase: str) ->
         if clock.expired():
             raise AgentTimeout(f"{phase} phase ran past its {timeout_s}s limit") from e
         raise
+
+
+def _checked(result: Any) -> AgentResult:
+    """The run phase's result, its termination reason made the enum (a plain agent may give the value)."""
+    if not isinstance(result, AgentResult):
+        raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
+    reason = result.termination_reason
+    if reason is not None:
+        try:
+            result.termination_reason = TerminationReason(reason)
+        except ValueError:
+            raise TypeError(f"handler.run returned termination_reason {reason!r}, not one of "
+                            f"{[r.value for r in TerminationReason]}") from None
+    return result
 
 
 def _populate_token_data(sample: Sample, result: AgentResult) -> None:
@@ -89,11 +111,11 @@ class Evaluator:
         on_task_done: OnTaskDone | None = None,
         clock: Callable[[], float] = time.time,
         iteration: dict[str, Any] | None = None,
-        step: str = "rollout",
+        step: StepKind = StepKind.ROLLOUT,
     ):
         self.spec = spec
         self.rollout_id = rollout_id
-        self.iteration, self.step = dict(iteration or {}), step
+        self.iteration, self.step = dict(iteration or {}), StepKind(step)
         self.on_task_done = on_task_done
         self.clock = clock
         self._sem = asyncio.Semaphore(max(1, spec.resource.concurrency))
@@ -120,49 +142,37 @@ class Evaluator:
     async def _execute_sample(self, sample: Sample, group: Group) -> None:
         async with self._sem:
             token = await self._local.get() if self._local is not None else None
-            phase, started = "run", self.clock()
+            ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step)
+            if token is not None:
+                ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
+            phase, started = EpisodePhase.RUN, self.clock()
             try:
-                if token is not None:
-                    sample.metadata["_placement"] = {"node": token.node, "gpu_ids": list(token.gpu_ids),
-                                                     "gpu": token.gpu}
-                ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration,
-                                     self.step)
-                result = await _bounded(self.spec.handler.run(sample, ctx), group.stopping.timeout_s, "run")
-                if not isinstance(result, AgentResult):
-                    raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
-                sample.metadata["_turns"] = result.turns
-                sample.metadata["_termination_reason"] = result.termination_reason
-                sample.metadata.update(result.metadata)
-                phase = "eval"
-                reward = await _bounded(self.spec.handler.evaluate(sample, result, ctx), self.spec.eval_timeout_s,
-                                        "eval")
+                async with ctx:  # closes what the agent kept between the phases, whatever happens
+                    result = _checked(await _bounded(self.spec.handler.run(sample, ctx), group.stopping.timeout_s,
+                                                     phase))
+                    ctx.record.turns = result.turns
+                    ctx.record.termination_reason = result.termination_reason
+                    sample.metadata.update(result.metadata)
+                    phase = EpisodePhase.VERIFY
+                    reward = await _bounded(self.spec.handler.evaluate(sample, result, ctx),
+                                            self.spec.eval_timeout_s, phase)
                 if not isinstance(reward, dict) or "score" not in reward:
                     raise TypeError(f"handler.evaluate returned {reward!r}, not a dict with a 'score'")
                 _populate_token_data(sample, result)
                 sample.reward = {k: float(v) for k, v in reward.items()}
                 sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
             except Exception as e:
-                self._abort(sample, e, phase, started, token)
+                self._abort(sample, ctx, e, phase, started)
             finally:
                 if self._local is not None and token is not None:
                     self._local.put_nowait(token)
+            sample.metadata.update(ctx.record.to_metadata())
 
-    def _abort(self, sample: Sample, e: Exception, phase: str, started: float, token: Token | None) -> None:
-        agent_reason = sample.metadata.get("_termination_reason")
-        if agent_reason is not None:
-            sample.metadata["_termination_reason_agent"] = agent_reason  # kept for diagnostics
-        reason = classify_abort(e)
-        sample.metadata["_termination_reason"] = reason.value
-        ended = self.clock()
-        sample.metadata["_abort"] = {  # _annotate_abort: what a failure summary needs
-            "phase": phase,
-            "window": [started, ended],
-            "elapsed_s": round(ended - started, 3),
-            "node": token.node if token else None,
-            "gpu_ids": list(token.gpu_ids) if token else [],
-            "turns": sample.metadata.get("_turns", 0),
-            "error": f"{type(e).__name__}: {e}"[:2000],
-        }
+    def _abort(self, sample: Sample, ctx: EpisodeContext, e: Exception, phase: EpisodePhase, started: float) -> None:
+        reason, ended, token = classify_abort(e), self.clock(), ctx.token
+        ctx.record.abort = AbortRecord(
+            reason, phase, [started, ended], round(ended - started, 3), token.node if token else None,
+            list(token.gpu_ids) if token else [], ctx.record.turns or 0, f"{type(e).__name__}: {e}"[:2000])
         sample.status = Status.ABORTED
         sample.reward = {"score": 0.0}
         sample.tokens = list(DUMMY_TOKENS)
@@ -172,4 +182,4 @@ class Evaluator:
         sample.rollout_log_probs = [0.0]
         sample.remove_sample = True
         log.warning("sample %s/%d aborted in %s phase (%s): %s", sample.task_id, sample.index, phase,
-                    reason.value, sample.metadata["_abort"]["error"])
+                    reason.value, ctx.record.abort.error)

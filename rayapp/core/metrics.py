@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from math import comb
 
 from rayapp.core.termination import FailureClass, classify_termination
-from rayapp.types import Sample
+from rayapp.types import EpisodeKey, Sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,6 +55,6 @@ def eval_metrics(
 def failure_summary(samples: Iterable[Sample]) -> dict[str, int]:
     """Count of samples per failure class (the eight of ``FailureClass``, zeros included)."""
     counts = Counter(
-        classify_termination(s.reward, s.metadata.get("_termination_reason")).value for s in samples
+        classify_termination(s.reward, s.metadata.get(EpisodeKey.TERMINATION_REASON)).value for s in samples
     )
     return {fc.value: counts.get(fc.value, 0) for fc in FailureClass}

@@ -3,8 +3,9 @@
 ``classify_abort`` maps an exception raised inside an episode to one transport class. It reads the
 exception's type first (the exception types below, builtin timeouts and connection errors, and
 their causes), then its message, so wrapped or stringified errors from remote processes still
-classify. ``classify_termination`` folds a finished sample's reward and reason into one of the
-eight ``FailureClass`` values that summaries count.
+classify. ``classify_termination`` folds a finished sample's reward and reason (an agent's
+``TerminationReason`` or an ``AbortReason``) into one of the eight ``FailureClass`` values that
+summaries count.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from __future__ import annotations
 import enum
 import re
 
+from rayapp.types import AbortReason, TerminationReason
 
-class AbortReason(enum.StrEnum):
-    AGENT_TIMEOUT = "agent_timeout"  # the episode or a step of it ran out of time
-    INFRA_CONN = "infra_conn"  # the inference engine (or another service) could not be reached
-    INFRA_SANDBOX = "infra_sandbox"  # the sandbox crashed, was killed or ran out of memory
-    INFRA_OTHER = "infra_other"  # anything else: a bug, a bad result shape, ...
+__all__ = ["AbortReason", "AgentTimeout", "EngineConnectionError", "EpisodeError", "FailureClass", "SandboxError",
+           "classify_abort", "classify_termination"]
 
 
 class FailureClass(enum.StrEnum):
@@ -27,7 +26,7 @@ class FailureClass(enum.StrEnum):
     SUCCESS = "success"  # positive score
     WRONG_ANSWER = "wrong_answer"  # finished on its own, score <= 0
     MAX_TURNS = "max_turns"  # stopped by StoppingCriteria.max_turns
-    MAX_CONTEXT = "max_context"  # stopped by max_context_len or a length cut
+    MAX_CONTEXT = "max_context"  # stopped by max_context_len or a length cut (the class, not a reason)
     AGENT_TIMEOUT = "agent_timeout"
     INFRA_CONN = "infra_conn"
     INFRA_SANDBOX = "infra_sandbox"
@@ -104,11 +103,11 @@ def classify_abort(error: BaseException | str) -> AbortReason:
     return AbortReason.INFRA_OTHER
 
 
+_ABORTS = frozenset(AbortReason)
 _LIMIT_REASONS = {
-    "max_turns": FailureClass.MAX_TURNS,
-    "max_context_len": FailureClass.MAX_CONTEXT,
-    "max_context": FailureClass.MAX_CONTEXT,
-    "length": FailureClass.MAX_CONTEXT,
+    TerminationReason.MAX_TURNS: FailureClass.MAX_TURNS,
+    TerminationReason.MAX_CONTEXT_LEN: FailureClass.MAX_CONTEXT,
+    TerminationReason.LENGTH: FailureClass.MAX_CONTEXT,
 }
 
 
@@ -116,8 +115,9 @@ def classify_termination(reward: dict[str, float] | float | None, reason: str | 
     """Fold a sample's (reward, termination reason) into one FailureClass.
 
     Aborts win (their reason is a transport class); then a positive score is a success whatever
-    limit ended the episode; then the limit that stopped it; else a wrong answer."""
-    if reason in AbortReason._value2member_map_:
+    limit ended the episode; then the limit that stopped it; else a wrong answer. ``reason`` is
+    what ``Sample.metadata`` carries: the enum's value or the enum itself."""
+    if reason in _ABORTS:
         return FailureClass(reason)
     score = reward.get("score", 0.0) if isinstance(reward, dict) else (reward or 0.0)
     if score > 0:

@@ -14,7 +14,16 @@ import random
 import re
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.types import AgentResult, EpisodeContext, EvaluatorSpec, Resource, Sample, Task, TaskConfig
+from rayapp.types import (
+    AgentResult,
+    EpisodeContext,
+    EvaluatorSpec,
+    Resource,
+    Sample,
+    Task,
+    TaskConfig,
+    TerminationReason,
+)
 
 BOS, EOS, OFFSET = 1, 2, 3  # byte b is token b + OFFSET
 
@@ -66,11 +75,11 @@ def toy_policy(error_rate: float = 0.2, latency_s: float = 0.01, seed: int = 0):
         answer = int(sample.label) + (rng.choice([-1, 1]) * rng.randint(1, 9) if rng.random() < error_rate else 0)
         prompt_ids = [BOS, *encode(str(sample.prompt))]
         response_ids = [*encode(f"The answer is {answer}."), EOS]
-        reason, truncated = "stop", False
+        reason, truncated = TerminationReason.STOP, False
         limit = ctx.stopping.max_context_len
         if limit is not None and len(prompt_ids) + len(response_ids) > limit:
             response_ids = response_ids[: max(0, limit - len(prompt_ids))]
-            reason, truncated = "max_context_len", True
+            reason, truncated = TerminationReason.MAX_CONTEXT_LEN, True
         temperature = ctx.sampling.temperature if ctx.sampling.temperature is not None else 1.0
         log_probs = [math.log(rng.uniform(0.5, 1.0)) * temperature for _ in response_ids]
         return AgentResult(

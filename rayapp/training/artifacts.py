@@ -40,7 +40,7 @@ import msgspec
 from rayapp.core.metrics import failure_summary
 from rayapp.core.scheduler import EvalResult, RolloutResult
 from rayapp.core.termination import classify_termination
-from rayapp.types import Sample, Task
+from rayapp.types import EpisodeKey, Sample, Task
 
 log = logging.getLogger(__name__)
 
@@ -171,22 +171,23 @@ def dataset_of(sample: Sample, default: str = "unknown") -> str:
 
 def sample_record(dataset: str, s: Sample) -> dict:
     """The ``{id}.jsonl`` line of one sample."""
-    reason = s.metadata.get("_termination_reason")
+    m = s.metadata
+    reason = m.get(EpisodeKey.TERMINATION_REASON)
     return {
         "dataset": dataset, "task_id": s.task_id, "index": s.index, "status": str(s.status),
         "reward": s.reward, "termination_reason": reason,
         "failure_class": classify_termination(s.reward, reason).value,
-        "turns": s.metadata.get("_turns", 0),
+        "turns": m.get(EpisodeKey.TURNS, 0),
         "prompt_tokens": max(len(s.tokens) - s.response_length, 0), "response_tokens": s.response_length,
-        "remove_sample": s.remove_sample, "abort": s.metadata.get("_abort"), "response": s.response,
+        "remove_sample": s.remove_sample, "abort": m.get(EpisodeKey.ABORT), "response": s.response,
     }
 
 
 def placement_records(dataset: str, s: Sample) -> list[dict]:
     """The ``{id}.placement.jsonl`` lines of one sample, one per recorded turn."""
-    token = s.metadata.get("_placement") or {}
+    token = s.metadata.get(EpisodeKey.PLACEMENT) or {}
     out = []
-    for i, turn in enumerate(s.metadata.get("_turn_placement") or [], 1):
+    for i, turn in enumerate(s.metadata.get(EpisodeKey.TURN_PLACEMENT) or [], 1):
         turn = turn if isinstance(turn, dict) else {"value": turn}
         rec = {"dataset": dataset, "task_id": s.task_id, "index": s.index, "turn": turn.get("turn", i),
                "node": turn.get("node", token.get("node")), "gpu_ids": turn.get("gpu_ids", token.get("gpu_ids")),

@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from rayapp.types import Actor, EpisodeKey
+
 BetaSchedule = Literal["linear", "cosine", "exponential", "step"]
 BETA_SCHEDULES: tuple[str, ...] = ("linear", "cosine", "exponential", "step")
 
@@ -314,22 +316,22 @@ class DAggerIterations:
 
 
 def roll_in_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
-    """Who acted in a step's DAgger roll-ins (the agents' ``_turn_actor`` records), before any
+    """Who acted in a step's DAgger roll-ins (the episodes' ``_turn_actor`` records), before any
     filter: ``dagger/turns/teacher``, ``dagger/turns/student``, ``dagger/labels`` (teacher labels
     kept for student turns) and ``dagger/teacher_turn_share``. Empty for a step with no roll-ins."""
-    turns = {"teacher": 0, "student": 0}
+    turns = {actor.value: 0 for actor in Actor}
     labels, seen = 0, False
     for group in groups:
         for s in group:
-            actors = s.metadata.get("_turn_actor")
+            actors = s.metadata.get(EpisodeKey.TURN_ACTOR)
             if actors is None:
                 continue
             seen = True
             for actor in actors:
                 turns[actor] = turns.get(actor, 0) + 1
-            labels += len(s.metadata.get("_dagger_labels", ()))
+            labels += len(s.metadata.get(EpisodeKey.DAGGER_LABELS, ()))
     if not seen:
         return {}
     total = sum(turns.values())
     return {**{f"dagger/turns/{k}": float(v) for k, v in turns.items()}, "dagger/labels": float(labels),
-            "dagger/teacher_turn_share": turns["teacher"] / total if total else 0.0}
+            "dagger/teacher_turn_share": turns[Actor.TEACHER] / total if total else 0.0}

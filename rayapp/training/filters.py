@@ -27,17 +27,20 @@ import logging
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from typing import Annotated, Protocol
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 from msgspec import Meta
 
-from rayapp.types import Sample, Status
+from rayapp.types import EpisodeKey, Sample, Status, TerminationReason
 
 log = logging.getLogger(__name__)
 
 Group = list[Sample]
 _NAME = Meta(description="the filter's name in drop counts and filter/<name>/... metrics")
+# TerminationReason's values as a type, so that a recipe naming another reason is refused when parsed
+# (a Literal rather than the enum: the values stay plain strings in recipes and the knob reference)
+ReasonValue = Literal[tuple(r.value for r in TerminationReason)]  # type: ignore[valid-type]
 
 
 class DropReason(enum.StrEnum):
@@ -53,9 +56,11 @@ class DropReason(enum.StrEnum):
     PENDING = "pending"  # never ran
     NOT_STOPPED = "not_stopped"  # COMPLETED, but its termination reason is not a stop reason
     WITH_GROUP = "with_group"  # finished, but dropped with its group (FinishOnlyFilter(whole_group=True))
+    # a group only: empty in the input, or emptied by a filter that gave no group_reason
+    EMPTY = "empty"
 
 
-_SEVERITY = list(DropReason)
+_SEVERITY = list(DropReason)  # finish-only's reasons, most severe first
 
 
 class Verdict(msgspec.Struct):
@@ -63,8 +68,8 @@ class Verdict(msgspec.Struct):
     group's samples exactly. When ``kept`` is empty the group is gone and ``group_reason`` says why."""
 
     kept: list[Sample]
-    dropped: list[tuple[Sample, str]] = []
-    group_reason: str | None = None
+    dropped: list[tuple[Sample, DropReason]] = []
+    group_reason: DropReason | None = None
 
 
 class Filter(Protocol):
@@ -77,7 +82,7 @@ class Filter(Protocol):
 
 class Drop(msgspec.Struct, frozen=True):
     filter: str
-    reason: str
+    reason: DropReason
     sample: Sample
 
 
@@ -116,7 +121,7 @@ class RejectionFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             reason = DropReason.LOW_STD
         if reason is None:
             return Verdict(kept=list(group))
-        return Verdict(kept=[], dropped=[(s, reason.value) for s in group], group_reason=reason.value)
+        return Verdict(kept=[], dropped=[(s, reason) for s in group], group_reason=reason)
 
 
 class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -129,8 +134,8 @@ class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     whole_group: Annotated[bool, Meta(description="drop a group whole when any of its samples did not finish; "
                                                   "false: only those samples")] = False
-    stop_reasons: Annotated[frozenset[str], Meta(description="the agent termination reasons that count as "
-                                                             "finished")] = frozenset({"stop"})
+    stop_reasons: Annotated[frozenset[ReasonValue], Meta(description="the agent termination reasons that count as "
+                                                                     "finished")] = frozenset({"stop"})
     name: Annotated[str, _NAME] = "finish_only"
 
     def reason(self, sample: Sample) -> DropReason | None:
@@ -143,7 +148,7 @@ class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return DropReason.TRUNCATED
         if sample.status is not Status.COMPLETED:
             return DropReason.PENDING
-        if sample.metadata.get("_termination_reason") not in self.stop_reasons:
+        if sample.metadata.get(EpisodeKey.TERMINATION_REASON) not in self.stop_reasons:
             return DropReason.NOT_STOPPED
         return None
 
@@ -152,12 +157,12 @@ class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         bad = [r for r in reasons if r is not None]
         if not bad:
             return Verdict(kept=list(group))
-        worst = min(bad, key=_SEVERITY.index).value
+        worst = min(bad, key=_SEVERITY.index)
         if self.whole_group:
-            dropped = [(s, (r or DropReason.WITH_GROUP).value) for s, r in zip(group, reasons, strict=True)]
+            dropped = [(s, r or DropReason.WITH_GROUP) for s, r in zip(group, reasons, strict=True)]
             return Verdict(kept=[], dropped=dropped, group_reason=worst)
         kept = [s for s, r in zip(group, reasons, strict=True) if r is None]
-        dropped = [(s, r.value) for s, r in zip(group, reasons, strict=True) if r is not None]
+        dropped = [(s, r) for s, r in zip(group, reasons, strict=True) if r is not None]
         return Verdict(kept=kept, dropped=dropped, group_reason=None if kept else worst)
 
 
@@ -179,8 +184,8 @@ class FilterReport(msgspec.Struct):
 
     groups: list[Group] = []
     drops: list[Drop] = []
-    dropped: dict[str, dict[str, int]] = {}
-    dropped_groups: dict[str, dict[str, int]] = {}
+    dropped: dict[str, dict[DropReason, int]] = {}
+    dropped_groups: dict[str, dict[DropReason, int]] = {}
     input_groups: int = 0
     input_samples: int = 0
     aborted: int = 0
@@ -196,7 +201,7 @@ class FilterReport(msgspec.Struct):
         return {
             "input_groups": self.input_groups, "input_samples": self.input_samples,
             "kept_groups": len(self.groups), "kept_samples": self.kept_samples,
-            "dropped": self.dropped, "dropped_groups": self.dropped_groups,
+            "dropped": msgspec.to_builtins(self.dropped), "dropped_groups": msgspec.to_builtins(self.dropped_groups),
             "aborted": self.aborted, "abort_share": self.abort_share,
             "abort_share_exceeded": self.abort_share_exceeded,
         }
@@ -211,7 +216,9 @@ def apply_filters(
 ) -> FilterReport:
     """Run ``filters`` in order over ``groups`` (each filter sees only the previous one's
     survivors) and account for every drop. An empty input group is removed and counted under
-    ``dropped_groups["input"]["empty"]``. ``rollout_id`` only labels the abort-cap warning."""
+    ``dropped_groups["input"]["empty"]``. ``rollout_id`` only labels the abort-cap warning.
+    Drop reasons are ``DropReason``s; a plugin filter's plain string is made one here, so a reason
+    outside the enum is a ValueError naming the filter."""
     names = [f.name for f in filters]
     if len(set(names)) != len(names):
         raise ValueError(f"filter names must be unique (their counts would merge), got {names}")
@@ -220,7 +227,7 @@ def apply_filters(
         _check_abort_share(report, groups, abort_cap, rollout_id)
     current = [list(g) for g in groups if g]
     if len(current) < len(groups):
-        report.dropped_groups["input"] = {"empty": len(groups) - len(current)}
+        report.dropped_groups["input"] = {DropReason.EMPTY: len(groups) - len(current)}
     for f in filters:
         samples, groups_ = Counter(), Counter()
         survivors = []
@@ -228,17 +235,25 @@ def apply_filters(
             verdict = f.judge(group)
             _check_verdict(f.name, group, verdict)
             for sample, reason in verdict.dropped:
-                samples[reason] += 1
-                report.drops.append(Drop(f.name, reason, sample))
+                samples[_reason(f.name, reason)] += 1
+                report.drops.append(Drop(f.name, _reason(f.name, reason), sample))
             if verdict.kept:
                 survivors.append(verdict.kept)
             else:
-                groups_[verdict.group_reason or "empty"] += 1
+                groups_[_reason(f.name, verdict.group_reason or DropReason.EMPTY)] += 1
         report.dropped[f.name] = dict(samples)
         report.dropped_groups[f.name] = dict(groups_)
         current = survivors
     report.groups = current
     return report
+
+
+def _reason(name: str, reason: DropReason | str) -> DropReason:
+    try:
+        return DropReason(reason)
+    except ValueError:
+        raise ValueError(f"filter {name!r} gave drop reason {reason!r}, not one of "
+                         f"{[r.value for r in DropReason]}") from None
 
 
 def _check_verdict(name: str, group: Group, verdict: Verdict) -> None:
@@ -258,7 +273,7 @@ def _check_abort_share(report: FilterReport, groups: Sequence[Sequence[Sample]],
     if report.abort_share <= cap.max_aborted_share:
         return
     report.abort_share_exceeded = True
-    causes = Counter(str(s.metadata.get("_termination_reason", "unknown")) for s in aborted)
+    causes = Counter(str(s.metadata.get(EpisodeKey.TERMINATION_REASON, "unknown")) for s in aborted)
     step = "rollout step" if rollout_id is None else f"rollout {rollout_id}"
     log.warning(
         "%s: %d of %d samples (%.1f%%) are aborted dummies, above the cap of %.1f%% (AbortCap.max_aborted_share); "

@@ -17,7 +17,7 @@ import msgspec
 from rayapp.core.termination import EngineConnectionError
 from rayapp.envs.agents.base import BaseAgent
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
-from rayapp.types import AgentResult, EpisodeContext, Sample, Token
+from rayapp.types import AgentResult, EpisodeContext, Sample, TerminationReason, Token
 
 Verifier = Callable[[Sample, AgentResult], dict[str, float]]
 # executor(token, fn, *args) runs fn(*args) where the token's resources are reserved
@@ -67,22 +67,19 @@ class ChatAgent(BaseAgent):
             room = limit - len(prompt_ids)
             if room < 1:
                 return AgentResult(tokens=prompt_ids, response_length=0, turns=0,
-                                   termination_reason="max_context_len", truncated=True)
+                                   termination_reason=TerminationReason.MAX_CONTEXT_LEN, truncated=True)
             cap = min(room, sampling.max_new_tokens or room)
             sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
         out = await self.engine.generate(GenerateRequest(prompt_ids, sampling, stop_token_ids=[tok.eos_token_id]))
         if out.finish_reason is FinishReason.ABORT:
             raise EngineConnectionError(f"engine aborted request {out.request_id}")
-        sample.metadata["_turns"] = 1
-        placement = {"turn": 1, "engine": out.engine}
-        if ctx.token is not None:
-            placement |= {"node": ctx.token.node, "gpu_ids": list(ctx.token.gpu_ids)}
-        sample.metadata.setdefault("_turn_placement", []).append(placement)
+        ctx.record_turn(1, out.engine)
         truncated = out.finish_reason is FinishReason.LENGTH
         return AgentResult(
             tokens=prompt_ids + list(out.output_ids), response_length=len(out.output_ids),
             response=out.text, rollout_log_probs=list(out.logprobs), loss_mask=[1] * len(out.output_ids),
-            turns=1, termination_reason="length" if truncated else "stop", truncated=truncated,
+            turns=1, termination_reason=TerminationReason.LENGTH if truncated else TerminationReason.STOP,
+            truncated=truncated,
         )
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:

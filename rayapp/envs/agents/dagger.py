@@ -5,10 +5,11 @@ Per model turn t: within the first t_max turns (all turns when t_max is 0) the t
 probability β, else the student; after them the student acts alone. The acting model's tokens are
 the trajectory. Training targets are the teacher's: its tokens carry loss 1 where it acted; where
 the student acted, its tokens carry loss 0 and the teacher's label for that same state (asked of
-the teacher with the same context) is kept in ``metadata["_dagger_labels"]`` for the trainer's SFT
-batch. ``metadata["_turn_actor"]`` records who acted at each turn. β and t_max come from
-``ctx.iteration`` (the scheduler's published state); without one β is 0 (student only). In an eval
-step (``ctx.step == "eval"``) no labels are asked for.
+the teacher with the same context) is kept in the episode record's ``dagger_labels`` (the trainer's
+``metadata["_dagger_labels"]``, for its SFT batch). Each turn record names who acted (its
+``actor``; ``metadata["_turn_actor"]``). β and t_max come from ``ctx.iteration`` (the scheduler's
+published state); without one β is 0 (student only). In an eval step (``StepKind.EVAL``) no labels
+are asked for.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from rayapp.envs.agents.chat import Engine
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.inference.client import GenerateOutput, GenerateRequest
-from rayapp.types import EpisodeContext, Sample
+from rayapp.types import Actor, DaggerLabel, EpisodeContext, Sample, StepKind
 
 
 class DAggerRollIn:
@@ -41,20 +42,15 @@ class DAggerRollIn:
 
     async def act(self, req: GenerateRequest, turn: int, sample: Sample,
                   ctx: EpisodeContext) -> tuple[GenerateOutput, int]:
-        actors = sample.metadata.setdefault("_turn_actor", [])
         if self._teacher_acts(turn, sample, ctx):
             out = await self.teacher.generate(req)
-            actors.append("teacher")
-            self._record_turn(sample, ctx, turn, out.engine, actor="teacher")
+            ctx.record_turn(turn, out.engine, Actor.TEACHER)
             return out, 1
         out = await self.engine.generate(req)
-        if ctx.step != "eval":  # labels are training data: an eval step would pay the teacher for nothing
+        if ctx.step != StepKind.EVAL:  # labels are training data: an eval step would pay the teacher for nothing
             label = await self.teacher.generate(req)  # the expert's action in the state the student reached
-            sample.metadata.setdefault("_dagger_labels", []).append(
-                {"turn": turn, "state_len": len(req.input_ids), "label_ids": list(label.output_ids),
-                 "text": label.text})
-        actors.append("student")
-        self._record_turn(sample, ctx, turn, out.engine, actor="student")
+            ctx.record.dagger_labels.append(DaggerLabel(turn, len(req.input_ids), list(label.output_ids), label.text))
+        ctx.record_turn(turn, out.engine, Actor.STUDENT)
         return out, 0
 
 

@@ -7,7 +7,9 @@ Token data it guarantees, whatever happens in the episode:
   results, the chat template's turn markers) have mask 0 and log-prob 0.0;
 - the episode stops by ``StoppingCriteria``: ``max_turns`` model turns, ``max_context_len`` tokens
   in all (generation is capped to the room left, and an observation that does not fit is cut and
-  ends the episode), with the reason recorded and ``truncated`` set.
+  ends the episode), with the reason recorded and ``truncated`` set;
+- a model turn ends at its tool call: every request carries the tool-call stop strings (after the
+  sampling's own), so no token the model would write past a call is in the response.
 
 Environment tokens come from the model's own chat template: the text the template adds for a tool
 message (plus the next generation prompt) after a closed assistant turn. This assumes a template
@@ -23,11 +25,20 @@ import msgspec
 
 from rayapp.core.termination import EngineConnectionError, SandboxError
 from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, run_inline
-from rayapp.envs.agents.tools import SANDBOX_TOOLS, TOOLS, describe, parse_tool_call, tool_result_message
+from rayapp.envs.agents.tools import (
+    SANDBOX_TOOLS,
+    TOOLS,
+    ParsedTurn,
+    describe,
+    parse_tool_call,
+    tool_result_message,
+    with_tool_stops,
+)
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
-from rayapp.types import AgentResult, EpisodeContext, Sample
+from rayapp.types import AgentResult, EpisodeContext, Sample, TerminationReason
 
-# sandbox_factory(sample, ctx) -> an open Sandbox (closed by the agent at the end of the episode)
+# sandbox_factory(sample, ctx) -> an open Sandbox (closed after the run phase, or with keep_sandbox
+# when the episode context closes)
 SandboxFactory = Callable[[Sample, EpisodeContext], Awaitable[Any]]
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
@@ -44,10 +55,9 @@ class ToolAgent(ChatAgent):
             raise ValueError(f"tools {sorted(SANDBOX_TOOLS & set(tools))} need a sandbox_factory")
         super().__init__(engine, verify, executor, system_prompt=(system_prompt or "") + describe(tools))
         self.tools, self.sandbox_factory = tools, sandbox_factory
-        # keep_sandbox: the episode's sandbox stays open for the eval phase (``verify_in``), which
-        # closes it; a failed run closes it at once.
+        # keep_sandbox: the episode's sandbox stays open for the verify phase (``verify_in``); the
+        # episode context holds it and closes it when the episode ends, however it ends.
         self.keep_sandbox = keep_sandbox
-        self._kept: dict[int, Any] = {}
 
     def env_tokens(self, tok: Any, message: dict[str, str]) -> list[int]:
         """The template's tokens for ``message`` and the next generation prompt, after a closed turn."""
@@ -61,81 +71,93 @@ class ToolAgent(ChatAgent):
         tok = await self.tokenizer()
         prompt = list(tok.apply_chat_template(self.messages(sample), add_generation_prompt=True, tokenize=True,
                                               return_dict=False))
-        ids, mask, logprobs = list(prompt), [], []
-        limit, max_turns = ctx.stopping.max_context_len, ctx.stopping.max_turns or 1
-        reason, truncated, final_text = "max_turns", True, ""
-        sandbox, kept = None, False
-        if self.sandbox_factory is not None and SANDBOX_TOOLS & set(self.tools):
-            sandbox = await self.sandbox_factory(sample, ctx)
+        sandbox = await self._open_sandbox(sample, ctx)
         try:
-            for turn in range(1, max_turns + 1):
-                room = None if limit is None else limit - len(ids)
-                if room is not None and room < 1:
-                    reason = "max_context_len"
-                    break
-                cap = ctx.sampling.max_new_tokens or room
-                if room is not None:
-                    cap = min(room, cap or room)
-                sampling = msgspec.structs.replace(ctx.sampling, max_new_tokens=cap)
-                # a copy: the request is this turn's state, whoever keeps it (a DAgger label records it)
-                req = GenerateRequest(list(ids), sampling, stop_token_ids=[tok.eos_token_id])
-                out, weight = await self.act(req, turn, sample, ctx)
-                if out.finish_reason is FinishReason.ABORT:
-                    raise EngineConnectionError(f"engine aborted request {out.request_id}")
-                ids += out.output_ids
-                mask += [weight] * len(out.output_ids)
-                logprobs += list(out.logprobs)
-                final_text = out.text
-                if out.finish_reason is FinishReason.LENGTH:
-                    reason = "max_context_len" if room is not None and cap == room else "length"
-                    break
-                parsed = parse_tool_call(out.text)
-                if parsed.final:
-                    reason, truncated = "stop", False
-                    break
-                if turn == max_turns:
-                    break  # the model still wanted a tool: max_turns
-                observation = parsed.error or await self._call_tool(parsed.call, sandbox)
-                env = self.env_tokens(tok, tool_result_message(parsed.call.name if parsed.call else "error",
-                                                               observation))
-                if out.output_ids[-1:] != [tok.eos_token_id]:
-                    env = [tok.eos_token_id, *env]  # close the model's turn the way the template does
-                if limit is not None and len(ids) + len(env) > limit:
-                    env, reason = env[: limit - len(ids)], "max_context_len"
-                ids += env
-                mask += [0] * len(env)
-                logprobs += [0.0] * len(env)
-                if reason == "max_context_len":
-                    break
-            if sandbox is not None and self.keep_sandbox:
-                self._kept[id(sample)], kept = sandbox, True
+            return await self._episode(tok, prompt, sample, ctx, sandbox)
         finally:
-            if sandbox is not None and not kept:
+            if sandbox is not None and not self.keep_sandbox:
                 await sandbox.close()
-        return AgentResult(tokens=ids, response_length=len(ids) - len(prompt), response=final_text,
-                           rollout_log_probs=logprobs, loss_mask=mask, turns=sample.metadata.get("_turns", 0),
-                           termination_reason=reason, truncated=truncated)
+
+    async def _open_sandbox(self, sample: Sample, ctx: EpisodeContext) -> Any:
+        if self.sandbox_factory is None or not SANDBOX_TOOLS & set(self.tools):
+            return None
+        sandbox = await self.sandbox_factory(sample, ctx)
+        if self.keep_sandbox:
+            ctx.keep("sandbox", sandbox, sandbox.close)
+        return sandbox
+
+    async def _episode(self, tok: Any, prompt: list[int], sample: Sample, ctx: EpisodeContext,
+                       sandbox: Any) -> AgentResult:
+        data = _TokenData(list(prompt))
+        limit, max_turns = ctx.stopping.max_context_len, ctx.stopping.max_turns or 1
+        # generation pauses after a tool call: what the model would write past it is not its own
+        sampling = msgspec.structs.replace(ctx.sampling, stop=with_tool_stops(ctx.sampling.stop))
+        reason, final_text = TerminationReason.MAX_TURNS, ""
+        for turn in range(1, max_turns + 1):
+            room = None if limit is None else limit - len(data.ids)
+            if room is not None and room < 1:
+                reason = TerminationReason.MAX_CONTEXT_LEN
+                break
+            cap = sampling.max_new_tokens or room
+            if room is not None:
+                cap = min(room, cap or room)
+            # a copy: the request is this turn's state, whoever keeps it (a DAgger label records it)
+            req = GenerateRequest(list(data.ids), msgspec.structs.replace(sampling, max_new_tokens=cap),
+                                  stop_token_ids=[tok.eos_token_id])
+            out, weight = await self.act(req, turn, sample, ctx)
+            if out.finish_reason is FinishReason.ABORT:
+                raise EngineConnectionError(f"engine aborted request {out.request_id}")
+            data.add(out.output_ids, weight, out.logprobs)
+            final_text = out.text
+            if out.finish_reason is FinishReason.LENGTH:
+                reason = TerminationReason.MAX_CONTEXT_LEN if room is not None and cap == room \
+                    else TerminationReason.LENGTH
+                break
+            parsed = parse_tool_call(out.text)
+            if parsed.final:
+                reason = TerminationReason.STOP
+                break
+            if turn == max_turns:
+                break  # the model still wanted a tool: max_turns
+            env, cut = await self._observe(tok, parsed, sandbox, out, None if limit is None else limit - len(data.ids))
+            data.add(env, 0)
+            if cut:
+                reason = TerminationReason.MAX_CONTEXT_LEN
+                break
+        return AgentResult(tokens=data.ids, response_length=len(data.ids) - len(prompt), response=final_text,
+                           rollout_log_probs=data.logprobs, loss_mask=data.mask, turns=ctx.record.turns or 0,
+                           termination_reason=reason, truncated=reason is not TerminationReason.STOP)
+
+    async def _observe(self, tok: Any, parsed: ParsedTurn, sandbox: Any, out: GenerateOutput,
+                       room: int | None) -> tuple[list[int], bool]:
+        """The environment's tokens after a turn that asked for a tool (the tool's answer in the
+        chat template), and whether they had to be cut to the ``room`` left in the context."""
+        observation = parsed.error or await self._call_tool(parsed.call, sandbox)
+        env = self.env_tokens(tok, tool_result_message(parsed.call.name if parsed.call else "error", observation))
+        if out.output_ids[-1:] != [tok.eos_token_id]:
+            env = [tok.eos_token_id, *env]  # close the model's turn the way the template does
+        if room is not None and len(env) > room:
+            return env[:room], True
+        return env, False
 
     async def act(self, req: GenerateRequest, turn: int, sample: Sample,
                   ctx: EpisodeContext) -> tuple[GenerateOutput, int]:
         """One model turn: the engine's output and the loss weight of its tokens (1: train on them)."""
         out = await self.engine.generate(req)
-        self._record_turn(sample, ctx, turn, out.engine)
+        ctx.record_turn(turn, out.engine)
         return out, 1
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
         if not self.keep_sandbox:
             return await super().evaluate(sample, result, ctx)
-        sandbox = self._kept.pop(id(sample), None)
-        if sandbox is None:
-            raise SandboxError(f"no sandbox kept for {sample.task_id}#{sample.index}")
         try:
-            return await self.verify_in(sandbox, sample, result)
-        finally:
-            await sandbox.close()
+            sandbox = ctx.kept("sandbox")
+        except KeyError:
+            raise SandboxError(f"no sandbox kept for {sample.task_id}#{sample.index}") from None
+        return await self.verify_in(sandbox, sample, result)
 
     async def verify_in(self, sandbox: Any, sample: Sample, result: AgentResult) -> dict[str, float]:
-        """The eval phase in the episode's own sandbox (with ``keep_sandbox``)."""
+        """The verify phase in the episode's own sandbox (with ``keep_sandbox``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps its sandbox but does not verify in it")
 
     async def _call_tool(self, call: Any, sandbox: Any) -> str:
@@ -143,10 +165,14 @@ class ToolAgent(ChatAgent):
             return f"error: unknown tool {call.name!r}; available: {', '.join(self.tools)}"
         return await TOOLS[call.name](call.arguments, sandbox)
 
-    @staticmethod
-    def _record_turn(sample: Sample, ctx: EpisodeContext, turn: int, engine: str, **extra: Any) -> None:
-        sample.metadata["_turns"] = turn
-        where = {"turn": turn, "engine": engine, **extra}
-        if ctx.token is not None:
-            where |= {"node": ctx.token.node, "gpu_ids": list(ctx.token.gpu_ids)}
-        sample.metadata.setdefault("_turn_placement", []).append(where)
+
+class _TokenData:
+    """The episode's token data as it grows: ids (prompt first), and the response's mask and log-probs."""
+
+    def __init__(self, prompt: list[int]):
+        self.ids, self.mask, self.logprobs = prompt, [], []
+
+    def add(self, ids: list[int], weight: int, logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [weight] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)

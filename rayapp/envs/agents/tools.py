@@ -20,6 +20,12 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 STOP_STRINGS = ["</tool_call>"]  # generation pauses here so the environment can answer
 
 
+def with_tool_stops(stop: list[str] | None) -> list[str]:
+    """The sampling's own stop strings, then the tool-call ones it lacks."""
+    own = list(stop or [])
+    return own + [s for s in STOP_STRINGS if s not in own]
+
+
 class ToolCall(msgspec.Struct, frozen=True):
     name: str
     arguments: dict[str, Any] = {}

@@ -14,8 +14,8 @@ LAYOUT = '{"127.0.0.1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 4}}'
 
 @pytest.fixture
 def pool(ray_session):
-    from rayapp.actors.manager import PoolClient
     from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_client import PoolClient
 
     ray = ray_session
     actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=5.0)

@@ -16,8 +16,8 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from rayapp.actors.app import HEAD  # noqa: E402
-from rayapp.actors.manager import PoolClient  # noqa: E402
 from rayapp.actors.pool import PlacementPoolService, run_in_bundle  # noqa: E402
+from rayapp.actors.pool_client import PoolClient  # noqa: E402
 from rayapp.core.agent import FunctionAgent  # noqa: E402
 from rayapp.core.scheduler import TaskScheduler  # noqa: E402
 from rayapp.envs.arithmetic import ArithmeticSource  # noqa: E402

@@ -358,3 +358,18 @@ class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpus: tuple[int, ...] = ()
     cpu: float = 0.0
     memory_gb: float = 0.0
+
+
+class BatchRequest(msgspec.Struct, frozen=True):
+    """One batch's admission request to the placement pool (spec §3): ``min(budget_tokens(budget,
+    per_sample), max_tokens)`` tokens of ``per_sample``, all or none. ``label`` names the batch in
+    errors and in what realises it (the Ray placement group); ``owner`` is the caller that holds it
+    (a manager replica), so whatever it left behind can be freed at once; ``timeout_s`` bounds the
+    wait (None: wait until admitted)."""
+
+    budget: Resource
+    per_sample: Resource
+    max_tokens: int
+    label: str = "batch"
+    owner: str = ""
+    timeout_s: float | None = None

@@ -1,42 +1,19 @@
 """PlacementPool ledger (spec §3): packing, best fit, greedy node choice, all-or-nothing, release
-validation, waiting (wake-up, timeout, cancellation, FIFO) and a stateful model check."""
+validation and bad input. Waiting and reservations: test_pool_reservations.py; the stateful model
+check: test_pool_model.py."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import sys
-import threading
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from pool_helpers import BIG, node, placed, pool_of, req, take
 
-from rayapp.core.pool import PlacementPool, PoolError, budget_tokens
-from rayapp.types import NodeSpec, Resource, Token
-
-BIG = Resource(gpu=math.inf, concurrency=1000, cpu=math.inf, memory_gb=math.inf)
-
-
-def pool_of(**nodes: NodeSpec) -> PlacementPool:
-    return PlacementPool(dict(nodes))
-
-
-def node(n_gpus: int = 0, cpu: float = 64, memory_gb: float = 256) -> NodeSpec:
-    return NodeSpec(gpus=tuple(range(n_gpus)), cpu=cpu, memory_gb=memory_gb)
-
-
-def take(pool: PlacementPool, per_sample: Resource, n: int = 1) -> list[Token]:
-    tokens = pool.try_acquire_batch(BIG, per_sample, n)
-    assert tokens is not None and len(tokens) == n
-    return tokens
-
-
-def placed(tokens: list[Token]) -> list[tuple[str, tuple[int, ...]]]:
-    return [(t.node, t.gpu_ids) for t in tokens]
-
+from rayapp.core.pool import PoolError, budget_tokens
+from rayapp.types import Resource, Token
 
 # ---- packing and placement ------------------------------------------------------------------------
 
@@ -222,274 +199,21 @@ def test_bad_requests_name_the_field_and_change_nothing(per_sample, max_tokens, 
     with pytest.raises(PoolError, match=field.replace(".", r"\.")):
         pool.try_acquire_batch(BIG, per_sample, max_tokens)
     with pytest.raises(PoolError, match=field.replace(".", r"\.")):
-        asyncio.run(pool.acquire_batch(BIG, per_sample, max_tokens, timeout=1))
+        asyncio.run(pool.acquire_batch(req(per_sample, max_tokens, timeout_s=1)))
     assert pool.snapshot() == before and pool.held == 1 and pool.waiting == 0
 
 
-def test_bad_budget_and_layouts():
+def test_bad_budget():
+    # (Layouts are checked once, by the layout parser: tests/test_layout.py.)
     with pytest.raises(PoolError, match=r"budget\.cpu"):
         budget_tokens(Resource(cpu=-1), Resource(cpu=1))
     with pytest.raises(PoolError, match=r"budget\.gpu"):
         budget_tokens(Resource(gpu=float("nan")), Resource(gpu=1))
-    with pytest.raises(PoolError, match="layout"):
-        PlacementPool({})
-    with pytest.raises(PoolError, match=r"layout\['a'\]\.gpus"):
-        PlacementPool({"a": NodeSpec(gpus=(0, 0))})
-    with pytest.raises(PoolError, match=r"layout\['a'\]\.cpu"):
-        PlacementPool({"a": NodeSpec(gpus=(0,), cpu=-2)})
 
 
-# ---- waiting --------------------------------------------------------------------------------------
-
-
-def count_tries(pool: PlacementPool) -> list[int]:
-    calls = [0]
-    real = pool._try
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-
-    pool._try = counted
-    return calls
-
-
-def test_waiter_is_admitted_by_a_release_not_by_polling():
-    async def main():
-        pool = pool_of(a=node(1))
-        holder = take(pool, Resource(gpu=1))
-        tries = count_tries(pool)
-        events: list[str] = []
-
-        async def wait():
-            got = await pool.acquire_batch(BIG, Resource(gpu=0.5), 2, timeout=3600)
-            events.append("admitted")
-            return got
-
-        task = asyncio.create_task(wait())
-        await asyncio.sleep(0.05)  # a poller would have retried many times by now
-        assert not task.done() and tries[0] == 1 and pool.waiting == 1
-        events.append("released")
-        await pool.release_batch(holder)
-        got = await asyncio.wait_for(task, 3600)
-        assert events == ["released", "admitted"] and tries[0] == 2
-        assert placed(got) == [("a", (0,)), ("a", (0,))] and pool.waiting == 0
-
-    asyncio.run(main())
-
-
-def test_release_from_another_thread_wakes_the_waiter():
-    async def main():
-        pool = pool_of(a=node(1))
-        holder = take(pool, Resource(gpu=1))
-        task = asyncio.create_task(pool.acquire_batch(BIG, Resource(gpu=1), 1, timeout=3600))
-        await asyncio.sleep(0)
-        thread = threading.Thread(target=pool.release, args=(holder,))
-        thread.start()
-        got = await asyncio.wait_for(task, 3600)
-        thread.join()
-        assert len(got) == 1 and pool.held == 1
-
-    asyncio.run(main())
-
-
-def test_timeout_raises_and_holds_nothing():
-    async def main():
-        pool = pool_of(a=node(1))
-        holder = take(pool, Resource(gpu=0.6))
-        before = pool.snapshot()
-        with pytest.raises(TimeoutError, match="not admitted within"):
-            await pool.acquire_batch(BIG, Resource(gpu=0.5), 1, timeout=0.01)
-        assert pool.snapshot() == before and pool.held == 1 and pool.waiting == 0
-        pool.release(holder)
-        assert len(await pool.acquire_batch(BIG, Resource(gpu=0.5), 2, timeout=0.01)) == 2
-
-    asyncio.run(main())
-
-
-def test_cancellation_holds_nothing_and_keeps_the_queue_working():
-    async def main():
-        pool = pool_of(a=node(2))
-        holder = take(pool, Resource(gpu=1), 2)
-        first = asyncio.create_task(pool.acquire_batch(BIG, Resource(gpu=1), 2))
-        second = asyncio.create_task(pool.acquire_batch(BIG, Resource(gpu=1), 1))
-        await asyncio.sleep(0)
-        assert pool.waiting == 2
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        assert pool.waiting == 1 and pool.held == 2
-        pool.release(holder[:1])
-        assert len(await asyncio.wait_for(second, 3600)) == 1  # the new head was woken and admitted
-        assert pool.held == 2 and pool.waiting == 0
-
-    asyncio.run(main())
-
-
-def test_fifo_big_waiter_is_not_starved_by_later_small_ones():
-    async def main():
-        pool = pool_of(a=node(4))
-        holder = take(pool, Resource(gpu=1), 3)
-        big = asyncio.create_task(pool.acquire_batch(BIG, Resource(gpu=1), 4))
-        await asyncio.sleep(0)
-        small = asyncio.create_task(pool.acquire_batch(BIG, Resource(gpu=1), 1))
-        await asyncio.sleep(0.01)
-        assert not small.done()  # one GPU is free, but the earlier big batch is first in line
-        pool.release(holder)
-        big_tokens = await asyncio.wait_for(big, 3600)
-        await asyncio.sleep(0.01)
-        assert len(big_tokens) == 4 and not small.done()
-        pool.release(big_tokens)
-        assert len(await asyncio.wait_for(small, 3600)) == 1
-
-    asyncio.run(main())
-
-
-def test_a_batch_that_can_never_fit_fails_fast():
-    async def main():
-        pool = pool_of(a=node(1))
-        take(pool, Resource(gpu=1))
-        with pytest.raises(PoolError, match="can never fit"):
-            await pool.acquire_batch(BIG, Resource(gpu=0.5), 3)
-        assert pool.waiting == 0
-
-    asyncio.run(main())
-
-
-# ---- stateful model check -------------------------------------------------------------------------
-
-UNITS = (1_000_000, 1_000, 1_024)  # GPU, milli-cores, MiB
-
-
-def units(x: float, scale: int) -> int:
-    return max(1, round(x * scale)) if x > 0 else 0
-
-
-def model_place(state: dict, order: list[str], per_sample: Resource):
-    """Reference placement, the slow obvious way: scan every node, best-fit every GPU."""
-    u = units(min(per_sample.gpu, 1.0), UNITS[0]) if per_sample.gpu else 0
-    k = int(per_sample.gpu) if per_sample.gpu > 1 else (1 if per_sample.gpu else 0)
-    cpu, mem = units(per_sample.cpu, UNITS[1]), units(per_sample.memory_gb, UNITS[2])
-    best = None
-    for idx, name in enumerate(order):
-        s = state[name]
-        if s["cpu_milli"] < cpu or s["memory_mib"] < mem:
-            continue
-        free = sorted((f, g) for g, f in s["gpu_units"].items() if f >= u)  # (free, gpu id) ascending
-        if k > 1:
-            whole = [g for g in s["gpu_units"] if s["gpu_units"][g] == UNITS[0]]
-            gpus = tuple(whole[:k]) if len(whole) >= k else None
-        else:
-            gpus = () if k == 0 else ((free[0][1],) if free else None)
-        if gpus is None:
-            continue
-        rank = (sum(s["gpu_units"].values()), s["cpu_milli"], s["memory_mib"], -idx)
-        if best is None or rank > best[0]:
-            best = (rank, name, gpus)
-    if best is None:
-        return None
-    _, name, gpus = best
-    s = state[name]
-    for g in gpus:
-        s["gpu_units"][g] -= u
-    s["cpu_milli"] -= cpu
-    s["memory_mib"] -= mem
-    s["held"] += 1
-    return name, gpus
-
-
-node_specs = st.builds(
-    lambda n, cpu, mem: NodeSpec(gpus=tuple(range(10, 10 + n)), cpu=cpu, memory_gb=mem),
-    st.integers(0, 4),
-    st.sampled_from([0, 2, 4.5, 16]),
-    st.sampled_from([0, 8, 33.3, 128]),
-)
-per_samples = st.builds(
-    Resource,
-    gpu=st.sampled_from([0, 0.1, 0.25, 0.33, 0.5, 0.7, 1.0, 2.0, 3.0]),
-    concurrency=st.sampled_from([0, 1, 1, 2]),
-    cpu=st.sampled_from([0, 0.5, 1, 3]),
-    memory_gb=st.sampled_from([0, 1, 4.4, 16]),
-)
-budgets = st.builds(
-    Resource,
-    gpu=st.sampled_from([0, 0.99, 2.5, 8, math.inf, math.inf]),
-    concurrency=st.integers(0, 8),
-    cpu=st.sampled_from([2, 10, math.inf, math.inf]),
-    memory_gb=st.sampled_from([10, math.inf, math.inf]),
-)
-
-
-class PoolMachine(RuleBasedStateMachine):
-    @initialize(layout=st.lists(node_specs, min_size=1, max_size=4))
-    def build(self, layout):
-        self.order = [f"n{i}" for i in range(len(layout))]
-        self.spec = dict(zip(self.order, layout, strict=True))
-        self.pool = PlacementPool(self.spec)
-        self.initial = self.pool.snapshot()
-        self.capacity = self.pool.snapshot()
-        self.held: list[Token] = []
-        self.released: list[Token] = []
-
-    @rule(budget=budgets, per_sample=per_samples, max_tokens=st.integers(0, 6))
-    def acquire(self, budget, per_sample, max_tokens):
-        before = self.pool.snapshot()
-        expected = min(budget_tokens(budget, per_sample), max_tokens)
-        model = msgspec.json.decode(msgspec.json.encode(before), type=dict[str, dict])
-        for s in model.values():
-            s["gpu_units"] = {int(g): f for g, f in s["gpu_units"].items()}
-        want = [model_place(model, self.order, per_sample) for _ in range(expected)]
-        got = self.pool.try_acquire_batch(budget, per_sample, max_tokens)
-        if None in want:
-            assert got is None and self.pool.snapshot() == before
-            return
-        assert got is not None and len(got) == expected
-        assert placed(got) == want  # greedy node choice and best-fit GPU, token by token
-        assert self.pool.snapshot() == model
-        self.held += got
-
-    @precondition(lambda self: self.held)
-    @rule(data=st.data())
-    def release_some(self, data):
-        picked = data.draw(st.lists(st.sampled_from(self.held), unique_by=lambda t: t.token_id, min_size=1))
-        self.pool.release(picked)
-        ids = {t.token_id for t in picked}
-        self.held = [t for t in self.held if t.token_id not in ids]
-        self.released += picked
-
-    @precondition(lambda self: self.released)
-    @rule(data=st.data())
-    def bad_release(self, data):
-        before = self.pool.snapshot()
-        stale = data.draw(st.sampled_from(self.released))
-        with pytest.raises(PoolError):
-            self.pool.release([*self.held, stale])
-        assert self.pool.snapshot() == before
-
-    @rule()
-    def release_all(self):
-        self.pool.release(self.held)
-        self.released += self.held
-        self.held = []
-        assert self.pool.snapshot() == self.initial
-
-    @invariant()
-    def ledger_within_capacity(self):
-        snap = self.pool.snapshot()
-        assert self.pool.held == len(self.held) == sum(s["held"] for s in snap.values())
-        for name, s in snap.items():
-            cap = self.capacity[name]
-            assert all(0 <= f <= cap["gpu_units"][g] for g, f in s["gpu_units"].items())
-            assert 0 <= s["cpu_milli"] <= cap["cpu_milli"]
-            assert 0 <= s["memory_mib"] <= cap["memory_mib"]
-
-    def teardown(self):
-        if hasattr(self, "pool"):
-            self.pool.release(self.held)
-            assert self.pool.snapshot() == self.initial
-
-
-PoolMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-test_pool_state_machine = PoolMachine.TestCase
+def test_a_bad_timeout_names_the_field_and_changes_nothing():
+    pool = pool_of(a=node(1))
+    for bad in (-1, float("nan"), "5", True):
+        with pytest.raises(PoolError, match="timeout_s"):
+            asyncio.run(pool.acquire_batch(req(Resource(gpu=1), 1, timeout_s=bad)))
+    assert pool.held == 0 and pool.waiting == 0

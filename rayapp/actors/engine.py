@@ -10,13 +10,10 @@ replica, not sent through the router to one of them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-from ray import serve
-from ray.exceptions import RayActorError, RayError
-
+from rayapp.actors.remote import bounded, is_lost
 from rayapp.core.termination import AgentTimeout, EngineConnectionError
 from rayapp.inference.client import GenerateOutput, GenerateRequest, make_backend
 
@@ -66,22 +63,13 @@ class EngineClient:
         self._info: dict | None = None
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        response = getattr(self.handle, method).remote(*args)
-        try:
-            return await asyncio.wait_for(_result(response), timeout_s or self.timeout_s)
-        except TimeoutError:
-            response.cancel()
-            raise AgentTimeout(f"engine {self.name}.{method} gave no answer within "
-                               f"{timeout_s or self.timeout_s:.0f}s") from None
-        except asyncio.CancelledError:
-            response.cancel()  # the episode was cancelled: stop generating for it
-            raise
-        except (RayActorError, serve.exceptions.BackPressureError) as e:
-            raise EngineConnectionError(f"engine {self.name} unreachable: {e}") from e
-        except RayError as e:
-            if "unavailable" in str(e).lower() or "died" in str(e).lower():
-                raise EngineConnectionError(f"engine {self.name} unreachable: {e}") from e
-            raise
+        bound = timeout_s or self.timeout_s
+        return await bounded(
+            getattr(self.handle, method).remote(*args), bound, lost=self._unreachable,
+            late=lambda: AgentTimeout(f"engine {self.name}.{method} gave no answer within {bound:.0f}s"))
+
+    def _unreachable(self, error: BaseException) -> EngineConnectionError:
+        return EngineConnectionError(f"engine {self.name} unreachable: {error}")
 
     async def generate(self, req: GenerateRequest, timeout_s: float | None = None) -> GenerateOutput:
         return await self._call("generate", req, timeout_s=timeout_s)
@@ -98,8 +86,10 @@ class EngineClient:
         """Call ``method`` on every replica (aborts, weight updates)."""
         try:
             return await self.handle.broadcast(method, *args).results_async(timeout_s=timeout_s)
-        except (RayActorError, serve.exceptions.BackPressureError) as e:
-            raise EngineConnectionError(f"engine {self.name} unreachable: {e}") from e
+        except Exception as e:
+            if is_lost(e):
+                raise self._unreachable(e) from e
+            raise
 
     async def abort(self, request_id: str | None = None) -> int:
         return sum(await self.broadcast("abort", request_id, timeout_s=30))
@@ -107,6 +97,3 @@ class EngineClient:
     async def update_weights_from_disk(self, path: str) -> list[dict]:
         return await self.broadcast("update_weights_from_disk", path, timeout_s=600)
 
-
-async def _result(response: Any) -> Any:
-    return await response

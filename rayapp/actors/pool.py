@@ -1,11 +1,12 @@
-"""The PlacementPool on Ray: the core ledger plus one real placement group per admitted batch.
+"""The PlacementPool on Ray: the core pool, with one real placement group per admitted batch.
 
-The ledger decides (all-or-nothing, best-fit, spec §3); Ray then reserves exactly what it decided:
-one bundle per token, ``{"CPU", "memory", "GPU": fraction}``, pinned to the ledger's node with a
-``ray.io/node-id`` bundle label selector. If Ray cannot make the group ready within a bound (its
-view differs from the ledger's: another tenant, a dead node), the group is removed and the ledger
-rolls back, so the acquire returns None and nothing is held. The group is named after the rollout,
-batch and task type, so ``ray list placement-groups`` and the dashboard show who holds what.
+The core pool decides (all-or-nothing, best-fit, FIFO, spec §3); its reservation hook here makes Ray
+reserve exactly what it decided: one bundle per token, ``{"CPU", "memory", "GPU": fraction}``,
+pinned to the ledger's node with a ``ray.io/node-id`` bundle label selector. If Ray cannot make the
+group ready within a bound (its view differs from the ledger's: another tenant, a dead node), the
+group is removed and the reservation refused: the core rolls the ledger back and the batch retries
+at the head of the queue. The group is named after the rollout, batch and task type, so
+``ray list placement-groups`` and the dashboard show who holds what.
 
 Layout node names resolve to Ray nodes by the ``rayapp.io/node`` label, the node id, or the node's
 IP, in that order; a name that matches no live node, or several, is an error at start-up.
@@ -22,15 +23,17 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.termination import AgentTimeout, SandboxError
-from rayapp.types import NodeSpec, Resource, Token
+from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 
 log = logging.getLogger(__name__)
 
 NODE_LABEL = "rayapp.io/node"  # optional node label naming a node in the cluster layout
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it; bundles are pinned with it
+GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/<batch label>/<grant number>
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a token that needs nothing still gets one
 
 
@@ -114,33 +117,53 @@ def _call(fn: Any, *args: Any) -> Any:
 
 async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: float = 300.0) -> Any:
     """Run ``fn(*args)`` as a Ray task inside the token's bundle, so Ray really holds what the ledger
-    granted. A lost worker or node is a sandbox fault; a timeout cancels the task."""
+    granted. A lost worker or node is a sandbox fault; a timeout kills the task."""
     if token is None or not token.placement_group:
         return await asyncio.to_thread(fn, *args)
     ref = _call.options(scheduling_strategy=bundle_strategy(token), num_cpus=token.cpu).remote(fn, *args)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
-    try:
-        return await asyncio.wait_for(ref, timeout_s)
-    except TimeoutError:
-        ray.cancel(ref, force=True)
-        raise AgentTimeout(f"work in {where} ran past {timeout_s}s") from None
-    except ray.exceptions.RayTaskError as e:
-        raise e.as_instanceof_cause() from None
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
-            ray.exceptions.TaskPlacementGroupRemoved) as e:
-        raise SandboxError(f"work in {where} was lost: {e}") from e
+    return await bounded(ref, timeout_s, force=True,
+                         late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),
+                         lost=lambda e: SandboxError(f"work in {where} was lost: {e}"))
 
 
-class _Hold(msgspec.Struct):
-    pg: Any
-    owner: str
-    tokens: list[Token]  # as the ledger issued them
+class PlacementGroups:
+    """The core pool's reservation hook on Ray: one placement group per reservation, one bundle per
+    token, each pinned to the token's node; a group goes when the last of its tokens is released. A
+    group Ray cannot make ready within ``ready_timeout_s`` is removed and the reservation refused."""
+
+    def __init__(self, node_ids: dict[str, str], ready_timeout_s: float):
+        self.node_ids, self.ready_timeout_s = node_ids, ready_timeout_s
+        self._groups: dict[str, tuple[PlacementGroup, set[int]]] = {}  # name -> (group, its tokens held)
+
+    async def reserve(self, name: str, tokens: list[Token]) -> list[Token] | None:
+        group = f"{GROUP_PREFIX}{name}"
+        pg = placement_group([bundle_for(t) for t in tokens], strategy="PACK", name=group,
+                             bundle_label_selector=[{NODE_ID_LABEL: self.node_ids[t.node]} for t in tokens])
+        try:
+            await bounded(pg.ready(), self.ready_timeout_s)
+        except BaseException as e:  # not ready in time, cancelled, a Ray error: hold nothing
+            remove_placement_group(pg)
+            if isinstance(e, TimeoutError):
+                log.warning("placement group %s not ready within %.1fs; removed", group, self.ready_timeout_s)
+                return None
+            raise
+        self._groups[group] = (pg, {t.token_id for t in tokens})
+        return [msgspec.structs.replace(t, placement_group=group, bundle_index=i) for i, t in enumerate(tokens)]
+
+    async def release(self, tokens: list[Token]) -> None:
+        for t in tokens:
+            pg, held = self._groups[t.placement_group]
+            held.discard(t.token_id)
+            if not held:
+                del self._groups[t.placement_group]
+                remove_placement_group(pg)
 
 
 class PlacementPoolService:
-    """Hosted as one Serve replica (or a plain Ray actor in tests). Every method is ``async``: Serve
-    runs a plain ``def`` in a worker thread, and the ledger and the waiting acquires belong to the
-    replica's event loop."""
+    """Hosted as one Serve replica (or a plain Ray actor in tests): the core pool with Ray placement
+    groups as its reservations. Every method is ``async``: Serve runs a plain ``def`` in a worker
+    thread, and the pool and its waiting acquires belong to the replica's event loop."""
 
     def __init__(self, cluster_layout: Any = None, num_cpus: float | None = None, memory_gb: float | None = None,
                  pg_ready_timeout_s: float = 10.0):
@@ -150,93 +173,34 @@ class PlacementPoolService:
             layout = layout_from_cluster(nodes, num_cpus, memory_gb)
         self.layout = layout
         self.node_ids = resolve_nodes(list(layout), nodes)
-        self.ledger = PlacementPool(layout)
-        self.pg_ready_timeout_s = pg_ready_timeout_s
-        self._holds: dict[str, _Hold] = {}
-        self._pending: dict[str, set[asyncio.Task]] = {}  # owner -> its acquires still in flight
-        self._seq = 0
+        self.pool = PlacementPool(layout, PlacementGroups(self.node_ids, pg_ready_timeout_s))
         log.info("placement pool over %d nodes: %s", len(layout), layout)
 
-    async def acquire_batch(self, budget: Resource, per_sample: Resource, max_tokens: int, *,
-                            timeout: float | None = None, label: str = "batch", owner: str = "") -> list[Token] | None:
-        pending = self._pending.setdefault(owner, set())
-        task = asyncio.current_task()
-        pending.add(task)
-        try:
-            return await self._acquire(budget, per_sample, max_tokens, timeout, label, owner)
-        finally:
-            pending.discard(task)
-
-    async def _acquire(self, budget: Resource, per_sample: Resource, max_tokens: int, timeout: float | None,
-                       label: str, owner: str) -> list[Token] | None:
-        tokens = await self.ledger.acquire_batch(budget, per_sample, max_tokens, timeout=timeout)
-        if not tokens:
-            return tokens
-        self._seq += 1
-        name = f"rayapp/{label}/{self._seq}"
-        pg: PlacementGroup | None = None
-        try:
-            pg = placement_group([bundle_for(t) for t in tokens], strategy="PACK", name=name,
-                                 bundle_label_selector=[{NODE_ID_LABEL: self.node_ids[t.node]} for t in tokens])
-            await asyncio.wait_for(pg.ready(), self.pg_ready_timeout_s)
-        except BaseException as e:  # timeout, cancellation, a Ray error: hold nothing
-            if pg is not None:
-                remove_placement_group(pg)
-            self.ledger.release(tokens)
-            if isinstance(e, TimeoutError):
-                log.warning("placement group %s not ready within %.1fs; ledger rolled back", name,
-                            self.pg_ready_timeout_s)
-                return None
-            raise
-        self._holds[name] = _Hold(pg, owner, tokens)
-        return [msgspec.structs.replace(t, placement_group=name, bundle_index=i) for i, t in enumerate(tokens)]
+    async def acquire_batch(self, request: BatchRequest) -> list[Token]:
+        return await self.pool.acquire_batch(request)
 
     async def release_batch(self, tokens: list[Token]) -> None:
-        names = {t.placement_group for t in tokens}
-        if len(names) != 1:
-            raise ValueError(f"release_batch: tokens name {len(names)} placement groups, not one: {sorted(names)}")
-        name = names.pop()
-        if name not in self._holds:
-            # Freed already: by release_owner after a manager restart, or lost with a pool restart.
-            log.warning("release_batch: %s is not held (already freed)", name)
-            return
-        hold = self._holds[name]
-        if sorted(t.token_id for t in tokens) != sorted(t.token_id for t in hold.tokens):
-            raise ValueError(f"release_batch: {name} is released whole, with every token it was granted")
-        self._release(name)
-
-    def _release(self, name: str) -> None:
-        hold = self._holds.pop(name)
-        remove_placement_group(hold.pg)
-        self.ledger.release(hold.tokens)
+        await self.pool.release_batch(tokens)
 
     async def release_owner(self, owner: str) -> int:
-        """Free every batch an owner still holds (a restarted manager's predecessor) and cancel its
-        acquires still waiting: a dead caller never cancels them, and one granted later would leak.
-        Returns how many batches were freed."""
-        waiting = list(self._pending.pop(owner, ()))
-        for task in waiting:
-            task.cancel()
-        stale = [n for n, h in self._holds.items() if h.owner == owner]
-        for name in stale:
-            self._release(name)
-        if waiting:
-            log.warning("release_owner %s: cancelled %d waiting acquires", owner, len(waiting))
-        return len(stale)
+        """Free what a restarted manager's predecessor held, and cancel its waiting acquires."""
+        return await self.pool.release_owner(owner)
 
     async def max_tokens_for(self, per_sample: Resource) -> int:
-        return self.ledger.max_tokens_for(per_sample)
+        return self.pool.max_tokens_for(per_sample)
 
     async def placement(self) -> dict[str, Any]:
-        """Who holds what: each held group's tokens (node, GPU ids, fraction), and the ledger's free view."""
+        """Who holds what: each held batch's tokens (node, GPU ids, fraction, placement group and
+        bundle), and the ledger's free view."""
         return {
-            "batches": {name: {"owner": h.owner, "tokens": [
+            "batches": {b.name: {"owner": b.owner, "tokens": [
                 {"node": t.node, "node_id": self.node_ids[t.node], "gpu_ids": list(t.gpu_ids), "gpu": t.gpu,
-                 "cpu": t.cpu, "memory_gb": t.memory_gb} for t in h.tokens]} for name, h in self._holds.items()},
-            "free": {n: msgspec.structs.asdict(r) for n, r in self.ledger.free().items()},
-            "held_tokens": self.ledger.held,
-            "waiting": self.ledger.waiting,
+                 "cpu": t.cpu, "memory_gb": t.memory_gb, "placement_group": t.placement_group,
+                 "bundle_index": t.bundle_index} for t in b.tokens]} for b in self.pool.batches()},
+            "free": {n: msgspec.structs.asdict(r) for n, r in self.pool.free().items()},
+            "held_tokens": self.pool.held,
+            "waiting": self.pool.waiting,
         }
 
     async def snapshot(self) -> dict:
-        return self.ledger.snapshot()
+        return self.pool.snapshot()

@@ -9,13 +9,12 @@ placement group (an ungated recipe, a unit test) the sandbox runs in the calling
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from rayapp.actors.pool import bundle_strategy
+from rayapp.actors.remote import bounded
 from rayapp.core.termination import SandboxError
 from rayapp.envs.sandboxes import DEFAULT_LIMITS, ExecResult, Sandbox, SandboxLimits, make_sandbox
 from rayapp.types import Token
@@ -51,16 +50,11 @@ class BundleSandbox:
         self.workdir, self.network_isolated, self.node_id = "", False, ""
 
     async def _call(self, method: str, *args: Any, timeout_s: float) -> Any:
-        ref = getattr(self.actor, method).remote(*args)
-        try:
-            return await asyncio.wait_for(ref, timeout_s)
-        except TimeoutError:
-            ray.cancel(ref, force=True)
-            raise SandboxError(f"sandbox in {self.where}: {method} gave no answer within {timeout_s:.0f}s") from None
-        except RayTaskError as e:
-            raise e.as_instanceof_cause() from None  # the sandbox's own SandboxError / AgentTimeout / ValueError
-        except RayActorError as e:
-            raise SandboxError(f"sandbox in {self.where} was lost: {e}") from e
+        # The host's own errors (SandboxError, AgentTimeout, ValueError) come back as themselves.
+        return await bounded(
+            getattr(self.actor, method).remote(*args), timeout_s,
+            late=lambda: SandboxError(f"sandbox in {self.where}: {method} gave no answer within {timeout_s:.0f}s"),
+            lost=lambda e: SandboxError(f"sandbox in {self.where} was lost: {e}"))
 
     async def start(self, kind: str = "local", timeout_s: float = 120.0, **kw: Any) -> BundleSandbox:
         info = await self._call("start", kind, self.limits, kw, timeout_s=timeout_s)

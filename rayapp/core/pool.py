@@ -1,364 +1,275 @@
-"""The placement-pool ledger (spec §3): all-or-nothing admission of batches of placement tokens.
+"""The placement pool (spec §3): admission of batches of placement tokens, first come first served.
 
-A pool holds one ledger per node of a cluster layout: the free capacity of each GPU (1.0 each), the
-free CPU and the free memory. ``try_acquire_batch`` takes tokens one ``per_sample`` at a time, each
-from the node with the most free GPU (ties: most free CPU, most free memory, layout order) and, on
-that node, from the best-fitting GPU; if any token cannot be placed, every token taken so far goes
-back and the call returns None. ``acquire_batch`` waits for releases, first come first served.
+``PlacementPool`` is the ``Ledger`` (``rayapp.core.ledger``: exact, all-or-nothing, best-fit
+placement, with its invariants) plus admission: ``acquire_batch`` waits for releases in FIFO order,
+has the granted tokens realised by an optional reservation hook (``Reservations``; the Ray shell
+makes a placement group), and tracks the batch and its owner until ``release_batch`` or
+``release_owner``.
 
-Invariants kept (tests check them after every step):
+Invariants kept, on top of the ledger's (tests check them after every step):
 
-* All arithmetic is in integer units (GPU 1.0 = 1_000_000, CPU in milli-cores, memory in MiB), so
-  for every node and GPU ``0 <= free <= capacity`` holds exactly, and releasing every token restores
-  the initial ``snapshot()`` exactly.
-* ``free + sum(held tokens)`` equals capacity per GPU, per node CPU and per node memory.
-* A failed call (bad request, bad release, unplaceable batch, timeout, cancellation) leaves the
-  ledger as it was: releases are validated whole before any is applied; acquires roll back.
-* ``_order`` holds exactly one key per node, and that key encodes the node's current free figures,
-  so the top of ``_order`` is always the node the greedy rule picks first.
+* A failed acquire (bad request, timeout, cancellation, an error) leaves the ledger as it was and
+  holds nothing; a failed release (not a whole batch) changes nothing.
+* A reservation the hook refuses (None), that raises or that is cancelled leaves the ledger as it
+  was and holds nothing: the pool takes the tokens back, and the hook removes whatever it made. A
+  refused batch keeps its place at the head of the queue and retries after ``retry_s`` or at the
+  next release, so a later batch never overtakes it.
+* Every token ``acquire_batch`` returns belongs to exactly one tracked batch until the batch is
+  released whole (``release_batch``, ``release_owner``); the ledger-level ``release`` refuses it.
+  Releasing every batch restores the initial ``snapshot()`` exactly.
 
-Pure Python + asyncio; never imports ray (the Ray actor wraps this ledger).
+Everything runs on one event loop, and every wait uses that loop's clock only (``asyncio.timeout``),
+so a virtual-time loop drives the pool as it drives the scheduler. Pure Python + asyncio; never
+imports ray (the Ray shell supplies the hook and translates).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
+import logging
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
-from sortedcontainers import SortedList
+import msgspec
 
-from rayapp.core.units import (
-    CPU_UNIT,
-    GPU_UNIT,
-    MEM_UNIT,
-    UNBOUNDED,
-    PoolError,
-    budget_tokens,
-    count_of,
-    demand_of,
-    units_of,
-)
-from rayapp.types import NodeSpec, Resource, Token
+from rayapp.core.ledger import Ledger
+from rayapp.core.units import PoolError, budget_tokens
+from rayapp.types import BatchRequest, NodeSpec, Token
 
-__all__ = ["PlacementPool", "PoolError", "budget_tokens"]
+__all__ = ["HeldBatch", "PlacementPool", "PoolError", "Reservations", "budget_tokens"]
+
+log = logging.getLogger(__name__)
+
+
+class Reservations(Protocol):
+    """Realises what the ledger granted outside it (the Ray shell: one placement group per batch).
+
+    ``reserve(name, tokens)`` gets one batch's tokens as the ledger issued them (``name`` is unique
+    per call and starts with the request's label) and returns them realised: same order, same ledger
+    fields, with ``placement_group``/``bundle_index`` set as the hook likes; or None when it cannot
+    realise them now (the pool retries). A reserve that returns None, raises or is cancelled must
+    hold nothing. ``release(tokens)`` gets back realised tokens: a whole batch today, but a hook must
+    not assume so (single tokens may go back early, and a hook may sub-allocate long-lived groups)."""
+
+    async def reserve(self, name: str, tokens: list[Token]) -> list[Token] | None: ...
+
+    async def release(self, tokens: list[Token]) -> None: ...
+
+
+class HeldBatch(msgspec.Struct, frozen=True):
+    """One admitted batch: its unique name, its owner and its tokens as the caller got them."""
+
+    name: str
+    owner: str
+    tokens: tuple[Token, ...]
 
 
 class _Waiter:
-    """One parked ``acquire_batch`` call; ``event`` is set (in ``loop``) when it should retry."""
+    """One parked ``acquire_batch`` call; ``event`` is set when it should retry."""
 
-    __slots__ = ("event", "loop")
+    __slots__ = ("event", "owner", "task")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, owner: str) -> None:
         self.event = asyncio.Event()
+        self.owner = owner
+        self.task = asyncio.current_task()
 
 
-class PlacementPool:
-    """The global placement pool built from a cluster layout ``{node: NodeSpec}``."""
+_REFUSED = object()  # the hook could not realise a grant now
 
-    def __init__(self, layout: dict[str, NodeSpec]) -> None:
-        if not isinstance(layout, dict) or not layout:
-            raise PoolError("layout: expected a non-empty {node: NodeSpec} mapping")
-        self._names: list[str] = []
-        self._gpu_ids: list[tuple[int, ...]] = []
-        self._gpus: list[list[int]] = []  # free units per GPU, per node
-        self._gpu_free: list[int] = []  # sum of the above, per node (the greedy key)
-        self._cpu: list[int] = []
-        self._mem: list[int] = []
-        for name, spec in layout.items():
-            where = f"layout[{name!r}]"
-            if not isinstance(name, str) or not isinstance(spec, NodeSpec):
-                raise PoolError(f"{where}: expected a str node name and a NodeSpec")
-            ids = tuple(spec.gpus)
-            if any(isinstance(g, bool) or not isinstance(g, int) for g in ids) or len(set(ids)) != len(ids):
-                raise PoolError(f"{where}.gpus: expected distinct integer GPU ids, got {spec.gpus!r}")
-            self._names.append(name)
-            self._gpu_ids.append(ids)
-            self._gpus.append([GPU_UNIT] * len(ids))
-            self._gpu_free.append(GPU_UNIT * len(ids))
-            self._cpu.append(units_of(spec.cpu, CPU_UNIT, f"{where}.cpu"))
-            self._mem.append(units_of(spec.memory_gb, MEM_UNIT, f"{where}.memory_gb"))
-        self._capacity = (list(self._gpu_free), list(self._cpu), list(self._mem))
-        self._held_on: list[int] = [0] * len(self._names)
-        # One integer per node encodes (-free gpu, -free cpu, -free mem, layout index) in mixed radix:
-        # ints compare faster than tuples, and the index digit makes every key unique.
-        self._n = len(self._names)
-        self._gmax, self._cmax, self._mmax = max(self._gpu_free), max(self._cpu), max(self._mem)
-        self._keys = [self._key(i) for i in range(self._n)]
-        self._order = SortedList(self._keys)
-        # token_id -> (token, node index, GPU positions, units per GPU, cpu units, memory units)
-        self._held: dict[int, tuple[Token, int, tuple[int, ...], int, int, int]] = {}
-        self._next_id = 0
-        self._lock = threading.Lock()  # the Ray actor may call in from several threads
+
+class PlacementPool(Ledger):
+    """The global placement pool built from a cluster layout ``{node: NodeSpec}`` (see ``Ledger``).
+    ``reservations`` realises each admitted batch (None: the ledger alone decides); a batch it
+    refuses retries after ``retry_s`` seconds at the latest."""
+
+    def __init__(self, layout: dict[str, NodeSpec], reservations: Reservations | None = None, *,
+                 retry_s: float = 1.0) -> None:
+        super().__init__(layout)
         self._queue: deque[_Waiter] = deque()
-        self._releases = 0  # bumped by every release that returned something
-        self._max_cache: dict[Resource, int] = {}
-
-    # ---- ordered structure -------------------------------------------------------------------
-    def _key(self, i: int) -> int:
-        g = self._gmax - self._gpu_free[i]
-        c = self._cmax - self._cpu[i]
-        m = self._mmax - self._mem[i]
-        return ((g * (self._cmax + 1) + c) * (self._mmax + 1) + m) * self._n + i
-
-    def _reorder(self, i: int) -> None:
-        """Move node ``i`` to its new place in ``_order``: the only node a token touched."""
-        new = self._key(i)
-        old = self._keys[i]
-        if new != old:
-            self._order.remove(old)
-            self._order.add(new)
-            self._keys[i] = new
-
-    # ---- placement ---------------------------------------------------------------------------
-    def _place(self, u: int, k: int, cpu: int, mem: int) -> tuple[int, tuple[int, ...]] | None:
-        """The node and GPU positions for one token, or None. Walks ``_order`` from the most-free
-        node and stops as soon as no node further down can hold the GPU part."""
-        need = u * k
-        n = self._n
-        for key in self._order:
-            i = key % n
-            if self._gpu_free[i] < need:
-                return None  # sorted by free GPU: nothing below has enough either
-            if self._cpu[i] < cpu or self._mem[i] < mem:
-                continue
-            if k == 0:
-                return i, ()
-            gpus = self._gpus[i]
-            if k == 1:
-                # Best fit: the GPU with the least free capacity that still fits, so shares pack onto
-                # used GPUs and whole GPUs stay free for whole-GPU tokens.
-                best, best_free = -1, GPU_UNIT + 1
-                for p, f in enumerate(gpus):
-                    if u <= f < best_free:
-                        best, best_free = p, f
-                if best >= 0:
-                    return i, (best,)
-            else:
-                whole = [p for p, f in enumerate(gpus) if f == GPU_UNIT]
-                if len(whole) >= k:
-                    return i, tuple(whole[:k])
-        return None
-
-    def _apply(self, i: int, pos: tuple[int, ...], u: int, cpu: int, mem: int, sign: int) -> None:
-        gpus = self._gpus[i]
-        for p in pos:
-            gpus[p] -= sign * u
-        self._gpu_free[i] -= sign * u * len(pos)
-        self._cpu[i] -= sign * cpu
-        self._mem[i] -= sign * mem
-        self._held_on[i] += sign
-        self._reorder(i)
-
-    def _release_records(self, recs: list) -> None:
-        for tok, i, pos, u, cpu, mem in recs:
-            del self._held[tok.token_id]
-            self._apply(i, pos, u, cpu, mem, -1)
-
-    def try_acquire_batch(
-        self, budget: Resource, per_sample: Resource, max_tokens: int
-    ) -> list[Token] | None:
-        """``min(budget_tokens(budget, per_sample), max_tokens)`` tokens, all or none (None)."""
-        n, demand = self._request(budget, per_sample, max_tokens)
-        return self._try(n, demand, per_sample)
-
-    @staticmethod
-    def _request(budget: Resource, per_sample: Resource, max_tokens: int) -> tuple[int, tuple]:
-        """Validate a request (PoolError naming the field) and size it."""
-        n = min(budget_tokens(budget, per_sample), count_of(max_tokens, "max_tokens"))
-        if n == UNBOUNDED:
-            raise PoolError("max_tokens: must bound a batch whose budget does not (per_sample needs nothing)")
-        return n, demand_of(per_sample)
-
-    def _try(self, n: int, demand: tuple, per_sample: Resource) -> list[Token] | None:
-        if n > self.max_tokens_for(per_sample):
-            return None  # cannot fit even in the empty pool: fail fast instead of placing and rolling back
-        u, k, cpu, mem, tok_gpu = demand
-        tok_cpu, tok_mem = float(per_sample.cpu), float(per_sample.memory_gb)
-        out: list[Token] = []
-        recs = []
-        with self._lock:
-            for _ in range(n):
-                where = self._place(u, k, cpu, mem)
-                if where is None:
-                    self._release_records(recs)  # all or nothing: a half batch would block others
-                    return None
-                i, pos = where
-                self._apply(i, pos, u, cpu, mem, +1)
-                ids = self._gpu_ids[i]
-                tok = Token(
-                    self._next_id, self._names[i], tuple(ids[p] for p in pos), tok_gpu, tok_cpu, tok_mem
-                )
-                self._next_id += 1
-                self._held[tok.token_id] = rec = (tok, i, pos, u, cpu, mem)
-                recs.append(rec)
-                out.append(tok)
-        return out
+        self._reservations = reservations
+        self.retry_s = retry_s
+        self._batches: dict[str, HeldBatch] = {}
+        self._batch_of: dict[int, str] = {}  # token_id -> name of the batch holding it
+        self._grants = 0  # names every grant (and every reservation attempt) uniquely
 
     def release(self, tokens: Iterable[Token]) -> None:
-        """Return ``tokens``. Every one must be held exactly as issued, else PoolError and nothing
-        changes. Wakes the first waiter."""
+        """``Ledger.release``, refusing tokens of a tracked batch (those go back with ``release_batch``);
+        wakes the first waiter."""
         tokens = list(tokens)
-        with self._lock:
-            recs, seen = [], set()
-            for t in tokens:
-                tid = getattr(t, "token_id", None)
-                rec = self._held.get(tid) if isinstance(tid, int) else None
-                if rec is None or tid in seen:
-                    why = "listed twice" if tid in seen else "never issued or already released"
-                    raise PoolError(
-                        f"release: token {tid!r} on node {getattr(t, 'node', '?')!r} is not held ({why})"
-                    )
-                if rec[0] != t:
-                    raise PoolError(
-                        f"release: token {tid!r} differs from the one issued: {t!r} vs {rec[0]!r}"
-                    )
-                seen.add(tid)
-                recs.append(rec)
-            self._release_records(recs)
-            if recs:
-                self._releases += 1
-                self._wake_head()
+        for t in tokens:
+            name = self._batch_of.get(getattr(t, "token_id", None))
+            if name is not None:
+                raise PoolError(f"release: token {t.token_id!r} belongs to batch {name!r}; give it back with "
+                                f"release_batch")
+        super().release(tokens)
+        if tokens:
+            self._wake_head()
 
-    async def release_batch(self, tokens: list[Token]) -> None:
-        self.release(tokens)
-
-    # ---- waiting -----------------------------------------------------------------------------
+    # ---- batches: waiting, reservations, owners ----------------------------------------------
     def _wake_head(self) -> None:
-        """Tell the first waiter to retry (call under the lock). Only the head retries: a later
-        small batch must not overtake an earlier big one forever."""
-        if not self._queue:
-            return
-        w = self._queue[0]
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is w.loop:
-            w.event.set()
-        else:  # released from another thread (or no loop): hand the wake-up to the waiter's loop
-            with contextlib.suppress(RuntimeError):  # a closed loop: its waiter is gone with it
-                w.loop.call_soon_threadsafe(w.event.set)
+        """Tell the first waiter to retry. Only the head retries: a later small batch must not
+        overtake an earlier big one forever."""
+        if self._queue:
+            self._queue[0].event.set()
 
-    async def acquire_batch(
-        self, budget: Resource, per_sample: Resource, max_tokens: int, *, timeout: float | None = None,
-        label: str = "batch",
-    ) -> list[Token]:
-        """Like ``try_acquire_batch`` but waits (FIFO, woken by releases) until the batch fits.
-        TimeoutError after ``timeout`` seconds; timeout or cancellation leaves nothing held.
-        ``label`` names the batch in errors (the Ray shell also names its placement group after it)."""
-        n, demand = self._request(budget, per_sample, max_tokens)
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout >= 0):
-            raise PoolError(f"timeout: expected seconds >= 0 or None, got {timeout!r}")
-        seen = self._releases
-        tried = not self._queue  # nobody ahead: try at once
-        if tried:
-            tokens = self._try(n, demand, per_sample)
-            if tokens is not None:
-                return tokens
-        cap = self.max_tokens_for(per_sample)
+    async def acquire_batch(self, request: BatchRequest) -> list[Token]:
+        """Like ``try_acquire_batch`` but waits (FIFO, woken by releases) until the batch fits and the
+        reservation hook realised it; the tokens are tracked as one batch of ``request.owner``.
+        TimeoutError after ``request.timeout_s``; a timeout, a cancellation or an error (the hook's
+        included) leaves nothing held."""
+        n, demand = self._request(request.budget, request.per_sample, request.max_tokens)
+        timeout = request.timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not timeout >= 0):
+            raise PoolError(f"timeout_s: expected seconds >= 0 or None, got {timeout!r}")
+        cap = self.max_tokens_for(request.per_sample)
         if n > cap:  # would wait forever and block every later waiter behind it
-            raise PoolError(
-                f"acquire_batch: {n} tokens of {per_sample!r} can never fit; the whole pool holds {cap}"
-            )
-        waiter = _Waiter(asyncio.get_running_loop())
-        with self._lock:
-            self._queue.append(waiter)
+            raise PoolError(f"acquire_batch {request.label}: {n} tokens of {request.per_sample!r} can never fit; "
+                            f"the whole pool holds {cap}")
+        waiter = _Waiter(request.owner)
+        self._queue.append(waiter)
+        refused = 0
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as deadline:
                 while True:
-                    # Clear before trying: a release that lands after the try sets it again.
+                    # Clear before trying: a release that lands during the try sets it again.
                     waiter.event.clear()
-                    # Retry only as head, and skip the first retry if nothing was released since
-                    # the fast-path try (a release from another thread in between bumps the count).
-                    if self._queue[0] is waiter and not (tried and self._releases == seen):
-                        tokens = self._try(n, demand, per_sample)
-                        if tokens is not None:
-                            return tokens
-                    tried = False
-                    await waiter.event.wait()
+                    backoff = None
+                    if self._queue[0] is waiter:
+                        got = await self._admit(n, demand, request)
+                        if got is _REFUSED:
+                            refused += 1
+                            backoff = self.retry_s
+                        elif got is not None:
+                            return got
+                    await _park(waiter.event, backoff)
         except TimeoutError:
+            if not deadline.expired():
+                raise  # the hook's own, not ours
+            refusals = f"; its reservation was refused {refused} times" if refused else ""
             raise TimeoutError(
-                f"acquire_batch {label}: {n} tokens of {per_sample!r} not admitted within {timeout}s "
-                f"({len(self._held)} tokens held, {len(self._queue) - 1} other waiters)"
+                f"acquire_batch {request.label}: {n} tokens of {request.per_sample!r} not admitted within "
+                f"{timeout}s ({len(self._held)} tokens held, {len(self._queue) - 1} other waiters{refusals})"
             ) from None
         finally:
-            with self._lock:
-                was_head = self._queue[0] is waiter
-                self._queue.remove(waiter)
-                if was_head:  # success leaves room, or the head gave up: let the next one try
-                    self._wake_head()
+            was_head = self._queue[0] is waiter
+            self._queue.remove(waiter)
+            if was_head:  # success leaves room, or the head gave up: let the next one try
+                self._wake_head()
 
-    # ---- capacity and views ------------------------------------------------------------------
-    def max_tokens_for(self, per_sample: Resource) -> int:
-        """The most ``per_sample`` tokens the empty pool holds at once (the deadlock check's figure)."""
-        cached = self._max_cache.get(per_sample)
-        if cached is not None:
-            return cached
-        u, k, cpu, mem, _ = demand_of(per_sample)
-        total = 0
-        _, cpu_cap, mem_cap = self._capacity
-        for i in range(self._n):
-            n_gpus = len(self._gpu_ids[i])
-            slots = UNBOUNDED
-            if k == 1:
-                slots = n_gpus * (GPU_UNIT // u)
-            elif k > 1:
-                slots = n_gpus // k
-            if cpu:
-                slots = min(slots, cpu_cap[i] // cpu)
-            if mem:
-                slots = min(slots, mem_cap[i] // mem)
-            if slots == UNBOUNDED:
-                total = UNBOUNDED
-                break
-            total += slots
-        total = min(total, UNBOUNDED)
-        if len(self._max_cache) > 1024:
-            self._max_cache.clear()
-        self._max_cache[per_sample] = total
-        return total
+    async def _admit(self, n: int, demand: tuple, request: BatchRequest) -> list[Token] | object | None:
+        """One try as head: the tokens (tracked), None (the ledger has no room) or _REFUSED."""
+        tokens = self._try(n, demand, request.per_sample)
+        if not tokens:
+            return tokens  # no room, or an empty batch: nothing to reserve or track
+        self._grants += 1
+        name = f"{request.label}/{self._grants}"
+        if self._reservations is None:
+            return self._track(name, request.owner, tokens)
+        try:
+            got = await self._reservations.reserve(name, tokens)
+        except BaseException:
+            self._rollback(tokens)  # the hook's contract: it holds nothing now
+            raise
+        if got is None:
+            self._rollback(tokens)
+            return _REFUSED
+        if not _realises(got, tokens):
+            try:
+                await self._reservations.release(got)
+            finally:
+                self._rollback(tokens)
+            raise PoolError(f"reservations: reserve({name!r}) must return the {n} tokens it was given, in "
+                            f"order, with only placement_group/bundle_index set; got {got!r}")
+        return self._track(name, request.owner, got)
 
-    @property
-    def held(self) -> int:
-        return len(self._held)
+    def _rollback(self, tokens: list[Token]) -> None:
+        # No wake-up: the ledger is as before the try, so nobody behind the head could gain from it.
+        self._release_records([self._held[t.token_id] for t in tokens])
+
+    def _track(self, name: str, owner: str, tokens: list[Token]) -> list[Token]:
+        self._batches[name] = HeldBatch(name, owner, tuple(tokens))
+        for t in tokens:
+            self._batch_of[t.token_id] = name
+        return tokens
+
+    async def release_batch(self, tokens: list[Token]) -> None:
+        """Give back one batch ``acquire_batch`` returned, whole, else PoolError and nothing changes. A
+        batch already freed (by ``release_owner``, its owner presumed dead) is ignored with a warning.
+        The ledger takes the tokens back even if the hook's release raises (its error propagates)."""
+        tokens = list(tokens)
+        if not tokens:
+            return
+        names = {self._batch_of.get(t.token_id) for t in tokens}
+        if names == {None}:
+            if any(t.token_id in self._held for t in tokens):
+                raise PoolError("release_batch: these tokens came from try_acquire_batch; give them back with release")
+            log.warning("release_batch: tokens %s are not held (already freed)", [t.token_id for t in tokens])
+            return
+        batch = self._batches.get(next(iter(names))) if len(names) == 1 else None
+        if batch is None or len(tokens) != len(batch.tokens) or set(tokens) != set(batch.tokens):
+            what = batch.name if batch is not None else f"{len(tokens)} tokens of {len(names)} batches"
+            raise PoolError(f"release_batch: {what}: a batch is released whole, with every token it was granted")
+        await self._free(batch)
+
+    async def _free(self, batch: HeldBatch) -> None:
+        del self._batches[batch.name]
+        for t in batch.tokens:
+            del self._batch_of[t.token_id]
+        try:
+            if self._reservations is not None:
+                await self._reservations.release(list(batch.tokens))
+        finally:
+            self._release_records([self._held[t.token_id] for t in batch.tokens])
+            self._wake_head()
+
+    async def release_owner(self, owner: str) -> int:
+        """Free every batch ``owner`` still holds (a restarted manager's predecessor) and cancel the
+        tasks waiting in ``acquire_batch`` for it: a dead caller never cancels them, and a batch
+        granted later would leak. Returns how many batches were freed."""
+        waiting = [w for w in self._queue if w.owner == owner and w.task is not None]
+        for w in waiting:
+            w.task.cancel()
+        if waiting:
+            log.warning("release_owner %s: cancelled %d waiting acquires", owner, len(waiting))
+        stale = [b for b in self._batches.values() if b.owner == owner]
+        errors = []
+        for batch in stale:
+            try:
+                await self._free(batch)
+            except Exception as e:  # free the rest first: each batch's ledger part is back already
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return len(stale)
 
     @property
     def waiting(self) -> int:
         return len(self._queue)
 
-    def snapshot(self) -> dict:
-        """Exact state in integer units, per node: free units per GPU id, free milli-cores, free MiB,
-        tokens held. Equal snapshots mean equal ledgers."""
-        with self._lock:
-            return {
-                name: {
-                    "gpu_units": dict(zip(self._gpu_ids[i], self._gpus[i], strict=True)),
-                    "cpu_milli": self._cpu[i],
-                    "memory_mib": self._mem[i],
-                    "held": self._held_on[i],
-                }
-                for i, name in enumerate(self._names)
-            }
-
-    def free(self) -> dict[str, Resource]:
-        """Free GPU (summed over the node's GPUs), CPU and memory per node, for logs."""
-        with self._lock:
-            return self._view(self._gpu_free, self._cpu, self._mem)
-
-    def capacity(self) -> dict[str, Resource]:
-        """Total GPU, CPU and memory per node (``free()`` of the empty pool)."""
-        return self._view(*self._capacity)
-
-    def _view(self, gpu: list[int], cpu: list[int], mem: list[int]) -> dict[str, Resource]:
-        # concurrency is not a pool resource; 0 marks it as unused here
-        return {
-            name: Resource(gpu[i] / GPU_UNIT, 0, cpu[i] / CPU_UNIT, mem[i] / MEM_UNIT)
-            for i, name in enumerate(self._names)
-        }
+    def batches(self) -> list[HeldBatch]:
+        """Every admitted batch not yet released, oldest first: who holds which tokens where."""
+        return list(self._batches.values())
 
     def __repr__(self) -> str:
         return f"PlacementPool({self._n} nodes, {len(self._held)} tokens held, {len(self._queue)} waiting)"
+
+
+async def _park(event: asyncio.Event, backoff: float | None) -> None:
+    """Wait for a wake-up; after a refused reservation, for ``backoff`` seconds at most."""
+    if backoff is None:
+        await event.wait()
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(backoff):
+            await event.wait()
+
+
+def _realises(got: object, tokens: list[Token]) -> bool:
+    """Whether a hook's answer is ``tokens`` with at most their reservation fields set."""
+    return isinstance(got, list) and len(got) == len(tokens) and all(
+        isinstance(r, Token) and msgspec.structs.replace(r, placement_group="", bundle_index=-1) == t
+        for r, t in zip(got, tokens, strict=True))

@@ -25,7 +25,17 @@ from rayapp.core.cascade import build_sampling_params, resolve_stopping
 from rayapp.core.evaluator import Evaluator, Group, OnTaskDone
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
-from rayapp.types import Batch, EvaluatorSpec, Resource, Sample, SamplingParams, StoppingCriteria, Task, Token
+from rayapp.types import (
+    Batch,
+    BatchRequest,
+    EvaluatorSpec,
+    Resource,
+    Sample,
+    SamplingParams,
+    StoppingCriteria,
+    Task,
+    Token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +48,7 @@ class Pool(Protocol):
     """What the scheduler needs of a placement pool (the core ledger, or the Ray actor's client).
     ``max_tokens_for`` may be sync or async."""
 
-    async def acquire_batch(self, budget: Resource, per_sample: Resource, max_tokens: int, *,
-                            timeout: float | None = None, label: str = "batch") -> list[Token]: ...
+    async def acquire_batch(self, request: BatchRequest) -> list[Token]: ...
 
     async def release_batch(self, tokens: list[Token]) -> None: ...
 
@@ -351,8 +360,8 @@ class TaskScheduler:
         st = self._status
         tokens: list[Token] | None = None
         if self.pool is not None:
-            tokens = await self.pool.acquire_batch(spec.resource, spec.sample_resource, batch.n_samples,
-                                                   timeout=self.acquire_timeout_s, label=label)
+            tokens = await self.pool.acquire_batch(BatchRequest(spec.resource, spec.sample_resource, batch.n_samples,
+                                                                label=label, timeout_s=self.acquire_timeout_s))
         st["batches_waiting"] -= 1
         st["batches_running"] += 1
         try:

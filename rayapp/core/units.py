@@ -17,6 +17,7 @@ CPU_UNIT = 1_000  # milli-cores per core
 MEM_UNIT = 1_024  # MiB per GB
 UNBOUNDED = sys.maxsize  # "no limit" for token counts
 
+
 class PoolError(ValueError):
     """A bad request or a bad release; the pool is unchanged."""
 
@@ -32,6 +33,11 @@ def units_of(value: object, scale: int, what: str, *, allow_inf: bool = False) -
         if allow_inf:
             return UNBOUNDED
         raise PoolError(f"{what}: must be finite, got {value!r}")
+    return to_units(value, scale)
+
+
+def to_units(value: float, scale: int) -> int:
+    """A finite amount >= 0 already checked (a layout's, by the layout parser) in integer units."""
     return max(1, round(value * scale)) if value > 0 else 0
 
 

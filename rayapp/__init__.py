@@ -16,7 +16,7 @@ from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, re
 from rayapp.core.evaluator import Evaluator, Group
 from rayapp.core.layout import LayoutError, parse_cluster_layout
 from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
-from rayapp.core.pool import PlacementPool, PoolError, budget_tokens
+from rayapp.core.pool import HeldBatch, PlacementPool, PoolError, Reservations, budget_tokens
 from rayapp.core.scheduler import DeadlockError, EvalResult, RolloutResult, TaskScheduler, interleave
 from rayapp.core.termination import (
     AbortReason,
@@ -39,6 +39,7 @@ from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter,
 from rayapp.types import (
     AgentResult,
     Batch,
+    BatchRequest,
     EpisodeContext,
     EpisodePhase,
     EpisodeRecord,
@@ -65,6 +66,7 @@ __all__ = [
     "AgentTimeout",
     "BaseAgent",
     "Batch",
+    "BatchRequest",
     "BatchingStrategy",
     "CascadeError",
     "ChatAgent",
@@ -88,6 +90,7 @@ __all__ = [
     "FinishOnlyFilter",
     "FunctionAgent",
     "Group",
+    "HeldBatch",
     "LayoutError",
     "LocalProcessSandbox",
     "MultiDataSource",
@@ -95,6 +98,7 @@ __all__ = [
     "PlacementPool",
     "PoolError",
     "RejectionFilter",
+    "Reservations",
     "Resource",
     "RolloutResult",
     "Sample",

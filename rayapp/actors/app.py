@@ -6,8 +6,8 @@
         args: {engines: ..., evaluators: ..., pool: ..., scheduler: ..., data: ..., eval: ...}
 
 It wires the three parts of the design: one inference deployment per engine (student, teacher,
-...), the PlacementPool (one replica, owning the placement groups), and the
-SchedulerRolloutManager (the ingress, hosting the TaskScheduler). The recipe is validated before
+...), the PlacementPoolService (one replica hosting the core PlacementPool and owning the placement
+groups), and the SchedulerRolloutManager (the ingress, hosting the TaskScheduler). The recipe is validated before
 anything is deployed.
 """
 
@@ -60,7 +60,7 @@ def build_app(args: dict[str, Any]) -> Application:
     pool = None
     if cfg.pool.gate:
         p = cfg.pool
-        pool = serve.deployment(PlacementPoolService, name="PlacementPool", num_replicas=1,
+        pool = serve.deployment(PlacementPoolService, name="PlacementPoolService", num_replicas=1,
                                 max_ongoing_requests=POOL_MAX_ONGOING,
                                 ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}}).bind(
             p.cluster_layout, p.num_cpus, p.memory_gb, p.pg_ready_timeout_s)

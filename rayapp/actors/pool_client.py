@@ -1,4 +1,4 @@
-"""The core's Pool protocol over the PlacementPool deployment's handle (or a plain actor's).
+"""The core's Pool protocol over the PlacementPoolService deployment's handle (or a plain actor's).
 
 Every call is bounded and cancelled when its caller stops waiting (``rayapp.actors.remote``), so
 the pool never grants a batch nobody waits for. A waiting acquire is bounded by its own

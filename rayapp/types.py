@@ -186,3 +186,10 @@ class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpus: tuple[int, ...] = ()
     cpu: float = 0.0
     memory_gb: float = 0.0
+
+
+class StepKind(enum.StrEnum):
+    """What a scheduler step does: a training rollout or an eval pass."""
+
+    ROLLOUT = "rollout"
+    EVAL = "eval"

@@ -6,9 +6,20 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.scheduler import DeadlockError, TaskScheduler, interleave
+from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
+
+
+class Source:
+    """A data source handing out the same fixed tasks on every fetch."""
+
+    def __init__(self, tasks):
+        self.tasks = tasks
+
+    async def get_tasks(self, n):
+        return list(self.tasks[:n])
+
 
 ONE_NODE = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'
 TWO_NODES = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}, "n1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
@@ -18,8 +29,12 @@ def test_rollout_runs_every_task_and_returns_groups_in_fetch_order(make_pool):
     pool = make_pool(TWO_NODES)
     streamed = []
     sched = TaskScheduler([arithmetic_spec(batch_size=2)], ArithmeticSource(seed=3, n_samples=3), pool,
-                          rollout_batch_size=5, progress=False)
-    result = run(sched.execute_rollout(0, on_task_done=lambda t, ss: streamed.append(t.task_id)))
+                          SchedulerConfig(rollout_batch_size=5, progress=False))
+
+    async def stream(task, samples):
+        streamed.append(task.task_id)
+
+    result = run(sched.execute_rollout(0, on_task_done=stream))
     assert [g[0].task_id for g in result.groups] == [f"arithmetic-3-{i}" for i in range(5)]
     assert sorted(streamed) == sorted(g[0].task_id for g in result.groups)
     for group in result.groups:
@@ -32,7 +47,8 @@ def test_rollout_runs_every_task_and_returns_groups_in_fetch_order(make_pool):
             assert s.metadata["_placement"]["node"] in {"n0", "n1"}
     assert result.metrics["rollout/success"] + result.metrics["rollout/wrong_answer"] == 15
     st = sched.status()
-    assert st["tasks_done"] == st["tasks"] == 5 and st["samples_done"] == 15 and st["phase"] == "rollout done"
+    assert st.tasks_done == st.tasks == 5 and st.samples_done == 15 and st.phase == "rollout done"
+    assert st.state is StepState.DONE and st.as_dict()["phase"] == "rollout done"
 
 
 def test_no_pool_means_ungated_batches():
@@ -43,8 +59,8 @@ def test_no_pool_means_ungated_batches():
         return AgentResult(tokens=[1, 2], response_length=1, response="x")
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 1.0}))
-    result = run(TaskScheduler([spec], ArithmeticSource(), None, rollout_batch_size=3,
-                               progress=False).execute_rollout(1))
+    result = run(TaskScheduler([spec], ArithmeticSource(), None,
+                               SchedulerConfig(rollout_batch_size=3, progress=False)).execute_rollout(1))
     assert len(result.groups) == 3 and seen == [None, None, None]
 
 
@@ -54,7 +70,7 @@ def test_deadlock_check_fails_fast_naming_the_spec_and_both_numbers(make_pool):
     calls = []
     spec.handler.run_fn = lambda s, c: calls.append(s)
     source = ArithmeticSource(task_type="arith")
-    sched = TaskScheduler([spec], source, pool, rollout_batch_size=8, progress=False)
+    sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=8, progress=False))
     with pytest.raises(DeadlockError, match=r"EvaluatorSpec 'arith' needs 8 placement tokens but the pool can "
                                             r"only provide 4"):
         run(sched.execute_rollout(0))
@@ -65,13 +81,13 @@ def test_deadlock_check_counts_only_what_the_budget_asks_for(make_pool):
     # a budget of 4 tokens fits the 4-token pool, even though the batch has 8 samples
     pool = make_pool(ONE_NODE)
     sched = TaskScheduler([arithmetic_spec(concurrency=4, batch_size=8, gpu=0.25)], ArithmeticSource(), pool,
-                          rollout_batch_size=8, progress=False)
+                          SchedulerConfig(rollout_batch_size=8, progress=False))
     assert len(run(sched.execute_rollout(0)).groups) == 8
 
 
 def test_a_budget_that_admits_nothing_is_reported(make_pool):
     spec = EvaluatorSpec("arithmetic", None, resource=Resource(cpu=0), run_resource=Resource(cpu=1))
-    sched = TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), progress=False)
+    sched = TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), SchedulerConfig(progress=False))
     with pytest.raises(DeadlockError, match="admits no sample"):
         run(sched.execute_rollout(0))
 
@@ -91,8 +107,8 @@ def test_oversubscribed_batches_wait_and_are_admitted_when_others_release(make_p
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), batch_size=4,
                          resource=Resource(gpu=1.0, concurrency=4, cpu=4, memory_gb=8),
                          run_resource=Resource(gpu=0.25, cpu=1, memory_gb=2))
-    result = run(TaskScheduler([spec], ArithmeticSource(), pool, rollout_batch_size=12,
-                               progress=False).execute_rollout(0))
+    result = run(TaskScheduler([spec], ArithmeticSource(), pool,
+                               SchedulerConfig(rollout_batch_size=12, progress=False)).execute_rollout(0))
     assert all(s.status is Status.COMPLETED and s.reward["score"] == 1.0 for g in result.groups for s in g)
     assert peak[0] == 4  # never more than one batch's worth at once
 
@@ -105,8 +121,8 @@ def test_one_failing_sample_never_fails_the_step(make_pool):
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), resource=Resource(concurrency=2, cpu=2),
                          run_resource=Resource(cpu=1))
-    result = run(TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), rollout_batch_size=3,
-                               progress=False).execute_rollout(0))
+    result = run(TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE),
+                               SchedulerConfig(rollout_batch_size=3, progress=False)).execute_rollout(0))
     statuses = [g[0].status for g in result.groups]
     assert statuses == [Status.COMPLETED, Status.ABORTED, Status.COMPLETED]
     assert result.groups[1][0].metadata["_termination_reason"] == "infra_conn"
@@ -116,26 +132,26 @@ def test_one_failing_sample_never_fails_the_step(make_pool):
 def test_a_failing_callback_fails_the_step_and_every_token_is_returned(make_pool):
     pool = make_pool(TWO_NODES)
 
-    def on_done(task, samples):
+    async def on_done(task, samples):
         raise RuntimeError("collector broke")
 
-    sched = TaskScheduler([arithmetic_spec(batch_size=1)], ArithmeticSource(), pool, rollout_batch_size=6,
-                          on_task_done=on_done, progress=False)
+    sched = TaskScheduler([arithmetic_spec(batch_size=1)], ArithmeticSource(), pool,
+                          SchedulerConfig(rollout_batch_size=6, progress=False), on_task_done=on_done)
     with pytest.raises(ExceptionGroup) as info:
         run(sched.execute_rollout(0))
     assert info.group_contains(RuntimeError, match="collector broke")
-    assert sched.status()["phase"] == "rollout failed"
+    assert sched.status().phase == "rollout failed"
 
 
 def test_unknown_evaluator_id_warns_once_and_falls_back_to_the_first_spec(make_pool, caplog):
     tasks = [Task(f"t{i}", "What is 1 + 1?", TaskConfig("mystery"), label="2") for i in range(3)]
 
     class Source:
-        def get_tasks(self, n):
+        async def get_tasks(self, n):
             return tasks[:n]
 
     sched = TaskScheduler([arithmetic_spec("first", error_rate=0), arithmetic_spec("second")], Source(),
-                          make_pool(TWO_NODES), rollout_batch_size=3, progress=False)
+                          make_pool(TWO_NODES), SchedulerConfig(rollout_batch_size=3, progress=False))
     with caplog.at_level(logging.WARNING):
         result = run(sched.execute_rollout(0))
     assert sum("no EvaluatorSpec 'mystery'" in r.message for r in caplog.records) == 1
@@ -146,10 +162,10 @@ def test_a_task_fetched_twice_gets_a_group_of_its_own():
     task = Task("same", "What is 2 + 2?", TaskConfig("arithmetic"), label="4")
 
     class Source:
-        async def get_tasks(self, n):  # an async data source works too
+        async def get_tasks(self, n):
             return [task, task]
 
-    sched = TaskScheduler([arithmetic_spec(error_rate=0)], Source(), None, progress=False)
+    sched = TaskScheduler([arithmetic_spec(error_rate=0)], Source(), None, SchedulerConfig(progress=False))
     result = run(sched.execute_rollout(0))
     assert len(result.groups) == 2 and result.groups[0][0] is not result.groups[1][0]
 
@@ -164,12 +180,13 @@ def test_cascade_reaches_the_agent_and_a_bad_dataset_cfg_fails_before_anything_r
     task = Task("t", "p", TaskConfig("arithmetic"), metadata={"_dataset_cfg": {"max_turns": 9}})
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 0.0}),
                          default_stopping=StoppingCriteria(max_context_len=100))
-    sched = TaskScheduler([spec], type("S", (), {"get_tasks": lambda self, n: [task]})(), None,
-                          global_stopping=StoppingCriteria(max_turns=1, max_context_len=10), progress=False)
+    sched = TaskScheduler([spec], Source([task]), None,
+                          SchedulerConfig(global_stopping=StoppingCriteria(max_turns=1, max_context_len=10),
+                                          progress=False))
     run(sched.execute_rollout(0))
     assert seen == [(9, 100, None)]
     bad = msgspec.structs.replace(task, metadata={"_dataset_cfg": {"max_turns": "lots"}})
-    sched.data_source = type("S", (), {"get_tasks": lambda self, n: [bad]})()
+    sched.data_source = Source([bad])
     with pytest.raises(ValueError, match="max_turns"):
         run(sched.execute_rollout(1))
     assert len(seen) == 1
@@ -192,10 +209,10 @@ def test_eval_interleaves_datasets_and_reports_accuracy_and_pass_at_k(make_pool)
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), resource=Resource(concurrency=1, cpu=1),
                          run_resource=Resource(cpu=1))
-    datasets = {"a": ArithmeticSource(1).get_tasks(2), "b": ArithmeticSource(2).get_tasks(2),
-                "c": ArithmeticSource(3).get_tasks(1)}
-    sched = TaskScheduler([spec], None, make_pool(ONE_NODE), eval_datasets=datasets, n_samples_per_eval_prompt=2,
-                          progress=False)
+    datasets = {"a": ArithmeticSource(1).take(2), "b": ArithmeticSource(2).take(2),
+                "c": ArithmeticSource(3).take(1)}
+    sched = TaskScheduler([spec], None, make_pool(ONE_NODE),
+                          SchedulerConfig(n_samples_per_eval_prompt=2, progress=False), eval_datasets=datasets)
     result = run(sched.execute_eval(5))
     assert order == ["a", "b", "c", "a", "b", "c", "a", "b", "a", "b"]  # ABCABC..., not AABBCC
     assert {k: len(v) for k, v in result.samples.items()} == {"a": 4, "b": 4, "c": 2}

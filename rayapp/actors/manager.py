@@ -23,15 +23,15 @@ from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.recipe import FiltersConfig, RecipeConfig, apply_env, parse_recipe
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.batching import load_strategy
-from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
+from rayapp.core.scheduler import EvalResult, RolloutResult, SchedulerConfig, TaskScheduler
 from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
 from rayapp.envs.registry import AgentDeps, get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.training.artifacts import EvalDetailsWriter
+from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.training.dagger import DAggerIterations, roll_in_metrics
 from rayapp.training.filters import apply_filters
 from rayapp.training.reuse import rollout_or_reuse
-from rayapp.training.trajectories import RolloutCheckpoint
 from rayapp.types import EvaluatorSpec, Resource, Sample, Token
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ def build_data_source(cfg: RecipeConfig) -> MultiDataSource:
     return MultiDataSource([make_dataset(d, name) for name, d in sorted(cfg.data.items())], seed=cfg.scheduler.seed)
 
 
-def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: PoolClient | None,
-                    checkpoint: RolloutCheckpoint | None = None) -> TaskScheduler:
+def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: PoolClient | None) -> TaskScheduler:
     specs = []
     for ev in cfg.evaluators:
         sb = ev.sandbox
@@ -110,14 +109,10 @@ def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: P
                                    ev.batch_size, ev.default_stopping, ev.default_sampling, ev.eval_timeout_s))
     s = cfg.scheduler
     eval_sets = {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in sorted(cfg.eval.items())}
-    return TaskScheduler(
-        specs, build_data_source(cfg), pool, checkpoint=checkpoint,
-        iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None,
-        batching_strategy=load_strategy(s.batching), rollout_batch_size=s.rollout_batch_size,
-        eval_datasets=eval_sets, n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
-        global_stopping=s.global_stopping, global_sampling=s.global_sampling,
-        acquire_timeout_s=s.acquire_timeout_s, progress=s.progress,
-    )
+    config = SchedulerConfig(s.rollout_batch_size, s.n_samples_per_eval_prompt, s.global_stopping,
+                             s.global_sampling, s.acquire_timeout_s, s.progress)
+    return TaskScheduler(specs, build_data_source(cfg), pool, config, batching_strategy=load_strategy(s.batching),
+                         eval_datasets=eval_sets, iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None)
 
 
 def filter_step(result: RolloutResult, cfg: FiltersConfig) -> RolloutResult:
@@ -149,7 +144,8 @@ class SchedulerRolloutManager:
                         for name, h in engines.items()}
         folder = self.cfg.scheduler.checkpoint_dir
         self.checkpoint = RolloutCheckpoint(folder) if folder else None
-        self.scheduler = build_scheduler(self.cfg, self.engines, self.pool_client, self.checkpoint)
+        self.scheduler = build_scheduler(self.cfg, self.engines, self.pool_client)
+        self.rollouts = ResumableRollouts(self.scheduler, self.checkpoint) if self.checkpoint else self.scheduler
         details = self.cfg.scheduler.save_eval_details
         self.details = EvalDetailsWriter(details) if details else None
         self._step = asyncio.Lock()
@@ -182,11 +178,11 @@ class SchedulerRolloutManager:
         """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
         folder = self.cfg.scheduler.trajectory_dir
         if folder is None:
-            return await self.scheduler.execute_rollout(rollout_id)
+            return await self.rollouts.execute_rollout(rollout_id)
         ran: list[RolloutResult] = []
 
         async def run() -> list[list[Sample]]:
-            ran.append(await self.scheduler.execute_rollout(rollout_id))
+            ran.append(await self.rollouts.execute_rollout(rollout_id))
             return ran[0].groups
 
         groups, decision = await rollout_or_reuse(rollout_id, folder, run)
@@ -216,7 +212,7 @@ class SchedulerRolloutManager:
 
     @api.get("/status")
     def status(self) -> dict[str, Any]:
-        return {**self.scheduler.status(), "busy": self._step.locked()}
+        return {**self.scheduler.status().as_dict(), "busy": self._step.locked()}
 
     @api.get("/placement")
     async def placement(self) -> dict[str, Any]:

@@ -225,7 +225,7 @@ class PlacementPoolService:
         return len(stale)
 
     async def max_tokens_for(self, per_sample: Resource) -> int:
-        return self.ledger.max_tokens_for(per_sample)
+        return self.ledger.capacity_for(per_sample)
 
     async def placement(self) -> dict[str, Any]:
         """Who holds what: each held group's tokens (node, GPU ids, fraction), and the ledger's free view."""

@@ -174,7 +174,7 @@ class PlacementPool:
         return n, demand_of(per_sample)
 
     def _try(self, n: int, demand: tuple, per_sample: Resource) -> list[Token] | None:
-        if n > self.max_tokens_for(per_sample):
+        if n > self.capacity_for(per_sample):
             return None  # cannot fit even in the empty pool: fail fast instead of placing and rolling back
         u, k, cpu, mem, tok_gpu = demand
         tok_cpu, tok_mem = float(per_sample.cpu), float(per_sample.memory_gb)
@@ -259,7 +259,7 @@ class PlacementPool:
             tokens = self._try(n, demand, per_sample)
             if tokens is not None:
                 return tokens
-        cap = self.max_tokens_for(per_sample)
+        cap = self.capacity_for(per_sample)
         if n > cap:  # would wait forever and block every later waiter behind it
             raise PoolError(
                 f"acquire_batch: {n} tokens of {per_sample!r} can never fit; the whole pool holds {cap}"
@@ -293,7 +293,12 @@ class PlacementPool:
                     self._wake_head()
 
     # ---- capacity and views ------------------------------------------------------------------
-    def max_tokens_for(self, per_sample: Resource) -> int:
+    async def max_tokens_for(self, per_sample: Resource) -> int:
+        """``capacity_for`` as the scheduler's Pool protocol asks for it (awaited: the Ray shell's
+        answer crosses a process)."""
+        return self.capacity_for(per_sample)
+
+    def capacity_for(self, per_sample: Resource) -> int:
         """The most ``per_sample`` tokens the empty pool holds at once (the deadlock check's figure)."""
         cached = self._max_cache.get(per_sample)
         if cached is not None:

@@ -6,9 +6,10 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
+from rayapp.core.clock import run_virtual
 from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
-from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
+from rayapp.types import AgentResult, Batch, EvaluatorSpec, Resource, Sample, Status, StoppingCriteria, Task, TaskConfig
 
 
 class Source:
@@ -233,3 +234,128 @@ def test_bad_construction_is_refused():
         run(TaskScheduler([arithmetic_spec()]).execute_rollout(0))
     with pytest.raises(ValueError, match="needs eval_datasets"):
         run(TaskScheduler([arithmetic_spec()]).execute_eval(0))
+
+
+# ---- the step status records how the step ended ---------------------------------------------------
+
+def _hours_spec(hours):
+    """Episodes that sleep ``hours[task_id]`` hours (run in virtual time: ``core.clock``)."""
+
+    async def run_fn(sample, ctx):
+        await asyncio.sleep(hours[sample.task_id] * 3600)
+        return AgentResult(tokens=[1, 2], response_length=1, response="x")
+
+    return EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), batch_size=1,
+                         resource=Resource(concurrency=1, cpu=1), run_resource=Resource(cpu=1))
+
+
+def test_a_step_whose_callback_raised_is_failed_every_time_whatever_finished_last(make_pool):
+    tasks = [Task(f"t{i}", "p", TaskConfig("arithmetic")) for i in range(6)]
+    spec = _hours_spec({t.task_id: i + 1 for i, t in enumerate(tasks)})  # t5 finishes last
+    sched = TaskScheduler([spec], Source(tasks), make_pool(TWO_NODES),
+                          SchedulerConfig(rollout_batch_size=6, progress=False))
+
+    async def steps():
+        phases = []
+        for step in range(300):
+            async def on_done(task, samples, bad=tasks[step % 6].task_id):
+                if task.task_id == bad:  # every sixth step, the last task to finish
+                    raise RuntimeError("collector broke")
+
+            with pytest.raises(ExceptionGroup):
+                await sched.execute_rollout(step, on_task_done=on_done)
+            phases.append(sched.status().phase)
+        return phases
+
+    assert run_virtual(steps()) == ["rollout failed"] * 300
+
+
+def test_a_cancelled_step_says_so(make_pool):
+    sched = TaskScheduler([_hours_spec({"t0": 5})], Source([Task("t0", "p", TaskConfig("arithmetic"))]),
+                          make_pool(ONE_NODE), SchedulerConfig(rollout_batch_size=1, progress=False))
+
+    async def main():
+        step = asyncio.ensure_future(sched.execute_rollout(0))
+        await asyncio.sleep(3600)
+        running = sched.status()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        return running, sched.status()
+
+    running, ended = run_virtual(main())
+    assert running.state is StepState.RUNNING and running.phase == "rollout" and running.batches_running == 1
+    assert ended.state is StepState.CANCELLED and ended.phase == "rollout cancelled"
+    assert ended.as_dict()["phase"] == "rollout cancelled" and ended.as_dict()["batches_running"] == 0
+    assert TaskScheduler([_hours_spec({})]).status().as_dict()["phase"] == "idle"
+
+
+# ---- groups by fetch index ------------------------------------------------------------------------
+
+def test_groups_come_back_by_fetch_index_whatever_order_the_strategy_batches_in():
+    a, b = (Task(t, "p", TaskConfig("arithmetic", n_samples=n)) for t, n in (("a", 1), ("b", 2)))
+    streamed = []
+
+    async def stream(task, samples):
+        streamed.append((task.task_id, len(samples)))
+
+    def reversed_batches(tasks, specs):  # a plugin strategy: one batch per task, last first
+        return [Batch("arithmetic", [t]) for t in reversed(tasks)]
+
+    sched = TaskScheduler([arithmetic_spec(error_rate=0)], Source([a, b, a, a]), None,
+                          SchedulerConfig(rollout_batch_size=4, progress=False), batching_strategy=reversed_batches)
+    result = run(sched.execute_rollout(0, on_task_done=stream))
+    assert [(g[0].task_id, len(g)) for g in result.groups] == [("a", 1), ("b", 2), ("a", 1), ("a", 1)]
+    assert len({id(g[0]) for g in result.groups}) == 4 and sorted(streamed) == [("a", 1)] * 3 + [("b", 2)]
+
+
+@pytest.mark.parametrize(("strategy", "message"), [
+    (lambda tasks, specs: [Batch("arithmetic", tasks[:1])], "2 of its tasks are in no batch"),
+    (lambda tasks, specs: [Batch("arithmetic", tasks + tasks[:1])], "batch 0 holds a task that is not in its input"),
+    (lambda tasks, specs: [Batch("arithmetic", [Task("x", "p", TaskConfig("arithmetic"))])], "not in its input"),
+])
+def test_a_strategy_whose_batches_do_not_partition_its_input_is_refused_before_anything_runs(strategy, message):
+    calls = []
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(lambda s, c: calls.append(s), lambda s, r: {"score": 0.0}))
+    sched = TaskScheduler([spec], ArithmeticSource(), None, SchedulerConfig(rollout_batch_size=3, progress=False),
+                          batching_strategy=strategy)
+    with pytest.raises(ValueError, match=message):
+        run(sched.execute_rollout(0))
+    assert calls == []
+
+
+def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_each_new_one_first():
+    tasks = [Task(f"t{i}", "p", TaskConfig("arithmetic")) for i in range(3)]
+    done_before = [Sample("t1", 0, "p", status=Status.COMPLETED, tokens=[7])]
+    events, ran = [], []
+
+    class Log:
+        async def finished(self, fetched):
+            assert fetched == tasks
+            return {1: done_before}
+
+        async def group_done(self, index, samples):
+            events.append(("log", index, samples[0].task_id))
+
+    async def on_done(task, samples):
+        events.append(("callback", task.task_id))
+
+    def run_fn(sample, ctx):
+        ran.append(sample.task_id)
+        return AgentResult(tokens=[1, 2], response_length=1)
+
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 0.0}))
+    sched = TaskScheduler([spec], Source(tasks), None, SchedulerConfig(rollout_batch_size=3, progress=False))
+    result = run(sched.execute_rollout(0, on_task_done=on_done, step_log=Log()))
+    assert sorted(ran) == ["t0", "t2"] and result.groups[1] is done_before
+    assert [g[0].task_id for g in result.groups] == ["t0", "t1", "t2"]
+    for i in (0, 2):
+        assert events.index(("log", i, f"t{i}")) + 1 == events.index(("callback", f"t{i}"))
+    assert sched.status().tasks == sched.status().tasks_done == 2
+
+    class Beyond(Log):
+        async def finished(self, fetched):
+            return {3: done_before}
+
+    with pytest.raises(ValueError, match=r"finished groups \[3\] beyond the 3 fetched"):
+        run(sched.execute_rollout(1, step_log=Beyond()))

@@ -109,8 +109,10 @@ def build_scheduler(cfg: RecipeConfig, engines: dict[str, EngineClient], pool: P
                                    ev.batch_size, ev.default_stopping, ev.default_sampling, ev.eval_timeout_s))
     s = cfg.scheduler
     eval_sets = {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in sorted(cfg.eval.items())}
-    config = SchedulerConfig(s.rollout_batch_size, s.n_samples_per_eval_prompt, s.global_stopping,
-                             s.global_sampling, s.acquire_timeout_s, s.progress)
+    config = SchedulerConfig(rollout_batch_size=s.rollout_batch_size,
+                             n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
+                             global_stopping=s.global_stopping, global_sampling=s.global_sampling,
+                             acquire_timeout_s=s.acquire_timeout_s, progress=s.progress)
     return TaskScheduler(specs, build_data_source(cfg), pool, config, batching_strategy=load_strategy(s.batching),
                          eval_datasets=eval_sets, iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None)
 

@@ -13,11 +13,21 @@ from rayapp.core.batching import (
     longest_first_batching,
 )
 from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, resolve_stopping
+from rayapp.core.clock import run_virtual
 from rayapp.core.evaluator import Evaluator, Group
 from rayapp.core.layout import LayoutError, parse_cluster_layout
 from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.pool import HeldBatch, PlacementPool, PoolError, Reservations, budget_tokens
-from rayapp.core.scheduler import DeadlockError, EvalResult, RolloutResult, TaskScheduler, interleave
+from rayapp.core.scheduler import (
+    DeadlockError,
+    EvalResult,
+    RolloutResult,
+    SchedulerConfig,
+    StepState,
+    StepStatus,
+    TaskScheduler,
+    interleave,
+)
 from rayapp.core.termination import (
     AbortReason,
     AgentTimeout,
@@ -105,8 +115,11 @@ __all__ = [
     "SamplingParams",
     "SandboxError",
     "SandboxLimits",
+    "SchedulerConfig",
     "Status",
     "StepKind",
+    "StepState",
+    "StepStatus",
     "StoppingCriteria",
     "Task",
     "TaskConfig",
@@ -133,4 +146,5 @@ __all__ = [
     "pass_at_k",
     "resolve_stopping",
     "roll_in_metrics",
+    "run_virtual",
 ]

@@ -14,7 +14,7 @@ from collections import Counter
 
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
-from rayapp.core.scheduler import TaskScheduler
+from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.types import Sample, StoppingCriteria, Task
 
@@ -35,21 +35,20 @@ async def main(rollout_batch_size: int, n_samples: int, eval_copies: int, progre
     pool = PlacementPool(layout)
     initial = pool.snapshot()
     eval_sets: dict[str, list[Task]] = {
-        "arith-easy": ArithmeticSource(seed=101, task_type="arithmetic").get_tasks(4),
-        "arith-hard": ArithmeticSource(seed=202, task_type="arithmetic").get_tasks(4),
+        "arith-easy": ArithmeticSource(seed=101, task_type="arithmetic").take(4),
+        "arith-hard": ArithmeticSource(seed=202, task_type="arithmetic").take(4),
     }
-    scheduler = TaskScheduler(
-        [arithmetic_spec(concurrency=4, batch_size=2)],
-        ArithmeticSource(seed=0, n_samples=n_samples),
-        pool,
-        rollout_batch_size=rollout_batch_size,
-        eval_datasets=eval_sets,
-        n_samples_per_eval_prompt=eval_copies,
-        global_stopping=StoppingCriteria(max_turns=1, max_context_len=64, timeout_s=30),
-        progress=progress,
-    )
+    config = SchedulerConfig(rollout_batch_size=rollout_batch_size, n_samples_per_eval_prompt=eval_copies,
+                             global_stopping=StoppingCriteria(max_turns=1, max_context_len=64, timeout_s=30),
+                             progress=progress)
+    scheduler = TaskScheduler([arithmetic_spec(concurrency=4, batch_size=2)],
+                              ArithmeticSource(seed=0, n_samples=n_samples), pool, config, eval_datasets=eval_sets)
     streamed: list[str] = []
-    result = await scheduler.execute_rollout(0, on_task_done=lambda t, ss: streamed.append(t.task_id))
+
+    async def stream(task: Task, samples: list[Sample]) -> None:
+        streamed.append(task.task_id)
+
+    result = await scheduler.execute_rollout(0, on_task_done=stream)
     print(f"\n== rollout 0: {len(result.groups)} tasks x {n_samples} samples (streamed in order: "
           f"{', '.join(streamed)})")
     for group in result.groups:

@@ -148,7 +148,7 @@ def test_swe_recipe_layout_admits_its_biggest_batch():
     per_prompt = max(d.n_samples_per_prompt or 1 for d in recipe.data.values())
     biggest = ev.batch_size * max(per_prompt, recipe.scheduler.n_samples_per_eval_prompt)
     needed = min(budget_tokens(spec.resource, spec.sample_resource), biggest)
-    assert PlacementPool(layout).max_tokens_for(spec.sample_resource) >= needed >= 1
+    assert PlacementPool(layout).capacity_for(spec.sample_resource) >= needed >= 1
 
 
 # -- the Ray cluster launcher ----------------------------------------------------------------------

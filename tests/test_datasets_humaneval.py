@@ -136,7 +136,7 @@ def test_tasks_carry_prompt_and_label():
 
 def test_humaneval_dataset_in_a_multi_source():
     src = MultiDataSource([humaneval_dataset(dataset_cfg={"max_turns": 1, "temperature": 0.0})], seed=1)
-    tasks = src.get_tasks(164)
+    tasks = src.take(164)
     assert len({t.task_id for t in tasks}) == 164  # one epoch: every problem once
     assert tasks[0].metadata["_dataset_name"] == "humaneval"
 

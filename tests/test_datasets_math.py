@@ -132,7 +132,7 @@ def test_word_problems_read_naturally():
 
 def test_math_dataset_in_a_multi_source():
     src = MultiDataSource([math_dataset("m", n=8, seed=2, dataset_cfg={"max_turns": 1})], seed=0)
-    tasks = src.get_tasks(8)
+    tasks = src.take(8)
     assert sorted(t.task_id for t in tasks) == sorted(f"math-2-{i}" for i in range(8))
     assert all(t.metadata["_dataset_cfg"] == {"max_turns": 1} for t in tasks)
 

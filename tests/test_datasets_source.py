@@ -33,7 +33,7 @@ def key(tasks):
 
 def test_every_task_carries_its_dataset_and_a_copy_of_its_cfg():
     src = make()
-    tasks = src.get_tasks(40)
+    tasks = src.take(40)
     assert len(tasks) == 40
     for t in tasks:
         name = t.metadata["_dataset_name"]
@@ -52,7 +52,7 @@ def test_every_task_carries_its_dataset_and_a_copy_of_its_cfg():
 
 
 def test_dataset_cfg_feeds_the_cascade():
-    t = next(t for t in make().get_tasks(20) if t.metadata["_dataset_name"] == "a")
+    t = next(t for t in make().take(20) if t.metadata["_dataset_name"] == "a")
     sample = Sample(t.task_id, 0, t.prompt, metadata=t.metadata)
     got = resolve_stopping(StoppingCriteria(max_turns=10, max_context_len=64), StoppingCriteria(), sample)
     assert got == StoppingCriteria(max_turns=5, max_context_len=64)
@@ -60,28 +60,28 @@ def test_dataset_cfg_feeds_the_cascade():
 
 def test_weights_decide_the_mix():
     src = make(weights=(3.0, 1.0, 0.0), sizes=(5, 5, 5))
-    counts = collections.Counter(t.metadata["_dataset_name"] for t in src.get_tasks(4000))
+    counts = collections.Counter(t.metadata["_dataset_name"] for t in src.take(4000))
     assert "c" not in counts  # weight 0: never drawn
     assert 0.70 < counts["a"] / 4000 < 0.80
 
 
 def test_each_epoch_covers_every_row_once_and_reshuffles():
     src = MultiDataSource([DatasetSpec("a", rows("a", 10))], seed=3)
-    epochs = [[t.task_id for t in src.get_tasks(10)] for _ in range(3)]
+    epochs = [[t.task_id for t in src.take(10)] for _ in range(3)]
     for ids in epochs:
         assert sorted(ids) == sorted(f"a-{i}" for i in range(10))
     assert len({tuple(ids) for ids in epochs}) == 3  # a fresh order each epoch
-    assert [t.metadata["_dataset_epoch"] for t in src.get_tasks(11)] == [3] * 10 + [4]
+    assert [t.metadata["_dataset_epoch"] for t in src.take(11)] == [3] * 10 + [4]
 
 
 def test_no_shuffle_keeps_row_order_across_epochs():
     src = MultiDataSource([DatasetSpec("a", rows("a", 3), shuffle=False)], seed=3)
-    assert [t.task_id for t in src.get_tasks(7)] == ["a-0", "a-1", "a-2", "a-0", "a-1", "a-2", "a-0"]
+    assert [t.task_id for t in src.take(7)] == ["a-0", "a-1", "a-2", "a-0", "a-1", "a-2", "a-0"]
 
 
 def test_same_seed_same_stream_other_seed_other_stream():
-    assert key(make(seed=1).get_tasks(30)) == key(make(seed=1).get_tasks(30))
-    assert key(make(seed=1).get_tasks(30)) != key(make(seed=2).get_tasks(30))
+    assert key(make(seed=1).take(30)) == key(make(seed=1).take(30))
+    assert key(make(seed=1).take(30)) != key(make(seed=2).take(30))
 
 
 @settings(max_examples=60, deadline=None)
@@ -91,21 +91,21 @@ def test_state_restores_exactly(k, m, seed, shuffle, json_trip):
     """Draw k, save, draw m == load into a fresh source, draw m (also through JSON); and the
     stream does not depend on how draws are split."""
     src = make(seed=seed, shuffle=shuffle)
-    first = src.get_tasks(k)
+    first = src.take(k)
     state = src.state_dict()
     if json_trip:
         state = json.loads(json.dumps(state))
-    after = src.get_tasks(m)
+    after = src.take(m)
     other = make(seed=seed + 1, shuffle=shuffle)  # a different seed: the saved one must win
-    other.get_tasks(5)
+    other.take(5)
     other.load_state_dict(state)
-    assert key(other.get_tasks(m)) == key(after)
-    assert key(make(seed=seed, shuffle=shuffle).get_tasks(k + m)) == key(first + after)
+    assert key(other.take(m)) == key(after)
+    assert key(make(seed=seed, shuffle=shuffle).take(k + m)) == key(first + after)
 
 
 def test_state_dict_is_plain_json_data():
     src = make()
-    src.get_tasks(9)
+    src.take(9)
     state = src.state_dict()
     assert json.loads(json.dumps(state)) == state  # lists, dicts, ints only: nothing JSON would change
     assert set(state) == {"version", "seed", "rng", "datasets"}
@@ -146,7 +146,7 @@ def _bad(state, path, value):
 ])
 def test_bad_state_names_the_field_and_changes_nothing(path, value, needle):
     src = make()
-    src.get_tasks(7)
+    src.take(7)
     good = src.state_dict()
     state = _bad(good, path, value)
     with pytest.raises(ValueError) as e:
@@ -181,10 +181,10 @@ def test_bad_datasets_fail_at_construction(specs, needle):
     assert needle in str(e.value)
 
 
-def test_get_tasks_rejects_a_bad_count():
+def test_take_rejects_a_bad_count():
     with pytest.raises(ValueError, match="n must be"):
-        make().get_tasks(-1)
-    assert make().get_tasks(0) == []
+        make().take(-1)
+    assert make().take(0) == []
 
 
 def test_eval_tasks_are_stamped_in_row_order():

@@ -226,7 +226,7 @@ def test_swe_dataset_plugs_into_multi_data_source():
     from rayapp.envs.datasets.swe import swe_dataset
 
     source = MultiDataSource([swe_dataset(dataset_cfg={"max_turns": 8})], seed=3)
-    tasks = source.get_tasks(len(REPOS))
+    tasks = source.take(len(REPOS))
     assert sorted(t.label["repo"] for t in tasks) == REPOS  # one epoch: each repository once
     assert all(t.metadata["_dataset_name"] == "swe" and t.metadata["_dataset_cfg"] == {"max_turns": 8}
                for t in tasks)

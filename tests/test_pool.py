@@ -119,7 +119,7 @@ def test_token_ids_are_unique_and_increasing():
     assert ids == sorted(set(ids))
 
 
-# ---- budget_tokens and max_tokens_for -------------------------------------------------------------
+# ---- budget_tokens and capacity_for ---------------------------------------------------------------
 
 
 def test_budget_tokens_examples():
@@ -140,16 +140,16 @@ def test_budget_tokens_examples():
 
 def test_max_tokens_for_examples():
     pool = pool_of(a=node(4, cpu=8, memory_gb=64), b=node(4, cpu=8, memory_gb=64))
-    assert pool.max_tokens_for(Resource(gpu=0.33)) == 2 * 4 * 3
-    assert pool.max_tokens_for(Resource(gpu=0.33, cpu=3)) == 2 * 2  # cpu-bound: 8 // 3 per node
-    assert pool.max_tokens_for(Resource(gpu=0.1, memory_gb=10)) == 2 * 6  # memory-bound
-    assert pool.max_tokens_for(Resource(gpu=0, cpu=1)) == 16
-    assert pool.max_tokens_for(Resource(gpu=3)) == 2  # floor(4 / 3) per node
-    assert pool.max_tokens_for(Resource(gpu=1)) == 8
-    assert pool.max_tokens_for(Resource()) == sys.maxsize
+    assert pool.capacity_for(Resource(gpu=0.33)) == 2 * 4 * 3
+    assert pool.capacity_for(Resource(gpu=0.33, cpu=3)) == 2 * 2  # cpu-bound: 8 // 3 per node
+    assert pool.capacity_for(Resource(gpu=0.1, memory_gb=10)) == 2 * 6  # memory-bound
+    assert pool.capacity_for(Resource(gpu=0, cpu=1)) == 16
+    assert pool.capacity_for(Resource(gpu=3)) == 2  # floor(4 / 3) per node
+    assert pool.capacity_for(Resource(gpu=1)) == 8
+    assert pool.capacity_for(Resource()) == sys.maxsize
     take(pool, Resource(gpu=1), 8)
-    assert pool.max_tokens_for(Resource(gpu=1)) == 8  # from capacity, not from what is free
-    assert pool_of(a=node(0)).max_tokens_for(Resource(gpu=0.5)) == 0
+    assert pool.capacity_for(Resource(gpu=1)) == 8  # from capacity, not from what is free
+    assert pool_of(a=node(0)).capacity_for(Resource(gpu=0.5)) == 0
 
 
 # ---- bad input ------------------------------------------------------------------------------------

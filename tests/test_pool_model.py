@@ -139,7 +139,7 @@ class PoolModel(RuleBasedStateMachine):
         error fails the acquire, a hang runs into its timeout; each leaves the ledger as it was."""
         before = self.pool.snapshot()
         want, model = self.expect(budget, per_sample, max_tokens)
-        if len(want) > self.pool.max_tokens_for(per_sample):
+        if len(want) > self.pool.capacity_for(per_sample):
             return  # can never fit: a PoolError up front (tests/test_pool_reservations.py)
         fits = None not in want
         decisive = next((s for s in script if s != "none"), "ok") if fits and want else "ok"

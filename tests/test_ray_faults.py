@@ -30,7 +30,7 @@ class Source:
     def __init__(self, kinds):
         self.kinds = kinds
 
-    def get_tasks(self, n):
+    async def get_tasks(self, n):
         return [Task(f"{k}-{i}", "What is 2 + 2?", TaskConfig("faults"), label="4", metadata={"fault": k})
                 for i, k in enumerate(self.kinds)]
 
@@ -47,7 +47,7 @@ def test_killed_sandbox_killed_engine_and_timeout_abort_with_their_class(ray_ses
     ray = ray_session
     from rayapp.actors.engine import EngineClient, InferenceEngine
     from rayapp.actors.sandbox import open_sandbox
-    from rayapp.core.scheduler import TaskScheduler
+    from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
     from rayapp.envs.agents.chat import ChatAgent
     from rayapp.envs.arithmetic import verify
     from rayapp.envs.sandboxes import SandboxLimits
@@ -77,21 +77,21 @@ def test_killed_sandbox_killed_engine_and_timeout_abort_with_their_class(ray_ses
             return await super().run(sample, ctx)
 
     agent = FaultyAgent(EngineClient(engine, "student", timeout_s=60), verify)
-    sched_ok = TaskScheduler([spec(agent, timeout_s=20)], Source(["ok", "sandbox", "ok"]), pool, progress=False,
-                             rollout_batch_size=3)
+    sched_ok = TaskScheduler([spec(agent, timeout_s=20)], Source(["ok", "sandbox", "ok"]), pool,
+                             SchedulerConfig(rollout_batch_size=3, progress=False))
     result = asyncio.run(sched_ok.execute_rollout(0))
     by_kind = {g[0].metadata["fault"] + str(i): g[0] for i, g in enumerate(result.groups)}
     assert by_kind["sandbox1"].status is Status.ABORTED
     assert by_kind["sandbox1"].metadata["_termination_reason"] == "infra_sandbox"
     assert by_kind["ok0"].status is Status.COMPLETED and by_kind["ok2"].status is Status.COMPLETED
 
-    sched_t = TaskScheduler([spec(agent, timeout_s=3)], Source(["timeout"]), pool, progress=False,
-                            rollout_batch_size=1)
+    sched_t = TaskScheduler([spec(agent, timeout_s=3)], Source(["timeout"]), pool,
+                            SchedulerConfig(rollout_batch_size=1, progress=False))
     timed_out = asyncio.run(sched_t.execute_rollout(1)).groups[0][0]
     assert timed_out.status is Status.ABORTED and timed_out.metadata["_termination_reason"] == "agent_timeout"
 
-    sched_e = TaskScheduler([spec(agent, timeout_s=60)], Source(["engine"]), pool, progress=False,
-                            rollout_batch_size=1)
+    sched_e = TaskScheduler([spec(agent, timeout_s=60)], Source(["engine"]), pool,
+                            SchedulerConfig(rollout_batch_size=1, progress=False))
     lost = asyncio.run(sched_e.execute_rollout(2)).groups[0][0]
     assert lost.status is Status.ABORTED and lost.metadata["_termination_reason"] == "infra_conn"
     for s in (by_kind["sandbox1"], timed_out, lost):

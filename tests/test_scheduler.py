@@ -6,9 +6,21 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.scheduler import DeadlockError, TaskScheduler, interleave
+from rayapp.core.clock import run_virtual
+from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
-from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
+from rayapp.types import AgentResult, Batch, EvaluatorSpec, Resource, Sample, Status, StoppingCriteria, Task, TaskConfig
+
+
+class Source:
+    """A data source handing out the same fixed tasks on every fetch."""
+
+    def __init__(self, tasks):
+        self.tasks = tasks
+
+    async def get_tasks(self, n):
+        return list(self.tasks[:n])
+
 
 ONE_NODE = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'
 TWO_NODES = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}, "n1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
@@ -18,8 +30,12 @@ def test_rollout_runs_every_task_and_returns_groups_in_fetch_order(make_pool):
     pool = make_pool(TWO_NODES)
     streamed = []
     sched = TaskScheduler([arithmetic_spec(batch_size=2)], ArithmeticSource(seed=3, n_samples=3), pool,
-                          rollout_batch_size=5, progress=False)
-    result = run(sched.execute_rollout(0, on_task_done=lambda t, ss: streamed.append(t.task_id)))
+                          SchedulerConfig(rollout_batch_size=5, progress=False))
+
+    async def stream(task, samples):
+        streamed.append(task.task_id)
+
+    result = run(sched.execute_rollout(0, on_task_done=stream))
     assert [g[0].task_id for g in result.groups] == [f"arithmetic-3-{i}" for i in range(5)]
     assert sorted(streamed) == sorted(g[0].task_id for g in result.groups)
     for group in result.groups:
@@ -32,7 +48,8 @@ def test_rollout_runs_every_task_and_returns_groups_in_fetch_order(make_pool):
             assert s.metadata["_placement"]["node"] in {"n0", "n1"}
     assert result.metrics["rollout/success"] + result.metrics["rollout/wrong_answer"] == 15
     st = sched.status()
-    assert st["tasks_done"] == st["tasks"] == 5 and st["samples_done"] == 15 and st["phase"] == "rollout done"
+    assert st.tasks_done == st.tasks == 5 and st.samples_done == 15 and st.phase == "rollout done"
+    assert st.state is StepState.DONE and st.as_dict()["phase"] == "rollout done"
 
 
 def test_no_pool_means_ungated_batches():
@@ -43,8 +60,8 @@ def test_no_pool_means_ungated_batches():
         return AgentResult(tokens=[1, 2], response_length=1, response="x")
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 1.0}))
-    result = run(TaskScheduler([spec], ArithmeticSource(), None, rollout_batch_size=3,
-                               progress=False).execute_rollout(1))
+    result = run(TaskScheduler([spec], ArithmeticSource(), None,
+                               SchedulerConfig(rollout_batch_size=3, progress=False)).execute_rollout(1))
     assert len(result.groups) == 3 and seen == [None, None, None]
 
 
@@ -54,7 +71,7 @@ def test_deadlock_check_fails_fast_naming_the_spec_and_both_numbers(make_pool):
     calls = []
     spec.handler.run_fn = lambda s, c: calls.append(s)
     source = ArithmeticSource(task_type="arith")
-    sched = TaskScheduler([spec], source, pool, rollout_batch_size=8, progress=False)
+    sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=8, progress=False))
     with pytest.raises(DeadlockError, match=r"EvaluatorSpec 'arith' needs 8 placement tokens but the pool can "
                                             r"only provide 4"):
         run(sched.execute_rollout(0))
@@ -65,13 +82,13 @@ def test_deadlock_check_counts_only_what_the_budget_asks_for(make_pool):
     # a budget of 4 tokens fits the 4-token pool, even though the batch has 8 samples
     pool = make_pool(ONE_NODE)
     sched = TaskScheduler([arithmetic_spec(concurrency=4, batch_size=8, gpu=0.25)], ArithmeticSource(), pool,
-                          rollout_batch_size=8, progress=False)
+                          SchedulerConfig(rollout_batch_size=8, progress=False))
     assert len(run(sched.execute_rollout(0)).groups) == 8
 
 
 def test_a_budget_that_admits_nothing_is_reported(make_pool):
     spec = EvaluatorSpec("arithmetic", None, resource=Resource(cpu=0), run_resource=Resource(cpu=1))
-    sched = TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), progress=False)
+    sched = TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), SchedulerConfig(progress=False))
     with pytest.raises(DeadlockError, match="admits no sample"):
         run(sched.execute_rollout(0))
 
@@ -91,8 +108,8 @@ def test_oversubscribed_batches_wait_and_are_admitted_when_others_release(make_p
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), batch_size=4,
                          resource=Resource(gpu=1.0, concurrency=4, cpu=4, memory_gb=8),
                          run_resource=Resource(gpu=0.25, cpu=1, memory_gb=2))
-    result = run(TaskScheduler([spec], ArithmeticSource(), pool, rollout_batch_size=12,
-                               progress=False).execute_rollout(0))
+    result = run(TaskScheduler([spec], ArithmeticSource(), pool,
+                               SchedulerConfig(rollout_batch_size=12, progress=False)).execute_rollout(0))
     assert all(s.status is Status.COMPLETED and s.reward["score"] == 1.0 for g in result.groups for s in g)
     assert peak[0] == 4  # never more than one batch's worth at once
 
@@ -105,8 +122,8 @@ def test_one_failing_sample_never_fails_the_step(make_pool):
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), resource=Resource(concurrency=2, cpu=2),
                          run_resource=Resource(cpu=1))
-    result = run(TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE), rollout_batch_size=3,
-                               progress=False).execute_rollout(0))
+    result = run(TaskScheduler([spec], ArithmeticSource(), make_pool(ONE_NODE),
+                               SchedulerConfig(rollout_batch_size=3, progress=False)).execute_rollout(0))
     statuses = [g[0].status for g in result.groups]
     assert statuses == [Status.COMPLETED, Status.ABORTED, Status.COMPLETED]
     assert result.groups[1][0].metadata["_termination_reason"] == "infra_conn"
@@ -116,26 +133,26 @@ def test_one_failing_sample_never_fails_the_step(make_pool):
 def test_a_failing_callback_fails_the_step_and_every_token_is_returned(make_pool):
     pool = make_pool(TWO_NODES)
 
-    def on_done(task, samples):
+    async def on_done(task, samples):
         raise RuntimeError("collector broke")
 
-    sched = TaskScheduler([arithmetic_spec(batch_size=1)], ArithmeticSource(), pool, rollout_batch_size=6,
-                          on_task_done=on_done, progress=False)
+    sched = TaskScheduler([arithmetic_spec(batch_size=1)], ArithmeticSource(), pool,
+                          SchedulerConfig(rollout_batch_size=6, progress=False), on_task_done=on_done)
     with pytest.raises(ExceptionGroup) as info:
         run(sched.execute_rollout(0))
     assert info.group_contains(RuntimeError, match="collector broke")
-    assert sched.status()["phase"] == "rollout failed"
+    assert sched.status().phase == "rollout failed"
 
 
 def test_unknown_evaluator_id_warns_once_and_falls_back_to_the_first_spec(make_pool, caplog):
     tasks = [Task(f"t{i}", "What is 1 + 1?", TaskConfig("mystery"), label="2") for i in range(3)]
 
     class Source:
-        def get_tasks(self, n):
+        async def get_tasks(self, n):
             return tasks[:n]
 
     sched = TaskScheduler([arithmetic_spec("first", error_rate=0), arithmetic_spec("second")], Source(),
-                          make_pool(TWO_NODES), rollout_batch_size=3, progress=False)
+                          make_pool(TWO_NODES), SchedulerConfig(rollout_batch_size=3, progress=False))
     with caplog.at_level(logging.WARNING):
         result = run(sched.execute_rollout(0))
     assert sum("no EvaluatorSpec 'mystery'" in r.message for r in caplog.records) == 1
@@ -146,10 +163,10 @@ def test_a_task_fetched_twice_gets_a_group_of_its_own():
     task = Task("same", "What is 2 + 2?", TaskConfig("arithmetic"), label="4")
 
     class Source:
-        async def get_tasks(self, n):  # an async data source works too
+        async def get_tasks(self, n):
             return [task, task]
 
-    sched = TaskScheduler([arithmetic_spec(error_rate=0)], Source(), None, progress=False)
+    sched = TaskScheduler([arithmetic_spec(error_rate=0)], Source(), None, SchedulerConfig(progress=False))
     result = run(sched.execute_rollout(0))
     assert len(result.groups) == 2 and result.groups[0][0] is not result.groups[1][0]
 
@@ -164,12 +181,13 @@ def test_cascade_reaches_the_agent_and_a_bad_dataset_cfg_fails_before_anything_r
     task = Task("t", "p", TaskConfig("arithmetic"), metadata={"_dataset_cfg": {"max_turns": 9}})
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 0.0}),
                          default_stopping=StoppingCriteria(max_context_len=100))
-    sched = TaskScheduler([spec], type("S", (), {"get_tasks": lambda self, n: [task]})(), None,
-                          global_stopping=StoppingCriteria(max_turns=1, max_context_len=10), progress=False)
+    sched = TaskScheduler([spec], Source([task]), None,
+                          SchedulerConfig(global_stopping=StoppingCriteria(max_turns=1, max_context_len=10),
+                                          progress=False))
     run(sched.execute_rollout(0))
     assert seen == [(9, 100, None)]
     bad = msgspec.structs.replace(task, metadata={"_dataset_cfg": {"max_turns": "lots"}})
-    sched.data_source = type("S", (), {"get_tasks": lambda self, n: [bad]})()
+    sched.data_source = Source([bad])
     with pytest.raises(ValueError, match="max_turns"):
         run(sched.execute_rollout(1))
     assert len(seen) == 1
@@ -192,10 +210,10 @@ def test_eval_interleaves_datasets_and_reports_accuracy_and_pass_at_k(make_pool)
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify), resource=Resource(concurrency=1, cpu=1),
                          run_resource=Resource(cpu=1))
-    datasets = {"a": ArithmeticSource(1).get_tasks(2), "b": ArithmeticSource(2).get_tasks(2),
-                "c": ArithmeticSource(3).get_tasks(1)}
-    sched = TaskScheduler([spec], None, make_pool(ONE_NODE), eval_datasets=datasets, n_samples_per_eval_prompt=2,
-                          progress=False)
+    datasets = {"a": ArithmeticSource(1).take(2), "b": ArithmeticSource(2).take(2),
+                "c": ArithmeticSource(3).take(1)}
+    sched = TaskScheduler([spec], None, make_pool(ONE_NODE),
+                          SchedulerConfig(n_samples_per_eval_prompt=2, progress=False), eval_datasets=datasets)
     result = run(sched.execute_eval(5))
     assert order == ["a", "b", "c", "a", "b", "c", "a", "b", "a", "b"]  # ABCABC..., not AABBCC
     assert {k: len(v) for k, v in result.samples.items()} == {"a": 4, "b": 4, "c": 2}
@@ -216,3 +234,128 @@ def test_bad_construction_is_refused():
         run(TaskScheduler([arithmetic_spec()]).execute_rollout(0))
     with pytest.raises(ValueError, match="needs eval_datasets"):
         run(TaskScheduler([arithmetic_spec()]).execute_eval(0))
+
+
+# ---- the step status records how the step ended ---------------------------------------------------
+
+def _hours_spec(hours):
+    """Episodes that sleep ``hours[task_id]`` hours (run in virtual time: ``core.clock``)."""
+
+    async def run_fn(sample, ctx):
+        await asyncio.sleep(hours[sample.task_id] * 3600)
+        return AgentResult(tokens=[1, 2], response_length=1, response="x")
+
+    return EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), batch_size=1,
+                         resource=Resource(concurrency=1, cpu=1), run_resource=Resource(cpu=1))
+
+
+def test_a_step_whose_callback_raised_is_failed_every_time_whatever_finished_last(make_pool):
+    tasks = [Task(f"t{i}", "p", TaskConfig("arithmetic")) for i in range(6)]
+    spec = _hours_spec({t.task_id: i + 1 for i, t in enumerate(tasks)})  # t5 finishes last
+    sched = TaskScheduler([spec], Source(tasks), make_pool(TWO_NODES),
+                          SchedulerConfig(rollout_batch_size=6, progress=False))
+
+    async def steps():
+        phases = []
+        for step in range(300):
+            async def on_done(task, samples, bad=tasks[step % 6].task_id):
+                if task.task_id == bad:  # every sixth step, the last task to finish
+                    raise RuntimeError("collector broke")
+
+            with pytest.raises(ExceptionGroup):
+                await sched.execute_rollout(step, on_task_done=on_done)
+            phases.append(sched.status().phase)
+        return phases
+
+    assert run_virtual(steps()) == ["rollout failed"] * 300
+
+
+def test_a_cancelled_step_says_so(make_pool):
+    sched = TaskScheduler([_hours_spec({"t0": 5})], Source([Task("t0", "p", TaskConfig("arithmetic"))]),
+                          make_pool(ONE_NODE), SchedulerConfig(rollout_batch_size=1, progress=False))
+
+    async def main():
+        step = asyncio.ensure_future(sched.execute_rollout(0))
+        await asyncio.sleep(3600)
+        running = sched.status()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        return running, sched.status()
+
+    running, ended = run_virtual(main())
+    assert running.state is StepState.RUNNING and running.phase == "rollout" and running.batches_running == 1
+    assert ended.state is StepState.CANCELLED and ended.phase == "rollout cancelled"
+    assert ended.as_dict()["phase"] == "rollout cancelled" and ended.as_dict()["batches_running"] == 0
+    assert TaskScheduler([_hours_spec({})]).status().as_dict()["phase"] == "idle"
+
+
+# ---- groups by fetch index ------------------------------------------------------------------------
+
+def test_groups_come_back_by_fetch_index_whatever_order_the_strategy_batches_in():
+    a, b = (Task(t, "p", TaskConfig("arithmetic", n_samples=n)) for t, n in (("a", 1), ("b", 2)))
+    streamed = []
+
+    async def stream(task, samples):
+        streamed.append((task.task_id, len(samples)))
+
+    def reversed_batches(tasks, specs):  # a plugin strategy: one batch per task, last first
+        return [Batch("arithmetic", [t]) for t in reversed(tasks)]
+
+    sched = TaskScheduler([arithmetic_spec(error_rate=0)], Source([a, b, a, a]), None,
+                          SchedulerConfig(rollout_batch_size=4, progress=False), batching_strategy=reversed_batches)
+    result = run(sched.execute_rollout(0, on_task_done=stream))
+    assert [(g[0].task_id, len(g)) for g in result.groups] == [("a", 1), ("b", 2), ("a", 1), ("a", 1)]
+    assert len({id(g[0]) for g in result.groups}) == 4 and sorted(streamed) == [("a", 1)] * 3 + [("b", 2)]
+
+
+@pytest.mark.parametrize(("strategy", "message"), [
+    (lambda tasks, specs: [Batch("arithmetic", tasks[:1])], "2 of its tasks are in no batch"),
+    (lambda tasks, specs: [Batch("arithmetic", tasks + tasks[:1])], "batch 0 holds a task that is not in its input"),
+    (lambda tasks, specs: [Batch("arithmetic", [Task("x", "p", TaskConfig("arithmetic"))])], "not in its input"),
+])
+def test_a_strategy_whose_batches_do_not_partition_its_input_is_refused_before_anything_runs(strategy, message):
+    calls = []
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(lambda s, c: calls.append(s), lambda s, r: {"score": 0.0}))
+    sched = TaskScheduler([spec], ArithmeticSource(), None, SchedulerConfig(rollout_batch_size=3, progress=False),
+                          batching_strategy=strategy)
+    with pytest.raises(ValueError, match=message):
+        run(sched.execute_rollout(0))
+    assert calls == []
+
+
+def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_each_new_one_first():
+    tasks = [Task(f"t{i}", "p", TaskConfig("arithmetic")) for i in range(3)]
+    done_before = [Sample("t1", 0, "p", status=Status.COMPLETED, tokens=[7])]
+    events, ran = [], []
+
+    class Log:
+        async def finished(self, fetched):
+            assert fetched == tasks
+            return {1: done_before}
+
+        async def group_done(self, index, samples):
+            events.append(("log", index, samples[0].task_id))
+
+    async def on_done(task, samples):
+        events.append(("callback", task.task_id))
+
+    def run_fn(sample, ctx):
+        ran.append(sample.task_id)
+        return AgentResult(tokens=[1, 2], response_length=1)
+
+    spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 0.0}))
+    sched = TaskScheduler([spec], Source(tasks), None, SchedulerConfig(rollout_batch_size=3, progress=False))
+    result = run(sched.execute_rollout(0, on_task_done=on_done, step_log=Log()))
+    assert sorted(ran) == ["t0", "t2"] and result.groups[1] is done_before
+    assert [g[0].task_id for g in result.groups] == ["t0", "t1", "t2"]
+    for i in (0, 2):
+        assert events.index(("log", i, f"t{i}")) + 1 == events.index(("callback", f"t{i}"))
+    assert sched.status().tasks == sched.status().tasks_done == 2
+
+    class Beyond(Log):
+        async def finished(self, fetched):
+            return {3: done_before}
+
+    with pytest.raises(ValueError, match=r"finished groups \[3\] beyond the 3 fetched"):
+        run(sched.execute_rollout(1, step_log=Beyond()))

@@ -1,3 +1,4 @@
+import asyncio
 import json
 import logging
 
@@ -111,7 +112,7 @@ def test_streaming_then_write_eval_replaces_with_the_whole_ordered_file(tmp_path
     math, swe = result.samples["math"], result.samples["swe"]
     with EvalDetailsWriter(tmp_path) as w:
         done = w.on_task_done(3)
-        done(Task("s1", "fix it", TaskConfig("swe"), metadata={"_eval_dataset_name": "swe"}), swe)
+        asyncio.run(done(Task("s1", "fix it", TaskConfig("swe"), metadata={"_eval_dataset_name": "swe"}), swe))
         w.append_sample(3, math[1], "math")
         streamed = read_jsonl(tmp_path / "eval_details" / "3.jsonl")
         assert [(r["dataset"], r["task_id"], r["index"]) for r in streamed] == [("swe", "s1", 0), ("math", "m1", 1)]

@@ -8,7 +8,7 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.scheduler import TaskScheduler
+from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, verify
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule
 from rayapp.types import AgentResult, EvaluatorSpec
@@ -23,9 +23,9 @@ def clean_env(monkeypatch):
 
 def scheduler(seen, schedule):
     class Source(ArithmeticSource):
-        def get_tasks(self, n):  # the fetch sees what was published before it
+        async def get_tasks(self, n):  # the fetch sees what was published before it
             seen.append(("fetch", os.environ.get("STACX_DAGGER_BETA")))
-            return super().get_tasks(n)
+            return await super().get_tasks(n)
 
     def run_fn(sample, ctx):
         seen.append(("agent", ctx.iteration.get("beta"), ctx.iteration.get("t_max"),
@@ -33,8 +33,8 @@ def scheduler(seen, schedule):
         return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label))
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify))
-    return TaskScheduler([spec], Source(), None, rollout_batch_size=2, progress=False,
-                         eval_datasets={"a": ArithmeticSource(9).get_tasks(1)},
+    return TaskScheduler([spec], Source(), None, SchedulerConfig(rollout_batch_size=2, progress=False),
+                         eval_datasets={"a": ArithmeticSource(9).take(1)},
                          iteration=DAggerIterations(schedule))
 
 

@@ -1,4 +1,4 @@
-"""A rollout cut short resumes from its checkpoint (TaskScheduler + RolloutCheckpoint, in one process;
+"""A rollout cut short resumes from its checkpoint (ResumableRollouts around a TaskScheduler, in one process;
 the manager-replica kill is tests/isolated/test_dagger_serve.py)."""
 
 import asyncio
@@ -8,10 +8,11 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.scheduler import TaskScheduler
+from rayapp.core.convert import InputError
+from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, verify
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
-from rayapp.training.trajectories import RolloutCheckpoint
+from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample
 
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 16, "memory_gb": 64}}'
@@ -19,8 +20,8 @@ N = 6  # groups per rollout
 
 
 def source() -> MultiDataSource:
-    return MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=1).get_tasks(5), weight=2.0),
-                            DatasetSpec("b", ArithmeticSource(seed=2).get_tasks(7), n_samples_per_prompt=2)], seed=9)
+    return MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=1).take(5), weight=2.0),
+                            DatasetSpec("b", ArithmeticSource(seed=2).take(7), n_samples_per_prompt=2)], seed=9)
 
 
 class Policy:
@@ -37,10 +38,11 @@ class Policy:
                            rollout_log_probs=[-0.5], loss_mask=[1])
 
 
-def scheduler(policy, ckpt=None, pool=None) -> TaskScheduler:
+def scheduler(policy, ckpt=None, pool=None) -> TaskScheduler | ResumableRollouts:
     spec = EvaluatorSpec("arithmetic", FunctionAgent(policy, verify), Resource(gpu=1, concurrency=4, cpu=4),
                          Resource(gpu=0.25, cpu=1), batch_size=2)
-    return TaskScheduler([spec], source(), pool, rollout_batch_size=N, checkpoint=ckpt, progress=False)
+    sched = TaskScheduler([spec], source(), pool, SchedulerConfig(rollout_batch_size=N, progress=False))
+    return sched if ckpt is None else ResumableRollouts(sched, ckpt)
 
 
 def ids(result):
@@ -62,7 +64,7 @@ def test_a_rollout_killed_mid_way_resumes_without_rerunning_finished_groups(tmp_
 
     async def killed():
         step = asyncio.create_task(sched.execute_rollout(1))
-        while sum(1 for t, _ in dying.calls if t in held) < 2 or sched.status().get("tasks_done", 0) < N - len(held):
+        while sum(1 for t, _ in dying.calls if t in held) < 2 or sched.scheduler.status().tasks_done < N - len(held):
             await asyncio.sleep(0.01)
         step.cancel()  # what the checkpoint sees of a killed process: no finish()
         with pytest.raises(asyncio.CancelledError):
@@ -105,7 +107,7 @@ def test_a_failed_checkpoint_write_costs_resumability_not_the_step(tmp_path, cap
 def test_a_checkpoint_needs_a_source_that_saves_its_state(tmp_path):
     spec = EvaluatorSpec("arithmetic", FunctionAgent(Policy(), verify))
     with pytest.raises(ValueError, match="state_dict"):
-        TaskScheduler([spec], ArithmeticSource(), checkpoint=RolloutCheckpoint(tmp_path))
+        ResumableRollouts(TaskScheduler([spec], ArithmeticSource()), RolloutCheckpoint(tmp_path))
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -116,36 +118,38 @@ def test_a_checkpoint_of_another_data_config_is_refused_before_anything_runs(tmp
     ckpt = RolloutCheckpoint(tmp_path)
     src = source()
     ckpt.begin(0, src.state_dict())
-    for i, t in enumerate(src.get_tasks(N)):
+    for i, t in enumerate(src.take(N)):
         ckpt.record_group(0, i, [Sample(t.task_id, j, t.prompt, t.label) for j in range(t.config.n_samples)])
     policy = Policy()
     sched = scheduler(policy, RolloutCheckpoint(tmp_path))
     if change == "batch_size":
-        sched.rollout_batch_size = 2
+        sched.scheduler.config = SchedulerConfig(rollout_batch_size=2, progress=False)
     else:  # the same dataset names, other rows: the saved state fetches other tasks
-        sched.data_source = MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=7).get_tasks(5), weight=2.0),
-                                             DatasetSpec("b", ArithmeticSource(seed=8).get_tasks(7))], seed=9)
+        sched.scheduler.data_source = MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=7).take(5), weight=2.0),
+                                                       DatasetSpec("b", ArithmeticSource(seed=8).take(7))], seed=9)
     with pytest.raises(ValueError, match=message):
         run(sched.execute_rollout(0))
     assert policy.calls == []
 
 
 def test_the_finished_marker_keeps_the_next_source_state_and_a_damaged_one_is_named(tmp_path):
-    from rayapp.training.trajectories import TrajectoryError
-
     ckpt = RolloutCheckpoint(tmp_path)
     src = source()
     ckpt.begin(3, src.state_dict())
     ckpt.record_group(3, 0, [])
-    src.get_tasks(4)
+    src.take(4)
     ckpt.finish(3, src.state_dict())
     assert ckpt.next_source_state(3) == src.state_dict() and ckpt.next_source_state(2) is None
-    assert (tmp_path / "rollout_000003" / "group_000000.pt").exists()  # kept while the trainer may still retry
+    assert (tmp_path / "rollout_000003" / "group_000000.msgpack").exists()  # kept while the trainer may still retry
     for rid in (4, 5):
         ckpt.begin(rid, src.state_dict())
-    assert sorted(p.name for p in (tmp_path / "rollout_000003").iterdir()) == ["FINISHED", "state.pt"]  # pruned
+    assert sorted(p.name for p in (tmp_path / "rollout_000003").iterdir()) == ["FINISHED", "state.msgpack"]  # pruned
     assert ckpt.next_source_state(3) == src.state_dict()  # the seek still works after the prune
     marker = tmp_path / "rollout_000003" / "FINISHED"
-    marker.write_bytes(b"\x80\x02garbage")
-    with pytest.raises(TrajectoryError, match=r"rollout_000003/FINISHED: not a torch\.save file"):
+    whole = marker.read_bytes()
+    marker.write_bytes(whole[:-5])  # torn
+    with pytest.raises(InputError, match=r"rollout_000003/FINISHED: \$: malformed msgpack: input data was truncated"):
+        ckpt.next_source_state(3)
+    marker.write_bytes(b"\x80\x02garbage")  # not a marker at all
+    with pytest.raises(InputError, match=r"rollout_000003/FINISHED: \$: object missing required field"):
         ckpt.next_source_state(3)

@@ -1,12 +1,7 @@
 import enum
 import io
-import logging
-import os
 import pickle
 import re
-import subprocess
-import sys
-import textwrap
 from collections import namedtuple
 from pathlib import Path
 
@@ -16,17 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rayapp.training.trajectories as tr
-from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.training.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy, SaveKind
 from rayapp.training.trajectories import (
-    RolloutCheckpoint,
     TrajectoryError,
     load_trajectories,
     plain_to_samples,
     samples_to_plain,
     save_trajectories,
 )
-from rayapp.types import Sample, Status, Task, TaskConfig
+from rayapp.types import Sample, Status
 
 # ---- round trip ----------------------------------------------------------------------------------
 
@@ -243,112 +236,6 @@ def test_env_knobs_lists_every_variable_the_module_reads():
     source = Path(reuse_module.__file__).read_text()
     assert set(re.findall(r"STACX_[A-Z_]+[A-Z]", source)) == set(ENV_KNOBS)
     assert all(isinstance(default, str) and meaning for default, meaning in ENV_KNOBS.values())
-
-
-# ---- mid-rollout checkpoints ---------------------------------------------------------------------
-
-def _source():
-    rows = [Task(f"q{i}", f"prompt {i}", TaskConfig("arith", n_samples=2)) for i in range(10)]
-    return MultiDataSource([DatasetSpec("a", rows), DatasetSpec("b", rows[:4], weight=2)], seed=5)
-
-
-def _run(task, rollout_id):  # a stand-in for the rollout of one group: deterministic per task
-    return [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED, tokens=[i, len(task.task_id)],
-                   reward={"score": float(i)}, metadata={**task.metadata, "_rollout_id": rollout_id})
-            for i in range(task.config.n_samples)]
-
-
-def test_crash_mid_rollout_resumes_without_loss_or_duplicates(tmp_path, caplog):
-    reference_src = _source()
-    expected = [_run(t, 4) for t in reference_src.get_tasks(6)]
-
-    src, ckpt = _source(), RolloutCheckpoint(tmp_path)
-    assert ckpt.resume(4) is None
-    ckpt.begin(4, src.state_dict())
-    tasks = src.get_tasks(6)
-    for i in (0, 2, 3):  # groups finish out of order
-        ckpt.record_group(4, i, _run(tasks[i], 4))
-    # The crash: group 5's file torn mid-record, a temp file of group 1 abandoned.
-    ckpt.record_group(4, 5, _run(tasks[5], 4))
-    torn = tmp_path / "rollout_000004" / "group_000005.pt"
-    torn.write_bytes(torn.read_bytes()[:200])
-    (tmp_path / "rollout_000004" / ".group_000001.pt.abc.tmp").write_bytes(b"PK")
-
-    src2, ckpt2 = _source(), RolloutCheckpoint(tmp_path)  # a new replica: fresh objects
-    src2.get_tasks(3)  # its source is somewhere else
-    with caplog.at_level(logging.WARNING):
-        state = ckpt2.resume(4)
-    assert "group_000005.pt" in caplog.text
-    assert sorted(state.groups) == [0, 2, 3] and state.missing(6) == [1, 4, 5]
-    assert state.groups == {i: expected[i] for i in (0, 2, 3)}
-    src2.load_state_dict(state.source_state)
-    tasks2 = src2.get_tasks(6)
-    assert [t.task_id for t in tasks2] == [t.task_id for t in tasks]
-    with pytest.raises(ValueError, match="group index 2 is not new"):
-        ckpt2.record_group(4, 2, expected[2])
-    for i in state.missing(6):
-        ckpt2.record_group(4, i, _run(tasks2[i], 4))
-    final = ckpt2.resume(4)
-    assert [final.groups[i] for i in range(6)] == expected
-    assert src2.state_dict() == reference_src.state_dict()
-    ckpt2.finish(4)
-    assert ckpt2.resume(4) is None
-
-
-def test_begin_discards_and_protocol_errors(tmp_path):
-    ckpt = RolloutCheckpoint(tmp_path)
-    with pytest.raises(ValueError, match="call begin"):
-        ckpt.record_group(0, 0, [sample()])
-    with pytest.raises(ValueError, match="without begin"):
-        ckpt.finish(0)
-    ckpt.begin(0, {"cursor": 1})
-    ckpt.record_group(0, 0, [sample()])
-    ckpt.begin(0, {"cursor": 2})
-    assert ckpt.resume(0).groups == {} and ckpt.resume(0).source_state == {"cursor": 2}
-    (tmp_path / "rollout_000000" / "state.pt").write_bytes(b"garbage")
-    with pytest.raises(TrajectoryError, match=r"rollout_000000/state.pt: .*truncated/corrupt"):
-        ckpt.resume(0)
-    ckpt.discard(0)
-    assert ckpt.resume(0) is None
-    with pytest.raises(TypeError, match=r"source_state\['rng'\]: a builtins.object"):
-        ckpt.begin(1, {"rng": object()})
-
-
-def test_group_of_a_stale_begin_is_skipped(tmp_path, caplog):
-    a = RolloutCheckpoint(tmp_path)
-    a.begin(2, {})
-    stale = tmp_path / "rollout_000002" / "group_000000.pt"
-    a.record_group(2, 0, [sample()])
-    old = stale.read_bytes()
-    a.begin(2, {})
-    stale.write_bytes(old)  # a late write from the writer of the earlier begin()
-    with caplog.at_level(logging.WARNING):
-        assert a.resume(2).groups == {}
-    assert "another begin()" in caplog.text
-
-
-def test_killed_process_leaves_only_whole_groups(tmp_path):
-    child = textwrap.dedent(f"""
-        import os, torch
-        import rayapp.training.trajectories as tr
-        from rayapp.types import Sample
-        ckpt = tr.RolloutCheckpoint({str(tmp_path)!r})
-        ckpt.begin(1, {{"seed": 3}})
-        for i in range(3):
-            ckpt.record_group(1, i, [Sample(f"t{{i}}", 0, "p", tokens=[i])])
-        def dying_save(obj, f):
-            f.write(b"PK\\x03\\x04partial")
-            f.flush()
-            os._exit(9)  # SIGKILL-like: no cleanup runs
-        tr.torch.save = dying_save
-        ckpt.record_group(1, 3, [Sample("t3", 0, "p")])
-    """)
-    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path(tr.__file__).parents[2])})
-    assert proc.returncode == 9, proc.stderr
-    state = RolloutCheckpoint(tmp_path).resume(1)
-    assert state.source_state == {"seed": 3} and state.missing(4) == [3]
-    assert [g[0].tokens for g in state.groups.values()] == [[0], [1], [2]]
 
 
 def test_rollout_or_reuse_saves_fresh_iterations_and_reloads_them(tmp_path):

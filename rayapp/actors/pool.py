@@ -187,7 +187,7 @@ class PlacementPoolService:
         return await self.pool.release_owner(owner)
 
     async def max_tokens_for(self, per_sample: Resource) -> int:
-        return self.pool.max_tokens_for(per_sample)
+        return self.pool.capacity_for(per_sample)
 
     async def placement(self) -> dict[str, Any]:
         """Who holds what: each held batch's tokens (node, GPU ids, fraction, placement group and

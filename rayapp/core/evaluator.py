@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rayapp.core.clock import loop_time
 from rayapp.core.termination import AgentTimeout, classify_abort
 from rayapp.types import (
     AbortRecord,
@@ -109,7 +109,7 @@ class Evaluator:
         rollout_id: int,
         tokens: list[Token] | None,
         on_task_done: OnTaskDone | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = loop_time,  # the loop's: the clock its timeouts follow
         iteration: dict[str, Any] | None = None,
         step: StepKind = StepKind.ROLLOUT,
     ):

@@ -143,7 +143,7 @@ class Ledger:
         return n, demand_of(per_sample)
 
     def _try(self, n: int, demand: tuple, per_sample: Resource) -> list[Token] | None:
-        if n > self.max_tokens_for(per_sample):
+        if n > self.capacity_for(per_sample):
             return None  # cannot fit even in the empty pool: fail fast instead of placing and rolling back
         u, k, cpu, mem, tok_gpu = demand
         tok_cpu, tok_mem = float(per_sample.cpu), float(per_sample.memory_gb)
@@ -181,7 +181,7 @@ class Ledger:
         self._release_records(recs)
 
     # ---- capacity and views ------------------------------------------------------------------
-    def max_tokens_for(self, per_sample: Resource) -> int:
+    def capacity_for(self, per_sample: Resource) -> int:
         """The most ``per_sample`` tokens the empty pool holds at once (the deadlock check's figure)."""
         cached = self._max_cache.get(per_sample)
         if cached is not None:

@@ -36,7 +36,7 @@ import msgspec
 
 from rayapp.core.ledger import Ledger
 from rayapp.core.units import PoolError, budget_tokens
-from rayapp.types import BatchRequest, NodeSpec, Token
+from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 
 __all__ = ["HeldBatch", "PlacementPool", "PoolError", "Reservations", "budget_tokens"]
 
@@ -125,7 +125,7 @@ class PlacementPool(Ledger):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                     or not timeout >= 0):
             raise PoolError(f"timeout_s: expected seconds >= 0 or None, got {timeout!r}")
-        cap = self.max_tokens_for(request.per_sample)
+        cap = self.capacity_for(request.per_sample)
         if n > cap:  # would wait forever and block every later waiter behind it
             raise PoolError(f"acquire_batch {request.label}: {n} tokens of {request.per_sample!r} can never fit; "
                             f"the whole pool holds {cap}")
@@ -245,6 +245,10 @@ class PlacementPool(Ledger):
         if errors:
             raise errors[0]
         return len(stale)
+
+    async def max_tokens_for(self, per_sample: Resource) -> int:
+        """``capacity_for``, as the scheduler's async Pool protocol asks for it."""
+        return self.capacity_for(per_sample)
 
     @property
     def waiting(self) -> int:

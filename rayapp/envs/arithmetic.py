@@ -50,10 +50,14 @@ class ArithmeticSource:
         return Task(f"{self.task_type}-{self.seed}-{i}", f"What is {a} {op} {b}?",
                     TaskConfig(self.task_type, n_samples=self.n_samples), label=str(answer))
 
-    def get_tasks(self, n: int) -> list[Task]:
+    def take(self, n: int) -> list[Task]:
+        """The next ``n`` tasks of the stream."""
         tasks = [self.make_task(i) for i in range(self.cursor, self.cursor + n)]
         self.cursor += n
         return tasks
+
+    async def get_tasks(self, n: int) -> list[Task]:  # the scheduler's DataSource protocol
+        return self.take(n)
 
 
 def extract_answer(text: str) -> str | None:

@@ -92,7 +92,7 @@ class DAggerSweAgent(DAggerRollIn, SweAgent):
 
 
 def _arithmetic_rows(cfg: Any) -> list[Any]:
-    return arithmetic.ArithmeticSource(cfg.seed).get_tasks(cfg.n_prompts)
+    return arithmetic.ArithmeticSource(cfg.seed).take(cfg.n_prompts)
 
 
 ENVS: dict[str, Env] = {

@@ -136,7 +136,7 @@ class DatasetConfig(_Strict):
                                                             "field win over the evaluator's and global ones")] = {}
 
 
-class SchedulerConfig(_Strict, dict=True):
+class SchedulerSection(_Strict, dict=True):
     """The TaskScheduler's settings. ``dict=True`` only makes room for ``strategy``'s cache."""
 
     seed: Annotated[int, Meta(description="seed of the data source: which dataset each task comes from, and "
@@ -191,7 +191,7 @@ class RecipeConfig(_Strict):
     data: Annotated[dict[str, DatasetConfig], Meta(description="rollout datasets by name, mixed by weight")]
     eval: Annotated[dict[str, DatasetConfig], Meta(description="eval datasets by name")] = {}
     pool: Annotated[PoolConfig, Meta(description="the placement pool that admits batches")] = PoolConfig()
-    scheduler: Annotated[SchedulerConfig, Meta(description="the TaskScheduler's settings")] = SchedulerConfig()
+    scheduler: Annotated[SchedulerSection, Meta(description="the TaskScheduler's settings")] = SchedulerSection()
     filters: Annotated[FiltersConfig, Meta(description="survivorship filters on each rollout step")] = (
         FiltersConfig())
     dagger: Annotated[DAggerSchedule | None, Meta(description="per-iteration β / t_max, published before each "

@@ -13,16 +13,16 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from rayapp.core.scheduler import Pool, TaskScheduler
+from rayapp.core.scheduler import Pool, SchedulerConfig, TaskScheduler
 from rayapp.envs.agents.chat import Engine, Executor
 from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
 from rayapp.envs.registry import AgentDeps, get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.recipe.config import EvaluatorConfig, RecipeConfig
 from rayapp.training.artifacts import EvalDetailsWriter
+from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.dagger import DAggerIterations
 from rayapp.training.step import StepRunner
-from rayapp.training.trajectories import RolloutCheckpoint
 from rayapp.types import EvaluatorSpec, Task
 
 SandboxOpener = Callable[..., Awaitable[Any]]
@@ -64,16 +64,16 @@ def build_eval_sets(cfg: RecipeConfig) -> dict[str, list[Task]]:
 
 
 def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
-                    open_sandbox: SandboxOpener, checkpoint: RolloutCheckpoint | None = None) -> TaskScheduler:
+                    open_sandbox: SandboxOpener) -> TaskScheduler:
     s = cfg.scheduler
+    config = SchedulerConfig(rollout_batch_size=s.rollout_batch_size,
+                             n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
+                             global_stopping=s.global_stopping, global_sampling=s.global_sampling,
+                             acquire_timeout_s=s.acquire_timeout_s, progress=s.progress)
     return TaskScheduler(
         build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox),
-        build_data_source(cfg), pool, checkpoint=checkpoint,
+        build_data_source(cfg), pool, config, batching_strategy=s.strategy, eval_datasets=build_eval_sets(cfg),
         iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None,
-        batching_strategy=s.strategy, rollout_batch_size=s.rollout_batch_size,
-        eval_datasets=build_eval_sets(cfg), n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
-        global_stopping=s.global_stopping, global_sampling=s.global_sampling,
-        acquire_timeout_s=s.acquire_timeout_s, progress=s.progress,
     )
 
 
@@ -84,8 +84,7 @@ def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Po
     checkpoint folder and eval_details folder."""
     s = cfg.scheduler
     checkpoint = RolloutCheckpoint(s.checkpoint_dir) if s.checkpoint_dir else None
-    scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox,
-                                checkpoint=checkpoint)
+    scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox)
     return StepRunner(scheduler, filters=cfg.filters.chain(), abort_cap=cfg.filters.abort_cap,
                       trajectory_dir=s.trajectory_dir, checkpoint=checkpoint,
                       details=EvalDetailsWriter(s.save_eval_details) if s.save_eval_details else None,

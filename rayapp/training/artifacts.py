@@ -1,4 +1,4 @@
-"""Eval artifacts (spec §5 "Eval outputs", ``--save-eval-details``), and crash-safe file writing.
+"""Eval artifacts (spec §5 "Eval outputs", ``--save-eval-details``), written crash-safe.
 
 Files under ``{root}/eval_details/``, one set per iteration ``id``:
 
@@ -18,8 +18,8 @@ Crash safety, the guarantee every file here keeps: a file never holds half a lin
   on close. If a write fails part-way the file is cut back to the last whole line before the error
   propagates; if the process dies part-way, the torn tail is cut off the next time the file is
   opened for appending, and ``read_jsonl`` ignores it (with a warning) meanwhile.
-- Whole files (``write_eval``'s three, the summaries) are written to a temp file, fsynced and
-  renamed over the target (``atomic_write``): the old version or the new one, never a mix. The
+- Whole files (``write_eval``'s three, the summaries) are written with ``files.atomic_write``: the
+  old version or the new one, never a mix. The
   summary is written last, so its presence means that iteration's details are complete.
 
 This module imports no torch: the manager that writes eval details need not have it.
@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -40,6 +39,7 @@ import msgspec
 from rayapp.core.metrics import failure_summary
 from rayapp.core.scheduler import EvalResult, RolloutResult
 from rayapp.core.termination import classify_termination
+from rayapp.training.files import atomic_write
 from rayapp.types import EpisodeKey, Sample, Task
 
 log = logging.getLogger(__name__)
@@ -50,38 +50,6 @@ _encoder = msgspec.json.Encoder(enc_hook=lambda o: o.tolist() if hasattr(o, "tol
 def _line(record: dict) -> bytes:
     """One JSONL record. JSON escapes newlines inside strings, so the only b"\\n" is the last."""
     return _encoder.encode(record) + b"\n"
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (a no-op where folders cannot be opened, as on Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
-    """Run ``write(f)`` into a temp file next to ``path``, fsync, rename it over ``path``. Whatever
-    ``write`` raises, the temp file is removed and ``path`` is left as it was. A killed process
-    may leave a ``.{name}.*.tmp`` file behind, never a damaged ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
 
 
 def _open_append(path: Path) -> Any:
@@ -260,9 +228,9 @@ class EvalDetailsWriter:
         for rec in placement_records(name, sample):
             placement.append(rec)
 
-    def on_task_done(self, rollout_id: int) -> Callable[[Task, list[Sample]], None]:
+    def on_task_done(self, rollout_id: int) -> Callable[[Task, list[Sample]], Awaitable[None]]:
         """A ``TaskScheduler(on_task_done=...)`` callback that streams each finished group."""
-        def done(task: Task, samples: list[Sample]) -> None:
+        async def done(task: Task, samples: list[Sample]) -> None:
             for s in samples:
                 self.append_sample(rollout_id, s, dataset_of(s, task.metadata.get("_eval_dataset_name", "unknown")))
         return done

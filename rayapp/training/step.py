@@ -26,10 +26,10 @@ import msgspec
 
 from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
+from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.training.dagger import roll_in_metrics
 from rayapp.training.filters import AbortCap, Filter, apply_filters
 from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
-from rayapp.training.trajectories import RolloutCheckpoint
 from rayapp.types import Sample
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class StepRunner:
         self.scheduler, self.filters, self.abort_cap = scheduler, list(filters), abort_cap
         self.trajectory_dir, self.checkpoint, self.details = trajectory_dir, checkpoint, details
         self.release_previous, self.reuse = release_previous, reuse
+        # With a checkpoint folder, a rollout cut short resumes where it stopped.
+        self._rollouts = ResumableRollouts(scheduler, checkpoint) if checkpoint is not None else scheduler
         self._lock = asyncio.Lock()
 
     @property
@@ -72,7 +74,7 @@ class StepRunner:
         return self._lock.locked()
 
     def status(self) -> dict[str, Any]:
-        return {**self.scheduler.status(), "busy": self.busy}
+        return {**self.scheduler.status().as_dict(), "busy": self.busy}
 
     @contextlib.asynccontextmanager
     async def between_steps(self) -> AsyncIterator[None]:
@@ -105,11 +107,11 @@ class StepRunner:
     async def _run_or_reuse(self, rollout_id: int) -> RolloutResult:
         """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
         if self.trajectory_dir is None:
-            return await self.scheduler.execute_rollout(rollout_id)
+            return await self._rollouts.execute_rollout(rollout_id)
         ran: list[RolloutResult] = []
 
         async def run() -> list[list[Sample]]:
-            ran.append(await self.scheduler.execute_rollout(rollout_id))
+            ran.append(await self._rollouts.execute_rollout(rollout_id))
             return ran[0].groups
 
         groups, decision = await rollout_or_reuse(rollout_id, self.trajectory_dir, run, self.reuse)

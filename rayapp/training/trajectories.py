@@ -1,5 +1,5 @@
-"""Saved trajectories and mid-rollout checkpoints (spec §5 "Reuse & resume"; the reuse policy that
-chooses between them is ``reuse.py``).
+"""Saved trajectories: the trainer's data (spec §5 "Reuse & resume"; the reuse policy that chooses
+between fresh and saved is ``reuse.py``, mid-rollout checkpoints are ``checkpoint.py``).
 
 A trajectory file is ``torch.save`` of plain data, read with ``torch.load(weights_only=True)``::
 
@@ -16,8 +16,8 @@ with a TypeError naming it, so that a file written here always loads.
 
 Guarantees:
 - ``plain_to_samples(samples_to_plain(g)) == g`` for valid Samples, also through torch.save/load.
-- ``save_trajectories`` is atomic: a temp file in the same folder, fsync, ``os.replace``, so a
-  crash leaves the old file or the new one, never half of one.
+- ``save_trajectories`` is atomic (``files.atomic_write``): a crash leaves the old file or the new
+  one, never half of one.
 - ``load_trajectories`` raises one ``TrajectoryError`` (a ValueError) naming the file and what is
   wrong for a missing, truncated, corrupt or foreign file, never an error from deep inside.
 """
@@ -28,17 +28,14 @@ import logging
 import operator
 import os
 import re
-import shutil
-import uuid
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
 
-from rayapp.training.artifacts import atomic_write, fsync_dir
+from rayapp.training.files import atomic_write
 from rayapp.types import Sample
 
 log = logging.getLogger(__name__)
@@ -50,7 +47,7 @@ _SCALARS = (type(None), bool, int, float, str)  # not bytes: b"" pickles as GLOB
 
 
 class TrajectoryError(ValueError):
-    """A trajectory or checkpoint file (or plain data) that cannot be read; names it and why."""
+    """A trajectory file (or plain data) that cannot be read; names it and why."""
 
     def __init__(self, where: str | os.PathLike, problem: str):
         self.where, self.problem = str(where), problem
@@ -221,148 +218,3 @@ def load_trajectories(path: str | os.PathLike) -> tuple[int | None, list[list[Sa
     """``(rollout_id, groups)`` of a trajectory file; any problem is one TrajectoryError naming it."""
     data = _torch_load(path)
     return _check_header(data, FORMAT, path)["rollout_id"], plain_to_samples(data, str(path))
-
-
-# ---- mid-rollout checkpoints ---------------------------------------------------------------------
-
-_STATE, _GROUP = "rayapp.rollout_checkpoint.state", "rayapp.rollout_checkpoint.group"
-_FINISHED, _DONE = "rayapp.rollout_checkpoint.finished", "FINISHED"
-_GROUP_RE = re.compile(r"^group_(\d{6,})\.pt$")
-
-
-@dataclass
-class ResumeState:
-    """What ``RolloutCheckpoint.resume`` found: the source state at begin() and the finished groups."""
-
-    rollout_id: int
-    source_state: dict
-    groups: dict[int, list[Sample]] = field(default_factory=dict)  # finished groups by index, sorted
-
-    def missing(self, n: int) -> list[int]:
-        """The indices in ``range(n)`` still to run."""
-        return [i for i in range(n) if i not in self.groups]
-
-
-class RolloutCheckpoint:
-    """Durable progress of a rollout, so a replica killed mid-way resumes without re-running
-    finished groups and without losing or duplicating one. Layout, one folder per rollout::
-
-        {dir}/rollout_{id:06d}/state.pt          data source state at begin() (written first)
-        {dir}/rollout_{id:06d}/group_{i:06d}.pt  one per finished group, each written atomically;
-                                                 pruned once two later rollouts began
-        {dir}/rollout_{id:06d}/FINISHED          finish() was called: never resumed; holds the
-                                                 source state after the fetch (next_source_state)
-
-    Protocol: ``st = ckpt.resume(id)``; if None, ``ckpt.begin(id, source.state_dict())`` and fetch,
-    else ``source.load_state_dict(st.source_state)``, fetch the same tasks and run only
-    ``st.missing(n)``; ``record_group`` as each group finishes; ``finish(id, source.state_dict())``
-    at the end. ``TaskScheduler(checkpoint=...)`` follows this protocol.
-    A group file that cannot be read (damaged on disk) is skipped with a warning and re-run; a
-    group of another ``begin`` (a stale writer) is skipped the same way. Each call does blocking
-    I/O with fsync: on a busy event loop, call it through ``asyncio.to_thread``."""
-
-    def __init__(self, dir: str | os.PathLike):
-        self.dir = Path(dir)
-        self._run: dict[int, str] = {}  # rollout id -> token of the begin() its groups belong to
-        self._done: dict[int, set[int]] = {}
-
-    def folder(self, rollout_id: int) -> Path:
-        if type(rollout_id) is not int or rollout_id < 0:
-            raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
-        return self.dir / f"rollout_{rollout_id:06d}"
-
-    def begin(self, rollout_id: int, source_state: dict) -> None:
-        """Start ``rollout_id`` afresh, discarding any earlier checkpoint of it."""
-        folder = self.folder(rollout_id)
-        state = {"format": _STATE, "version": VERSION, "rollout_id": rollout_id, "run": uuid.uuid4().hex,
-                 "source_state": _plain(source_state, ("source_state",))}
-        # state.pt goes first and comes back last: a crash in between leaves no state, so no resume.
-        if folder.exists():
-            (folder / "state.pt").unlink(missing_ok=True)
-            fsync_dir(folder)
-            shutil.rmtree(folder)
-        atomic_write(folder / "state.pt", lambda f: torch.save(state, f))
-        self._run[rollout_id], self._done[rollout_id] = state["run"], set()
-        self._prune(before=rollout_id - 1)
-
-    def _prune(self, before: int) -> None:
-        """Drop the group files of finished rollouts older than ``before``: the trainer asked for later
-        steps since, and kept copies would double the run's disk use. Their state and FINISHED stay."""
-        for folder in self.dir.glob("rollout_*"):
-            m = re.fullmatch(r"rollout_(\d{6,})", folder.name)
-            if m and int(m.group(1)) < before and (folder / _DONE).exists():
-                for p in folder.iterdir():
-                    if _GROUP_RE.match(p.name):
-                        p.unlink(missing_ok=True)
-
-    def record_group(self, rollout_id: int, index: int, group: list[Sample]) -> None:
-        """Durably add finished group ``index`` (its position in fetch order); a repeat is a ValueError."""
-        folder = self.folder(rollout_id)
-        if rollout_id not in self._run:
-            raise ValueError(f"rollout {rollout_id}: call begin() or resume() before record_group()")
-        if type(index) is not int or index < 0 or index in self._done[rollout_id]:
-            raise ValueError(f"rollout {rollout_id}: group index {index!r} is not new (or not an int >= 0)")
-        data = {"format": _GROUP, "version": VERSION, "rollout_id": rollout_id, "run": self._run[rollout_id],
-                "index": index, "groups": samples_to_plain([group])["groups"]}
-        atomic_write(folder / f"group_{index:06d}.pt", lambda f: torch.save(data, f))
-        self._done[rollout_id].add(index)
-
-    def finish(self, rollout_id: int, next_source_state: dict | None = None) -> None:
-        """Mark ``rollout_id`` complete: ``resume`` returns None for it from now on. The source's
-        state after the step's fetch lets a restarted manager continue the stream (``next_source_state``)."""
-        folder = self.folder(rollout_id)
-        if not (folder / "state.pt").exists():
-            raise ValueError(f"rollout {rollout_id}: finish() without begin()")
-        done = {"format": _FINISHED, "version": VERSION, "rollout_id": rollout_id,
-                "next_source_state": None if next_source_state is None
-                else _plain(next_source_state, ("next_source_state",))}
-        atomic_write(folder / _DONE, lambda f: torch.save(done, f))
-        self._forget(rollout_id)
-
-    def next_source_state(self, rollout_id: int) -> dict | None:
-        """The data source's state after finished rollout ``rollout_id``'s fetch; None when it did
-        not finish or saved none. A damaged marker is a TrajectoryError: continuing from the start
-        instead would silently repeat data."""
-        marker = self.folder(rollout_id) / _DONE
-        if not marker.exists():
-            return None
-        done = _check_header(_torch_load(marker), _FINISHED, marker)
-        state = done.get("next_source_state")
-        if state is not None and not isinstance(state, dict):
-            raise TrajectoryError(marker, "next_source_state is not a dict")
-        return state
-
-    def resume(self, rollout_id: int) -> ResumeState | None:
-        """The saved source state and finished groups of an unfinished ``rollout_id``; None when it
-        never began or finished. A damaged state.pt is a TrajectoryError (nothing to resume from)."""
-        folder = self.folder(rollout_id)
-        if not (folder / "state.pt").exists() or (folder / _DONE).exists():
-            return None
-        state = _check_header(_torch_load(folder / "state.pt"), _STATE, folder / "state.pt")
-        run = state.get("run")
-        if not isinstance(state.get("source_state"), dict) or state["rollout_id"] != rollout_id:
-            raise TrajectoryError(folder / "state.pt", f"not the state of rollout {rollout_id}")
-        groups: dict[int, list[Sample]] = {}
-        for p in folder.iterdir():
-            if not (m := _GROUP_RE.match(p.name)):
-                continue  # state, marker, and temp files a crash left behind
-            try:
-                d = _check_header(_torch_load(p), _GROUP, p)
-                if d.get("run") != run or d["rollout_id"] != rollout_id or d.get("index") != int(m.group(1)):
-                    raise TrajectoryError(p, "belongs to another begin() of this rollout, or to another group")
-                [group] = plain_to_samples({**d, "format": FORMAT}, str(p))
-            except ValueError as e:  # a TrajectoryError, or not exactly one group
-                log.warning("resume: skipping %s, its group will be re-run: %s", p, e)
-                continue
-            groups[d["index"]] = group
-        self._run[rollout_id], self._done[rollout_id] = run, set(groups)
-        return ResumeState(rollout_id, state["source_state"], dict(sorted(groups.items())))
-
-    def _forget(self, rollout_id: int) -> None:
-        self._run.pop(rollout_id, None)
-        self._done.pop(rollout_id, None)
-
-    def discard(self, rollout_id: int) -> None:
-        """Remove ``rollout_id``'s checkpoint folder (e.g. after the trainer consumed it)."""
-        shutil.rmtree(self.folder(rollout_id), ignore_errors=True)
-        self._forget(rollout_id)

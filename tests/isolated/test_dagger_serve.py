@@ -80,7 +80,7 @@ def kill_mid_rollout(ray, handle, rid, folder, checkpoints):
             time.sleep(1)
     step = handle.generate.remote(rid)
     deadline = time.monotonic() + 300
-    while not list(folder.glob("group_*.pt")):
+    while not list(folder.glob("group_*.msgpack")):
         assert time.monotonic() < deadline, f"no group of rollout {rid} finished within 300 s"
         time.sleep(0.1)
     [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -96,7 +96,8 @@ def test_a_killed_manager_replica_resumes_its_rollout_without_loss_or_duplicates
     from ray import serve
 
     from rayapp.recipe import build_data_source, parse_recipe
-    from rayapp.training.trajectories import RolloutCheckpoint, load_trajectories
+    from rayapp.training.checkpoint import RolloutCheckpoint
+    from rayapp.training.trajectories import load_trajectories
 
     ray.init(address=app["address"], namespace="rayapp-resume", logging_level="error", log_to_driver=False)
     try:
@@ -124,7 +125,7 @@ def test_a_killed_manager_replica_resumes_its_rollout_without_loss_or_duplicates
         _, groups = load_trajectories(app["run"] / "trajectories" / f"trajectory_sft_samples_iter_{rid:03d}.pt")
         source = build_data_source(parse_recipe(app["args"]))
         source.load_state_dict(before.source_state)
-        assert [g[0].task_id for g in groups] == [t.task_id for t in source.get_tasks(4)]
+        assert [g[0].task_id for g in groups] == [t.task_id for t in source.take(4)]
         assert all([s.index for s in g] == [0, 1] for g in groups)
         for i, group in before.groups.items():
             assert groups[i] == group  # not re-run: same tokens, rewards, placement group names

@@ -19,7 +19,7 @@ from rayapp.actors.app import HEAD  # noqa: E402
 from rayapp.actors.pool import PlacementPoolService, run_in_bundle  # noqa: E402
 from rayapp.actors.pool_client import PoolClient  # noqa: E402
 from rayapp.core.agent import FunctionAgent  # noqa: E402
-from rayapp.core.scheduler import TaskScheduler  # noqa: E402
+from rayapp.core.scheduler import SchedulerConfig, TaskScheduler  # noqa: E402
 from rayapp.envs.arithmetic import ArithmeticSource  # noqa: E402
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status  # noqa: E402
 
@@ -70,8 +70,8 @@ def test_tokens_land_on_the_chosen_nodes_and_batches_spread(cluster):
     placement = ray.get(pool.placement.remote(), timeout=60)
     initial = ray.get(pool.snapshot.remote(), timeout=60)
     seen: list = []
-    sched = TaskScheduler([make_spec(0.0, seen)], ArithmeticSource(), PoolClient(pool, "t1"), rollout_batch_size=4,
-                          progress=False)
+    sched = TaskScheduler([make_spec(0.0, seen)], ArithmeticSource(), PoolClient(pool, "t1"),
+                          SchedulerConfig(rollout_batch_size=4, progress=False))
     result = asyncio.run(sched.execute_rollout(0))
     assert all(s.status is Status.COMPLETED for g in result.groups for s in g)
     resolved = ray.get(pool.__ray_call__.remote(lambda self: self.node_ids), timeout=60)
@@ -88,7 +88,7 @@ def test_a_node_removed_mid_run_aborts_its_samples_and_the_step_returns_them_all
     initial = ray.get(pool.snapshot.remote(), timeout=60)
     seen: list = []
     sched = TaskScheduler([make_spec(8.0, seen)], ArithmeticSource(seed=1), PoolClient(pool, "t2"),
-                          rollout_batch_size=4, progress=False)
+                          SchedulerConfig(rollout_batch_size=4, progress=False))
 
     async def scenario():
         step = asyncio.create_task(sched.execute_rollout(0))

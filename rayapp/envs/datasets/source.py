@@ -7,11 +7,11 @@ Guarantees:
   ``n_samples_per_prompt`` >= 1, and each dataset's ``_dataset_cfg`` through the cascade's own
   ``dataset_override`` for StoppingCriteria and SamplingParams, so a bad override fails here, naming
   the dataset, not mid-rollout.
-- ``get_tasks(n)`` picks each task's dataset by weight with one seeded ``random.Random`` and takes
-  the next row of that dataset's order. A dataset's order in epoch ``e`` is a function of (seed,
-  name, e) alone: a fresh permutation per epoch when ``shuffle`` is on, row order otherwise; after
-  its last row the dataset wraps into the next epoch. Draws split any way give the same stream:
-  ``get_tasks(a) + get_tasks(b) == get_tasks(a + b)``.
+- ``take(n)`` (awaited: ``get_tasks(n)``) picks each task's dataset by weight with one seeded
+  ``random.Random`` and takes the next row of that dataset's order. A dataset's order in epoch ``e``
+  is a function of (seed, name, e) alone: a fresh permutation per epoch when ``shuffle`` is on, row
+  order otherwise; after its last row the dataset wraps into the next epoch. Draws split any way
+  give the same stream: ``take(a) + take(b) == take(a + b)``.
 - Every task handed out is a fresh copy carrying ``metadata["_dataset_name"]`` and its own copy of
   ``metadata["_dataset_cfg"]`` (the cascade's third level) plus ``_dataset_epoch``; the loaded rows
   are never mutated, so a consumer editing a task changes nothing here.
@@ -173,10 +173,13 @@ class MultiDataSource:
         self._cursor[i] += 1
         return stamp(row, self.specs[i], self._epoch[i])
 
-    def get_tasks(self, n: int) -> list[Task]:
+    async def get_tasks(self, n: int) -> list[Task]:  # the scheduler's DataSource protocol
+        return self.take(n)
+
+    def take(self, n: int) -> list[Task]:
         """The next ``n`` tasks of the stream."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"get_tasks: n must be an int >= 0, got {n!r}")
+            raise ValueError(f"take: n must be an int >= 0, got {n!r}")
         # One random() per task whatever the split, which is what makes split draws equal whole ones.
         picks = self._rng.choices(range(len(self.specs)), weights=self._weights, k=n)
         return [self._next(i) for i in picks]

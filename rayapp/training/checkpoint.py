@@ -1,0 +1,287 @@
+"""Mid-rollout checkpoints, and resuming a rollout step from one (spec §5 "Reuse & resume").
+
+``RolloutCheckpoint`` keeps a rollout's progress on disk, one folder per rollout::
+
+    {dir}/rollout_{id:06d}/state.msgpack          data source state at begin() (written first)
+    {dir}/rollout_{id:06d}/group_{i:06d}.msgpack  one per finished group (i: its fetch index), each
+                                                  written atomically; pruned once two later
+                                                  rollouts began
+    {dir}/rollout_{id:06d}/FINISHED               finish() was called: never resumed; holds the
+                                                  source state after the fetch (next_source_state)
+
+Each file is msgpack of one typed Struct whose tag (``format``) and ``version`` say what it is; it
+is decoded straight into that type (``core.convert.decode``), so a damaged or foreign file is one
+``InputError`` naming it and the path of what is wrong. Nothing on disk is unpickled.
+
+``ResumableRollouts`` wraps a TaskScheduler with one: before each step it sets the data source's
+state (the saved one when the step resumes, else where the previous finished step left the stream)
+and saves it; the step's ``StepLog`` hands back the groups finished before (checked against the
+re-fetched tasks) and records each group as it finishes; after the step, ``finish`` marks it done.
+The scheduler itself knows nothing of checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from rayapp.core.convert import InputError, decode
+from rayapp.core.scheduler import OnTaskDone, RolloutResult, TaskScheduler
+from rayapp.training.files import atomic_write, fsync_dir
+from rayapp.types import Sample, Task
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+VERSION = 1
+RolloutId = Annotated[int, Meta(ge=0)]
+_STATE, _DONE = "state.msgpack", "FINISHED"
+_GROUP_RE = re.compile(r"^group_(\d{6,})\.msgpack$")
+_ROLLOUT_RE = re.compile(r"^rollout_(\d{6,})$")
+
+
+class CheckpointState(msgspec.Struct, tag_field="format", tag="rayapp.rollout_checkpoint.state",
+                      forbid_unknown_fields=True):
+    version: Literal[1]
+    rollout_id: RolloutId
+    run: str  # the begin() this folder's groups belong to
+    source_state: dict[str, Any]
+
+
+class CheckpointGroup(msgspec.Struct, tag_field="format", tag="rayapp.rollout_checkpoint.group",
+                      forbid_unknown_fields=True):
+    version: Literal[1]
+    rollout_id: RolloutId
+    run: str
+    index: Annotated[int, Meta(ge=0)]
+    samples: list[Sample]
+
+
+class CheckpointFinished(msgspec.Struct, tag_field="format", tag="rayapp.rollout_checkpoint.finished",
+                         forbid_unknown_fields=True):
+    version: Literal[1]
+    rollout_id: RolloutId
+    next_source_state: dict[str, Any] | None
+
+
+def _write(path: Path, record: msgspec.Struct) -> None:
+    data = msgspec.msgpack.encode(record)  # encode first: a value msgpack cannot hold leaves the file as it was
+    atomic_write(path, lambda f: f.write(data))
+
+
+def _read(path: Path, type_: type[T]) -> T:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:  # missing, a folder, no permission: say that, not "corrupt"
+        raise InputError(str(path), "$", (e.strerror or str(e)).lower()) from None
+    return decode(raw, type_, str(path), fmt="msgpack")
+
+
+@dataclass
+class ResumeState:
+    """What ``RolloutCheckpoint.resume`` found: the source state at begin() and the finished groups."""
+
+    rollout_id: int
+    source_state: dict
+    groups: dict[int, list[Sample]] = field(default_factory=dict)  # finished groups by fetch index, sorted
+
+    def missing(self, n: int) -> list[int]:
+        """The indices in ``range(n)`` still to run."""
+        return [i for i in range(n) if i not in self.groups]
+
+
+class RolloutCheckpoint:
+    """Durable progress of a rollout, so a replica killed mid-way resumes without re-running
+    finished groups and without losing or duplicating one (layout: module docstring).
+
+    Protocol: ``st = ckpt.resume(id)``; if None, ``ckpt.begin(id, source.state_dict())`` and fetch,
+    else ``source.load_state_dict(st.source_state)``, fetch the same tasks and run only
+    ``st.missing(n)``; ``record_group`` as each group finishes; ``finish(id, source.state_dict())``
+    at the end (``ResumableRollouts`` follows it). A group file that cannot be read (damaged on disk)
+    is skipped with a warning and re-run; a group of another ``begin`` (a stale writer) is skipped
+    the same way. Each call does blocking I/O with fsync: on a busy event loop, call it through
+    ``asyncio.to_thread``."""
+
+    def __init__(self, dir: str | os.PathLike):
+        self.dir = Path(dir)
+        self._run: dict[int, str] = {}  # rollout id -> token of the begin() its groups belong to
+        self._done: dict[int, set[int]] = {}
+
+    def folder(self, rollout_id: int) -> Path:
+        if type(rollout_id) is not int or rollout_id < 0:
+            raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
+        return self.dir / f"rollout_{rollout_id:06d}"
+
+    def begin(self, rollout_id: int, source_state: dict) -> None:
+        """Start ``rollout_id`` afresh, discarding any earlier checkpoint of it."""
+        folder = self.folder(rollout_id)
+        state = CheckpointState(VERSION, rollout_id, uuid.uuid4().hex, source_state)
+        try:
+            data = msgspec.msgpack.encode(state)
+        except TypeError as e:
+            raise TypeError(f"rollout {rollout_id}: source_state: {e}") from None
+        # The state goes first and comes back last: a crash in between leaves no state, so no resume.
+        if folder.exists():
+            (folder / _STATE).unlink(missing_ok=True)
+            fsync_dir(folder)
+            shutil.rmtree(folder)
+        atomic_write(folder / _STATE, lambda f: f.write(data))
+        self._run[rollout_id], self._done[rollout_id] = state.run, set()
+        self._prune(before=rollout_id - 1)
+
+    def _prune(self, before: int) -> None:
+        """Drop the group files of finished rollouts older than ``before``: the trainer asked for later
+        steps since, and kept copies would double the run's disk use. Their state and FINISHED stay."""
+        for folder in self.dir.glob("rollout_*"):
+            m = _ROLLOUT_RE.fullmatch(folder.name)
+            if m and int(m.group(1)) < before and (folder / _DONE).exists():
+                for p in folder.iterdir():
+                    if _GROUP_RE.match(p.name):
+                        p.unlink(missing_ok=True)
+
+    def record_group(self, rollout_id: int, index: int, group: list[Sample]) -> None:
+        """Durably add finished group ``index`` (its position in fetch order); a repeat is a ValueError."""
+        folder = self.folder(rollout_id)
+        if rollout_id not in self._run:
+            raise ValueError(f"rollout {rollout_id}: call begin() or resume() before record_group()")
+        if type(index) is not int or index < 0 or index in self._done[rollout_id]:
+            raise ValueError(f"rollout {rollout_id}: group index {index!r} is not new (or not an int >= 0)")
+        _write(folder / f"group_{index:06d}.msgpack",
+               CheckpointGroup(VERSION, rollout_id, self._run[rollout_id], index, list(group)))
+        self._done[rollout_id].add(index)
+
+    def finish(self, rollout_id: int, next_source_state: dict | None = None) -> None:
+        """Mark ``rollout_id`` complete: ``resume`` returns None for it from now on. The source's
+        state after the step's fetch lets a restarted manager continue the stream (``next_source_state``)."""
+        folder = self.folder(rollout_id)
+        if not (folder / _STATE).exists():
+            raise ValueError(f"rollout {rollout_id}: finish() without begin()")
+        _write(folder / _DONE, CheckpointFinished(VERSION, rollout_id, next_source_state))
+        self._forget(rollout_id)
+
+    def next_source_state(self, rollout_id: int) -> dict | None:
+        """The data source's state after finished rollout ``rollout_id``'s fetch; None when it did
+        not finish or saved none. A damaged marker is an InputError: continuing from the start
+        instead would silently repeat data."""
+        marker = self.folder(rollout_id) / _DONE
+        if not marker.exists():
+            return None
+        return _read(marker, CheckpointFinished).next_source_state
+
+    def resume(self, rollout_id: int) -> ResumeState | None:
+        """The saved source state and finished groups of an unfinished ``rollout_id``; None when it
+        never began or finished. A damaged state file is an InputError (nothing to resume from)."""
+        folder = self.folder(rollout_id)
+        if not (folder / _STATE).exists() or (folder / _DONE).exists():
+            return None
+        state = _read(folder / _STATE, CheckpointState)
+        if state.rollout_id != rollout_id:
+            raise InputError(str(folder / _STATE), "$.rollout_id", f"expected {rollout_id}, got {state.rollout_id}")
+        groups: dict[int, list[Sample]] = {}
+        for p in folder.iterdir():
+            if not (m := _GROUP_RE.match(p.name)):
+                continue  # state, marker, and temp files a crash left behind
+            try:
+                g = _read(p, CheckpointGroup)
+                if g.run != state.run or g.rollout_id != rollout_id or g.index != int(m.group(1)):
+                    raise InputError(str(p), "$", "belongs to another begin() of this rollout, or to another group")
+            except InputError as e:
+                log.warning("resume: skipping %s, its group will be re-run: %s", p, e)
+                continue
+            groups[g.index] = g.samples
+        self._run[rollout_id], self._done[rollout_id] = state.run, set(groups)
+        return ResumeState(rollout_id, state.source_state, dict(sorted(groups.items())))
+
+    def _forget(self, rollout_id: int) -> None:
+        self._run.pop(rollout_id, None)
+        self._done.pop(rollout_id, None)
+
+    def discard(self, rollout_id: int) -> None:
+        """Remove ``rollout_id``'s checkpoint folder (e.g. after the trainer consumed it)."""
+        shutil.rmtree(self.folder(rollout_id), ignore_errors=True)
+        self._forget(rollout_id)
+
+
+class _Recorder:
+    """One step's StepLog: the groups finished before, and a checkpoint write per group finished now.
+    A failed write costs resumability, not the step: it is logged, and the step goes on."""
+
+    def __init__(self, checkpoint: RolloutCheckpoint, rollout_id: int, restored: dict[int, list[Sample]]):
+        self.checkpoint, self.rollout_id, self.restored = checkpoint, rollout_id, restored
+
+    async def finished(self, tasks: list[Task]) -> Mapping[int, list[Sample]]:
+        """The restored groups, once each is known to be the group of the task re-fetched at its
+        index: a changed data config (datasets, weights, group sizes, batch size) fetches others,
+        and splicing them in would lose and repeat tasks."""
+        for i, group in self.restored.items():
+            want = (tasks[i].task_id, tasks[i].config.n_samples) if i < len(tasks) else None
+            got = (group[0].task_id, len(group)) if group else (None, 0)
+            if got != want:
+                raise ValueError(f"rollout {self.rollout_id}: its checkpoint's group {i} is {got[0]!r} x{got[1]}, "
+                                 f"but the fetch from the saved source state gave "
+                                 f"{'nothing there' if want is None else f'{want[0]!r} x{want[1]}'}: the data "
+                                 f"config changed since the checkpoint was written; restore it, or delete that "
+                                 f"rollout's checkpoint to run the step afresh")
+        return self.restored
+
+    async def group_done(self, index: int, samples: list[Sample]) -> None:
+        try:
+            await asyncio.to_thread(self.checkpoint.record_group, self.rollout_id, index, samples)
+        except Exception:
+            log.exception("rollout %d: could not checkpoint group %d", self.rollout_id, index)
+
+
+class ResumableRollouts:
+    """A TaskScheduler's rollout steps, checkpointed and resumable (module docstring). Its data
+    source must save and restore its state (``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, scheduler: TaskScheduler, checkpoint: RolloutCheckpoint):
+        if not all(hasattr(scheduler.data_source, m) for m in ("state_dict", "load_state_dict")):
+            raise ValueError("a checkpoint needs a data_source with state_dict() and load_state_dict()")
+        self.scheduler, self.checkpoint = scheduler, checkpoint
+
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
+        """``scheduler.execute_rollout``; a step that was cut short (the process killed) resumes: the
+        same tasks are fetched again from the saved source state, and only the groups not recorded as
+        finished run (``on_task_done`` fires for those only)."""
+        source = self.scheduler.data_source
+        restored = await self._open(rollout_id)
+        step_log = _Recorder(self.checkpoint, rollout_id, restored)
+        result = await self.scheduler.execute_rollout(rollout_id, on_task_done, step_log=step_log)
+        result.metrics["rollout/resumed_groups"] = float(len(restored))
+        try:
+            await asyncio.to_thread(self.checkpoint.finish, rollout_id, source.state_dict())
+        except Exception:  # the step is done: a lost marker costs the next restart its seek, not the samples
+            log.exception("rollout %d: could not mark its checkpoint finished", rollout_id)
+        return result
+
+    async def _open(self, rollout_id: int) -> dict[int, list[Sample]]:
+        """Resume ``rollout_id`` (its source state back, its finished groups), or begin it where the
+        data stream stood after rollout ``rollout_id - 1`` when that one finished here: a restarted
+        process, or a trainer that went back to an earlier step, gets the same tasks again."""
+        ck, source = self.checkpoint, self.scheduler.data_source
+        resumed = await asyncio.to_thread(ck.resume, rollout_id)
+        if resumed is not None:
+            source.load_state_dict(resumed.source_state)
+            log.warning("rollout %d resumes from its checkpoint: %d groups finished before", rollout_id,
+                        len(resumed.groups))
+            return dict(resumed.groups)
+        before = await asyncio.to_thread(ck.next_source_state, rollout_id - 1) if rollout_id > 0 else None
+        if before is not None:
+            source.load_state_dict(before)
+        elif rollout_id > 0:
+            log.info("rollout %d: no finished checkpoint of rollout %d; the data stream goes on from where the "
+                     "source stands", rollout_id, rollout_id - 1)
+        await asyncio.to_thread(ck.begin, rollout_id, source.state_dict())
+        return {}

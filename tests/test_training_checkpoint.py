@@ -1,0 +1,151 @@
+"""Mid-rollout checkpoints: msgpack files of typed records, written atomically, read back whole or
+skipped (``rayapp.training.checkpoint``; the scheduler-level resume is tests/test_training_resume.py)."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import rayapp.training.checkpoint as checkpoint
+from rayapp.core.convert import InputError
+from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
+from rayapp.training.checkpoint import CheckpointGroup, RolloutCheckpoint
+from rayapp.types import Sample, Status, Task, TaskConfig
+
+
+def sample(task_id="t", index=0, **kw):
+    fields = dict(label={"answer": [4, "ü"]}, status=Status.COMPLETED, tokens=[1, 2, 3, 150_000],
+                  response="réponse", response_length=2, rollout_log_probs=[-0.25, -1e-300], loss_mask=[1, 1],
+                  reward={"score": 1.0}, metadata={"_turns": 2, "_placement": {"node": "n0", "gpu_ids": [0]}})
+    return Sample(task_id, index, "prompt ✓ 日本", **{**fields, **kw})
+
+
+def test_a_group_file_is_msgpack_of_a_typed_record_and_comes_back_exactly(tmp_path):
+    ckpt = RolloutCheckpoint(tmp_path)
+    ckpt.begin(0, {"cursor": 1})
+    group = [sample(index=0), sample(index=1, status=Status.ABORTED, remove_sample=True)]
+    ckpt.record_group(0, 3, group)
+    raw = (tmp_path / "rollout_000000" / "group_000003.msgpack").read_bytes()
+    record = msgspec.msgpack.decode(raw, type=CheckpointGroup)
+    assert record.index == 3 and record.rollout_id == 0 and record.version == 1 and record.samples == group
+    assert msgspec.msgpack.decode(raw)["format"] == "rayapp.rollout_checkpoint.group"
+    assert RolloutCheckpoint(tmp_path).resume(0).groups == {3: group}
+
+
+def test_a_file_of_another_kind_is_skipped_naming_why(tmp_path, caplog):
+    ckpt = RolloutCheckpoint(tmp_path)
+    ckpt.begin(0, {})
+    folder = tmp_path / "rollout_000000"
+    (folder / "group_000000.msgpack").write_bytes((folder / "state.msgpack").read_bytes())
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.resume(0).groups == {}
+    assert "group_000000.msgpack: $.format: invalid value 'rayapp.rollout_checkpoint.state'" in caplog.text
+
+
+def _source():
+    rows = [Task(f"q{i}", f"prompt {i}", TaskConfig("arith", n_samples=2)) for i in range(10)]
+    return MultiDataSource([DatasetSpec("a", rows), DatasetSpec("b", rows[:4], weight=2)], seed=5)
+
+
+def _run(task, rollout_id):  # a stand-in for the rollout of one group: deterministic per task
+    return [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED, tokens=[i, len(task.task_id)],
+                   reward={"score": float(i)}, metadata={**task.metadata, "_rollout_id": rollout_id})
+            for i in range(task.config.n_samples)]
+
+
+def test_crash_mid_rollout_resumes_without_loss_or_duplicates(tmp_path, caplog):
+    reference_src = _source()
+    expected = [_run(t, 4) for t in reference_src.take(6)]
+
+    src, ckpt = _source(), RolloutCheckpoint(tmp_path)
+    assert ckpt.resume(4) is None
+    ckpt.begin(4, src.state_dict())
+    tasks = src.take(6)
+    for i in (0, 2, 3):  # groups finish out of order
+        ckpt.record_group(4, i, _run(tasks[i], 4))
+    # The crash: group 5's file torn mid-record, a temp file of group 1 abandoned.
+    ckpt.record_group(4, 5, _run(tasks[5], 4))
+    torn = tmp_path / "rollout_000004" / "group_000005.msgpack"
+    torn.write_bytes(torn.read_bytes()[:-7])
+    (tmp_path / "rollout_000004" / ".group_000001.msgpack.abc.tmp").write_bytes(b"\x92")
+
+    src2, ckpt2 = _source(), RolloutCheckpoint(tmp_path)  # a new replica: fresh objects
+    src2.take(3)  # its source is somewhere else
+    with caplog.at_level(logging.WARNING):
+        state = ckpt2.resume(4)
+    assert "group_000005.msgpack" in caplog.text and "input data was truncated" in caplog.text
+    assert sorted(state.groups) == [0, 2, 3] and state.missing(6) == [1, 4, 5]
+    assert state.groups == {i: expected[i] for i in (0, 2, 3)}
+    src2.load_state_dict(state.source_state)
+    tasks2 = src2.take(6)
+    assert [t.task_id for t in tasks2] == [t.task_id for t in tasks]
+    with pytest.raises(ValueError, match="group index 2 is not new"):
+        ckpt2.record_group(4, 2, expected[2])
+    for i in state.missing(6):
+        ckpt2.record_group(4, i, _run(tasks2[i], 4))
+    final = ckpt2.resume(4)
+    assert [final.groups[i] for i in range(6)] == expected
+    assert src2.state_dict() == reference_src.state_dict()
+    ckpt2.finish(4)
+    assert ckpt2.resume(4) is None
+
+
+def test_begin_discards_and_protocol_errors(tmp_path):
+    ckpt = RolloutCheckpoint(tmp_path)
+    with pytest.raises(ValueError, match="call begin"):
+        ckpt.record_group(0, 0, [sample()])
+    with pytest.raises(ValueError, match="without begin"):
+        ckpt.finish(0)
+    ckpt.begin(0, {"cursor": 1})
+    ckpt.record_group(0, 0, [sample()])
+    ckpt.begin(0, {"cursor": 2})
+    assert ckpt.resume(0).groups == {} and ckpt.resume(0).source_state == {"cursor": 2}
+    (tmp_path / "rollout_000000" / "state.msgpack").write_bytes(b"garbage")
+    with pytest.raises(InputError, match=r"rollout_000000/state\.msgpack: \$: expected object, got int"):
+        ckpt.resume(0)
+    ckpt.discard(0)
+    assert ckpt.resume(0) is None
+    with pytest.raises(TypeError, match=r"rollout 1: source_state: .*type object is unsupported"):
+        ckpt.begin(1, {"rng": object()})
+
+
+def test_group_of_a_stale_begin_is_skipped(tmp_path, caplog):
+    a = RolloutCheckpoint(tmp_path)
+    a.begin(2, {})
+    stale = tmp_path / "rollout_000002" / "group_000000.msgpack"
+    a.record_group(2, 0, [sample()])
+    old = stale.read_bytes()
+    a.begin(2, {})
+    stale.write_bytes(old)  # a late write from the writer of the earlier begin()
+    with caplog.at_level(logging.WARNING):
+        assert a.resume(2).groups == {}
+    assert "another begin()" in caplog.text
+
+
+def test_killed_process_leaves_only_whole_groups(tmp_path):
+    child = textwrap.dedent(f"""
+        import os
+        import rayapp.training.files as files
+        from rayapp.training.checkpoint import RolloutCheckpoint
+        from rayapp.types import Sample
+        ckpt = RolloutCheckpoint({str(tmp_path)!r})
+        ckpt.begin(1, {{"seed": 3}})
+        for i in range(3):
+            ckpt.record_group(1, i, [Sample(f"t{{i}}", 0, "p", tokens=[i])])
+        def dying_fsync(fd):
+            os.ftruncate(fd, 5)  # half written...
+            os._exit(9)  # ...and killed, SIGKILL-like: no cleanup runs
+        files.os.fsync = dying_fsync
+        ckpt.record_group(1, 3, [Sample("t3", 0, "p")])
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(checkpoint.__file__).parents[2])})
+    assert proc.returncode == 9, proc.stderr
+    state = RolloutCheckpoint(tmp_path).resume(1)
+    assert state.source_state == {"seed": 3} and state.missing(4) == [3]
+    assert [g[0].tokens for g in state.groups.values()] == [[0], [1], [2]]

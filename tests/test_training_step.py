@@ -8,7 +8,7 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.scheduler import RolloutResult, TaskScheduler
+from rayapp.core.scheduler import RolloutResult, SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.recipe import FiltersConfig
 from rayapp.training.artifacts import EvalDetailsWriter, read_jsonl
@@ -38,8 +38,9 @@ def _scheduler(make_pool, log=None, gate=None):
 
     spec = arithmetic_spec(batch_size=4)
     spec.handler = FunctionAgent(run_fn, verify_fn)
-    return TaskScheduler([spec], ArithmeticSource(seed=3, n_samples=2), make_pool(ONE_NODE), rollout_batch_size=4,
-                         eval_datasets={"arith": ArithmeticSource(seed=9).get_tasks(2)}, progress=False)
+    return TaskScheduler([spec], ArithmeticSource(seed=3, n_samples=2), make_pool(ONE_NODE),
+                         SchedulerConfig(rollout_batch_size=4, progress=False),
+                         eval_datasets={"arith": ArithmeticSource(seed=9).take(2)})
 
 
 def test_filter_step_keeps_survivors_and_counts_every_drop():

@@ -248,7 +248,7 @@ def test_chat_template_round_trip_and_assistant_mask(model_dir):
     (GenerateRequest([1], SamplingParams(temperature=float("nan"))), "temperature"),
     (GenerateRequest([1], SamplingParams(top_p=0.0)), "top_p"),
     (GenerateRequest([1], SamplingParams(top_p=1.5)), "top_p"),
-    (GenerateRequest([1], SamplingParams(top_k=0)), "top_k"),
+    (GenerateRequest([1], SamplingParams(temperature=float("inf"))), "temperature"),
     (GenerateRequest([1], SamplingParams(top_k=-2)), "top_k"),
     (GenerateRequest([1], SamplingParams(max_new_tokens=0)), "max_new_tokens"),
     (GenerateRequest([1], SamplingParams(stop=[""])), "stop"),
@@ -258,6 +258,14 @@ def test_bad_requests_raise_one_clear_value_error(backend, req, field):
     with pytest.raises(ValueError, match=field):
         run(backend.generate(req))
     assert run(backend.health())["in_flight"] == 0
+
+
+def test_top_k_zero_is_rejected_where_the_params_are_made():
+    # -1 or >= 1 is a rule of the type: no SamplingParams with top_k 0 exists to reach a backend.
+    with pytest.raises(ValueError, match=r"\$\.top_k: expected -1 \(off\) or int >= 1, got 0"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match=r"^generate request: \$\.sampling\.top_k: expected -1 \(off\) or int >= 1"):
+        parse_request({"input_ids": [1], "sampling": {"top_k": 0}})
 
 
 def test_duplicate_request_id_and_parse_request(backend, prompt):
@@ -271,7 +279,7 @@ def test_duplicate_request_id_and_parse_request(backend, prompt):
 
     assert run(main()).finish_reason is FinishReason.ABORT
     assert parse_request({"input_ids": [1, 2], "sampling": {"temperature": 0}}).sampling.temperature == 0
-    with pytest.raises(ValueError, match=r"\$.sampling.top_k"):
+    with pytest.raises(ValueError, match=r'^generate request: \$\.sampling\.top_k: expected int \| null, got "x"$'):
         parse_request(b'{"input_ids": [1], "sampling": {"top_k": "x"}}')
 
 

@@ -235,12 +235,12 @@ def _row(i, **over):
 
 @pytest.mark.parametrize("rows,needle", [
     ([_row(0), _row(1, test=None)], "line 2: $.test: missing required field"),
-    ([_row(0, entry_point=3)], "line 1: $.entry_point: expected str, got int"),
+    ([_row(0, entry_point=3)], "line 1: $.entry_point: expected str, got 3"),
     ([_row(0, entry_point="not an id")], "line 1: $.entry_point: expected str matching"),
     ([_row(0, entry_point="nowhere")], "line 1: $.entry_point: 'nowhere' is not defined by the prompt"),
     ([_row(0, test="assert True")], "line 1: $.test: defines no check(candidate) function"),
     ([_row(0), _row(1), _row(0)], "line 3: $.task_id: duplicate value 'HumanEval/0' (first on line 1)"),
-    ([_row(0), "{not json"], "line 2: $: malformed JSON"),
+    ([_row(0), "{not json"], "line 2: malformed JSON: "),
 ])
 def test_bad_rows_raise_one_error_naming_dataset_line_and_field(tmp_path, rows, needle):
     path = tmp_path / "he.jsonl.gz"

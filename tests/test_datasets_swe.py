@@ -210,7 +210,7 @@ def test_bad_task_json_is_one_error_naming_repo_file_and_field(repos_copy, chang
 def test_malformed_json_and_duplicate_ids(repos_copy):
     first, second = REPOS[0], REPOS[1]
     (repos_copy / first / "task.json").write_text("{not json")
-    with pytest.raises(DatasetError, match=rf"swe repo '{first}'.*\$: malformed JSON"):
+    with pytest.raises(DatasetError, match=rf"swe repo '{first}' \(.*task\.json'\): malformed JSON: "):
         load_swe_tasks(root=repos_copy)
     shutil.copy(REPOS_DIR / first / "task.json", repos_copy / first / "task.json")
     _edit_task(repos_copy, second, id=json.loads((REPOS_DIR / first / "task.json").read_text())["id"])

@@ -19,6 +19,7 @@ import sys
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect as mi
 
 T = TypeVar("T")
 
@@ -51,7 +52,7 @@ def show(value: Any) -> str:
     if isinstance(value, dict):
         return "an object" if value else "{}"
     if isinstance(value, list | tuple):
-        return "an array" if value else "[]"
+        return f"an array of {len(value)} item{'s' if len(value) > 1 else ''}" if value else "[]"
     return type(value).__name__
 
 
@@ -70,7 +71,40 @@ def _at(value: Any, path: str) -> Any:
     return value
 
 
-def _reason(text: str, value: Any) -> tuple[str, str]:
+def _choices(type_: Any, path: str) -> str | None:
+    """The values a ``Literal`` or enum at ``path`` in ``type_`` allows (msgspec's message names none)."""
+    try:
+        info = mi.type_info(type_)
+        for field, index in _STEP.findall(path[1:]):
+            info = _step(info, field, index)
+        values = _values(info)
+    except Exception:  # any type at all: choices that cannot be told are left out
+        return None
+    return None if values is None else " or ".join(show(v) for v in values)
+
+
+def _step(info: Any, field: str, index: str) -> Any:
+    while isinstance(info, mi.Metadata | mi.UnionType):  # a union: the one member that has children
+        info = info.type if isinstance(info, mi.Metadata) else next(
+            t for t in info.types if isinstance(t, mi.StructType | mi.ListType | mi.TupleType | mi.DictType
+                                                   | mi.VarTupleType | mi.Metadata))
+    if isinstance(info, mi.StructType):
+        return next(f.type for f in info.fields if f.encode_name == field)
+    if isinstance(info, mi.TupleType):
+        return info.item_types[int(index)]
+    return info.value_type if isinstance(info, mi.DictType) else info.item_type
+
+
+def _values(info: Any) -> tuple[Any, ...] | None:
+    for t in info.types if isinstance(info, mi.UnionType) else (info,):
+        if isinstance(t, mi.LiteralType):
+            return t.values
+        if isinstance(t, mi.EnumType):
+            return tuple(m.value for m in t.cls)
+    return None
+
+
+def _reason(text: str, value: Any, choices: str | None) -> tuple[str, str]:
     """msgspec's message (its ``- at`` suffix removed) as (path below the failing node, reason)."""
     if text.startswith("Object missing required field `"):
         return "." + text.split("`")[1], "missing required field"
@@ -79,6 +113,8 @@ def _reason(text: str, value: Any) -> tuple[str, str]:
     if text.startswith("$") and ": " in text:  # a __post_init__ rule: "$.field: reason"
         path, reason = text.split(": ", 1)
         return path[1:], reason
+    if text.startswith("Invalid enum value") and choices is not None:
+        return "", f"expected {choices}" + ("" if value is _MISSING else f", got {show(value)}")
     expected = _EXPECTED.match(text)
     if expected:
         want = (expected[1] + expected[2]).replace(f"float{_FINITE}", "finite float").replace(_FINITE, "")
@@ -87,11 +123,14 @@ def _reason(text: str, value: Any) -> tuple[str, str]:
     return "", reason[:1].lower() + reason[1:] + ("" if value is _MISSING else f", got {show(value)}")
 
 
-def _error(e: msgspec.MsgspecError, value: Any, source: str, root: str, error: type[InputError]) -> InputError:
+def _error(e: msgspec.MsgspecError, value: Any, type_: Any, source: str, root: str,
+           error: type[InputError]) -> InputError:
     text = str(e)
     at = _AT.search(text)
     path = at.group(1) if at else "$"
-    sub, reason = _reason(text[: at.start()] if at else text, _at(value, path))
+    text = text[: at.start()] if at else text
+    choices = _choices(type_, path) if text.startswith("Invalid enum value") else None
+    sub, reason = _reason(text, _at(value, path), choices)
     return error(source, root + path[1:] + sub, reason)
 
 
@@ -102,7 +141,7 @@ def convert(value: Any, type_: type[T] | Any, source: str, *, root: str = "$", s
     try:
         return msgspec.convert(value, type_, strict=strict)
     except msgspec.ValidationError as e:
-        raise _error(e, value, source, root, error) from None
+        raise _error(e, value, type_, source, root, error) from None
 
 
 def decode(raw: bytes | str, type_: type[T] | Any, source: str, *, fmt: str = "json",
@@ -116,10 +155,11 @@ def decode(raw: bytes | str, type_: type[T] | Any, source: str, *, fmt: str = "j
             plain = module.decode(raw)
         except Exception:  # the value only decorates the message
             plain = _MISSING
-        raise _error(e, plain, source, "$", error) from None
+        raise _error(e, plain, type_, source, "$", error) from None
     except msgspec.DecodeError as e:
         reason = str(e).removeprefix("JSON is malformed: ").replace("`", "")
-        raise error(source, None, f"malformed {fmt.replace('json', 'JSON')}: {reason[:1].lower()}{reason[1:]}") from None
+        name = "JSON" if fmt == "json" else fmt
+        raise error(source, None, f"malformed {name}: {reason[:1].lower()}{reason[1:]}") from None
 
 
 def check(obj: T, source: str, *, error: type[InputError] = InputError) -> T:

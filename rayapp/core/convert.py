@@ -26,7 +26,7 @@ T = TypeVar("T")
 _AT = re.compile(r" - at `(?:key` in `)?(\$[^`]*)`$")
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 _EXPECTED = re.compile(r"^Expected `([^`]+)`(?:, got `[^`]+`)?(.*)$", re.S)
-_FINITE = f" <= {sys.float_info.max!r}"  # the upper bound that only rejects inf (NaN fails any bound)
+_BOUND = re.compile(r"^Expected `(int|float)` [<>]")  # a number of the right type out of its bounds
 _MISSING = object()
 
 
@@ -71,23 +71,20 @@ def _at(value: Any, path: str) -> Any:
     return value
 
 
-def _choices(type_: Any, path: str) -> str | None:
-    """The values a ``Literal`` or enum at ``path`` in ``type_`` allows (msgspec's message names none)."""
+def _info(type_: Any, path: str) -> Any:
+    """msgspec's description of the type at ``path`` inside ``type_``; None when it cannot be told."""
     try:
         info = mi.type_info(type_)
         for field, index in _STEP.findall(path[1:]):
             info = _step(info, field, index)
-        values = _values(info)
-    except Exception:  # any type at all: choices that cannot be told are left out
+    except Exception:  # any type at all: what cannot be told is left out of the message
         return None
-    return None if values is None else " or ".join(show(v) for v in values)
+    return info
 
 
 def _step(info: Any, field: str, index: str) -> Any:
-    while isinstance(info, mi.Metadata | mi.UnionType):  # a union: the one member that has children
-        info = info.type if isinstance(info, mi.Metadata) else next(
-            t for t in info.types if isinstance(t, mi.StructType | mi.ListType | mi.TupleType | mi.DictType
-                                                   | mi.VarTupleType | mi.Metadata))
+    kinds = (mi.StructType | mi.DictType) if field else (mi.ListType | mi.TupleType | mi.VarTupleType | mi.DictType)
+    info = _member(info, kinds)
     if isinstance(info, mi.StructType):
         return next(f.type for f in info.fields if f.encode_name == field)
     if isinstance(info, mi.TupleType):
@@ -95,32 +92,53 @@ def _step(info: Any, field: str, index: str) -> Any:
     return info.value_type if isinstance(info, mi.DictType) else info.item_type
 
 
-def _values(info: Any) -> tuple[Any, ...] | None:
-    for t in info.types if isinstance(info, mi.UnionType) else (info,):
-        if isinstance(t, mi.LiteralType):
-            return t.values
-        if isinstance(t, mi.EnumType):
-            return tuple(m.value for m in t.cls)
+def _member(info: Any, kinds: Any) -> Any:
+    """The member of a (possibly annotated or optional) type that is one of ``kinds``, or None."""
+    members = info.types if isinstance(info, mi.UnionType) else (info,)
+    for t in members:
+        while isinstance(t, mi.Metadata):
+            t = t.type
+        if isinstance(t, kinds):
+            return t
     return None
 
 
-def _reason(text: str, value: Any, choices: str | None) -> tuple[str, str]:
+def _wanted(info: Any) -> str | None:
+    """What the type allows, where msgspec's message leaves it out: the values of a Literal or an
+    enum, the fields of a Struct, or every bound of a number (msgspec names only the one broken)."""
+    t = _member(info, mi.LiteralType | mi.EnumType | mi.StructType | mi.IntType | mi.FloatType)
+    if isinstance(t, mi.LiteralType | mi.EnumType):
+        values = t.values if isinstance(t, mi.LiteralType) else tuple(m.value for m in t.cls)
+        return " or ".join(show(v) for v in values)
+    if isinstance(t, mi.StructType):
+        return ", ".join(f.encode_name for f in t.fields)
+    if isinstance(t, mi.IntType | mi.FloatType):
+        finite = t.le == sys.float_info.max
+        bounds = [f"{op} {b:g}" if isinstance(b, float) else f"{op} {b}"
+                  for op, b in ((">=", t.ge), (">", t.gt), ("<=", None if finite else t.le), ("<", t.lt))
+                  if b is not None]
+        name = ("finite " if finite else "") + ("int" if isinstance(t, mi.IntType) else "float")
+        return " ".join([name, " and ".join(bounds)]) if bounds else name
+    return None
+
+
+def _reason(text: str, value: Any, wanted: str | None) -> tuple[str, str]:
     """msgspec's message (its ``- at`` suffix removed) as (path below the failing node, reason)."""
+    got = "" if value is _MISSING else f", got {show(value)}"
     if text.startswith("Object missing required field `"):
         return "." + text.split("`")[1], "missing required field"
     if text.startswith("Object contains unknown field `"):
-        return "", f"unknown field {show(text.split('`')[1])}"
+        return "", f"unknown field {show(text.split('`')[1])}" + (f" (expected {wanted})" if wanted else "")
     if text.startswith("$") and ": " in text:  # a __post_init__ rule: "$.field: reason"
         path, reason = text.split(": ", 1)
         return path[1:], reason
-    if text.startswith("Invalid enum value") and choices is not None:
-        return "", f"expected {choices}" + ("" if value is _MISSING else f", got {show(value)}")
+    if wanted and (text.startswith(("Invalid enum value", "Number out of range")) or _BOUND.match(text)):
+        return "", f"expected {wanted}{got}"
     expected = _EXPECTED.match(text)
     if expected:
-        want = (expected[1] + expected[2]).replace(f"float{_FINITE}", "finite float").replace(_FINITE, "")
-        return "", f"expected {want}" + ("" if value is _MISSING else f", got {show(value)}")
+        return "", f"expected {expected[1]}{expected[2]}{got}"
     reason = text.removeprefix("JSON is malformed: ").replace("`", "")
-    return "", reason[:1].lower() + reason[1:] + ("" if value is _MISSING else f", got {show(value)}")
+    return "", reason[:1].lower() + reason[1:] + got
 
 
 def _error(e: msgspec.MsgspecError, value: Any, type_: Any, source: str, root: str,
@@ -129,8 +147,12 @@ def _error(e: msgspec.MsgspecError, value: Any, type_: Any, source: str, root: s
     at = _AT.search(text)
     path = at.group(1) if at else "$"
     text = text[: at.start()] if at else text
-    choices = _choices(type_, path) if text.startswith("Invalid enum value") else None
-    sub, reason = _reason(text, _at(value, path), choices)
+    node = _at(value, path)
+    if at and at.group(0).startswith(" - at `key`"):  # a mapping's key: show the first that is not a str
+        node = next((k for k in node if not isinstance(k, str)), _MISSING) if isinstance(node, dict) else _MISSING
+        text += " key"
+    wanted = _wanted(_info(type_, path)) if not text.startswith("Expected `") or _BOUND.match(text) else None
+    sub, reason = _reason(text, node, wanted)
     return error(source, root + path[1:] + sub, reason)
 
 

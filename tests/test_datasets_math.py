@@ -7,16 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rayapp.actors.recipe import DatasetConfig
 from rayapp.envs.datasets import DatasetError, MultiDataSource
 from rayapp.envs.datasets.math import (
     GENERATORS,
     extract_answer,
     generate_problems,
     load_math_jsonl,
-    math_dataset,
     normalize,
     verify,
 )
+from rayapp.envs.registry import make_dataset
 from rayapp.types import AgentResult, Sample
 
 
@@ -131,7 +132,8 @@ def test_word_problems_read_naturally():
 
 
 def test_math_dataset_in_a_multi_source():
-    src = MultiDataSource([math_dataset("m", n=8, seed=2, dataset_cfg={"max_turns": 1})], seed=0)
+    cfg = DatasetConfig(env="math", n_prompts=8, seed=2, dataset_cfg={"max_turns": 1})
+    src = MultiDataSource([make_dataset(cfg, "m")], seed=0)
     tasks = src.get_tasks(8)
     assert sorted(t.task_id for t in tasks) == sorted(f"math-2-{i}" for i in range(8))
     assert all(t.metadata["_dataset_cfg"] == {"max_turns": 1} for t in tasks)

@@ -222,10 +222,11 @@ def test_malformed_json_and_duplicate_ids(repos_copy):
 
 
 def test_swe_dataset_plugs_into_multi_data_source():
+    from rayapp.actors.recipe import DatasetConfig
     from rayapp.envs.datasets.source import MultiDataSource
-    from rayapp.envs.datasets.swe import swe_dataset
+    from rayapp.envs.registry import make_dataset
 
-    source = MultiDataSource([swe_dataset(dataset_cfg={"max_turns": 8})], seed=3)
+    source = MultiDataSource([make_dataset(DatasetConfig(env="swe", dataset_cfg={"max_turns": 8}), "swe")], seed=3)
     tasks = source.get_tasks(len(REPOS))
     assert sorted(t.label["repo"] for t in tasks) == REPOS  # one epoch: each repository once
     assert all(t.metadata["_dataset_name"] == "swe" and t.metadata["_dataset_cfg"] == {"max_turns": 8}

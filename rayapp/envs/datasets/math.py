@@ -22,12 +22,11 @@ import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 
 from rayapp.envs.datasets.rows import load_jsonl
-from rayapp.envs.datasets.source import DatasetSpec
 from rayapp.types import AgentResult, Sample, Task, TaskConfig
 
 INSTRUCTION = "Solve the problem. End your reply with 'The answer is N.' where N is the final number."
@@ -107,11 +106,6 @@ def generate_problems(n: int, seed: int = 0, kinds: tuple[str, ...] = ("arithmet
 
 def _prompt(question: str, instruction: str | None) -> str:
     return f"{question}\n{instruction}" if instruction else question
-
-
-def math_dataset(name: str = "math", n: int = 256, seed: int = 0, **spec: Any) -> DatasetSpec:
-    """A generated dataset for MultiDataSource; ``spec`` goes to DatasetSpec (weight, dataset_cfg, ...)."""
-    return DatasetSpec(name, lambda: generate_problems(n, seed), **spec)
 
 
 # ---------------------------------------------------------------------------------------------- answers

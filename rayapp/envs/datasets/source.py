@@ -1,4 +1,4 @@
-"""MultiDataSource: weighted draws over several datasets, resumable exactly (spec §2, issue 4).
+"""MultiDataSource: weighted draws over several datasets, resumable exactly (spec §2).
 
 Guarantees:
 

@@ -1,4 +1,4 @@
-"""The mini-SWE environment: small repositories with one failing test each, fixed by an agent (issue 4).
+"""The mini-SWE environment: small repositories with one failing test each, fixed by an agent.
 
 Each repository is package data under ``swe_repos/<name>/``: its source, its ``unittest`` tests and
 a ``task.json`` (``id``, ``issue``, ``test_command``, ``failing_test``, ``gold_patch``). The agent
@@ -12,7 +12,6 @@ Guarantees:
   (``swe repo 'todo' (".../todo/task.json"): $.failing_test: expected str, got int``). Ids are
   unique, ``failing_test`` names a test module the repository has, and ``gold_patch`` paths are
   relative paths inside the repository that do not touch its tests or ``task.json``.
-- ``swe_dataset`` hands the repositories to a MultiDataSource, which orders, mixes and resumes them.
 - ``prepare_repo`` writes the repository's files into the sandbox: never ``task.json``, so the
   agent cannot read the gold patch.
 - ``verify_swe`` first rewrites the shipped test files (removing whatever the agent left in their
@@ -34,7 +33,6 @@ import msgspec
 from rayapp.core.convert import decode
 from rayapp.core.termination import SandboxError
 from rayapp.envs.datasets.rows import DatasetError
-from rayapp.envs.datasets.source import DatasetSpec
 from rayapp.envs.sandboxes.base import Sandbox
 from rayapp.types import Task, TaskConfig
 
@@ -154,11 +152,6 @@ def repo_task(repo: SweRepo, task_type: str = "swe", n_samples: int = 1, task_id
 def load_swe_tasks(task_type: str = "swe", n_samples: int = 1, *, root: str | Path | None = None) -> list[Task]:
     """One task per repository, in name order, ids from task.json."""
     return [repo_task(r, task_type, n_samples) for r in load_repos(root)]
-
-
-def swe_dataset(name: str = "swe", **spec: Any) -> DatasetSpec:
-    """The repositories as a MultiDataSource dataset; ``spec`` goes to DatasetSpec (weight, dataset_cfg, ...)."""
-    return DatasetSpec(name, lambda: load_swe_tasks(), **spec)
 
 
 # ---------------------------------------------------------------------------------------------- sandbox side

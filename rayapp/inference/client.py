@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Protocol, get_args, runtime_checkabl
 
 import msgspec
 
-from rayapp.core.convert import InputError, check, convert, decode
+from rayapp.core.convert import InputError, check
 from rayapp.types import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # when SamplingParams.max_new_tokens is None; sglang's default too
@@ -102,13 +102,6 @@ def make_backend(kind: Backend | str, **kwargs: Any) -> InferenceBackend:
 
         return SGLangBackend(**kwargs)
     raise ValueError(f"unknown inference backend {kind!r}: expected one of {', '.join(map(repr, BACKENDS))}")
-
-
-def parse_request(obj: Any) -> GenerateRequest:
-    """A GenerateRequest from outside data (a dict, JSON bytes), with one error naming the path."""
-    if isinstance(obj, bytes | str):
-        return decode(obj, GenerateRequest, "generate request")
-    return convert(obj, GenerateRequest, "generate request")
 
 
 def validate_request(req: GenerateRequest, vocab_size: int | None = None) -> GenerateRequest:

@@ -62,7 +62,7 @@ def test_a_bad_dataset_value_names_the_dataset_and_the_field():
         resolve_stopping(G, StoppingCriteria(), sample({"max_turns": 0}, name="gsm8k"))
     with pytest.raises(CascadeError, match=r"\$\.dataset_cfg\.top_k: expected -1 \(off\) or int >= 1, got 0$"):
         build_sampling_params(GS, SamplingParams(), sample({"top_k": 0}))
-    with pytest.raises(CascadeError, match=r"\$\.dataset_cfg: expected an object of settings, got an array$"):
+    with pytest.raises(CascadeError, match=r"\$\.dataset_cfg: expected an object of settings, got an array of 1 item$"):
         build_sampling_params(GS, SamplingParams(), sample(["temperature"]))
 
 

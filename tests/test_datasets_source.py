@@ -160,7 +160,7 @@ def test_bad_rng_word_is_named():
     src = make()
     state = src.state_dict()
     state["rng"][1][5] = 2**32
-    with pytest.raises(ValueError, match=r"\$\.rng\[1\]\[5\]: expected int <= 4294967295, got 4294967296$"):
+    with pytest.raises(ValueError, match=r"\$\.rng\[1\]\[5\]: expected int >= 0 and <= 4294967295, got 4294967296$"):
         src.load_state_dict(state)
 
 

@@ -34,7 +34,7 @@ class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpu: Annotated[float, Meta(ge=0, le=FINITE, description="GPUs: 0 none, a share of one GPU in (0, 1], or a "
                                                             "whole number above 1 (all on one node)")] = 0.0
     concurrency: Annotated[int, Meta(ge=0, description="samples at once: a budget's cap, and what one sample "
-                                                       "counts against it (0: not counted)")] = 1
+                                                       "counts against it")] = 1  # 0: not counted
     cpu: Annotated[float, Meta(ge=0, le=FINITE, description="CPU cores")] = 0.0
     memory_gb: Annotated[float, Meta(ge=0, le=FINITE, description="memory, GB")] = 0.0
 
@@ -67,8 +67,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                                                     "(unset: 1.0)")] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling: the probability mass kept, "
                                                          "in (0, 1]")] | None = None
-    top_k: Annotated[int, Meta(ge=-1, description="sample among the k likeliest tokens; -1 = off (0 is "
-                                                  "rejected)")] | None = None
+    top_k: Annotated[int, Meta(ge=-1, description="sample among the k likeliest tokens; -1 = off")] | None = None
     max_new_tokens: Annotated[int, Meta(ge=1, description="most tokens generated per model turn (unset: 128, or "
                                                           "what max_context_len leaves)")] | None = None
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(description="strings that end a "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import pickle
 import sys
 from typing import Annotated, Any, Literal
 
@@ -76,6 +77,16 @@ def test_root_places_a_piece_and_error_keeps_the_callers_class() -> None:
     assert str(info.value) == 'recipe "r.yaml": $.evaluators[2].n: expected int >= 1, got 0'
     assert (info.value.source, info.value.path, info.value.reason) == (
         'recipe "r.yaml"', "$.evaluators[2].n", "expected int >= 1, got 0")
+
+
+def test_errors_pickle_as_they_cross_ray_calls() -> None:
+    from rayapp.core.cascade import CascadeError
+    from rayapp.core.layout import LayoutError
+    from rayapp.envs.datasets import DatasetError
+
+    for cls in (InputError, CascadeError, LayoutError, DatasetError):
+        e = pickle.loads(pickle.dumps(cls("src", "$.a", "why")))
+        assert type(e) is cls and str(e) == "src: $.a: why" and e.path == "$.a"
 
 
 def test_decode_json_and_msgpack() -> None:

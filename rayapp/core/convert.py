@@ -38,6 +38,9 @@ class InputError(ValueError):
         self.source, self.path, self.reason = source, path, reason
         super().__init__(f"{source}: {path}: {reason}" if path else f"{source}: {reason}")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # it crosses Ray calls: rebuilt from its parts, not its message
+        return type(self), (self.source, self.path, self.reason)
+
 
 def show(value: Any) -> str:
     """A short JSON-ish rendering of an offending value; never recurses, never fails."""

@@ -1,7 +1,8 @@
 """The data model shared by every layer (spec §2-§4), as msgspec Structs.
 
-Struct constructors do not type-check: whatever comes from outside (layouts, recipes, dataset rows,
-HTTP bodies) goes through ``msgspec.convert``/``decode`` first, as ``rayapp.core.layout`` does.
+The field annotations carry the bounds (``Meta(ge=...)``). Struct constructors do not check them:
+whatever comes from outside (layouts, recipes, dataset rows, saved state) goes through the one door,
+``rayapp.core.convert``, first, and code behind it trusts its types.
 Structs pickle, so they cross Ray calls as they are.
 """
 

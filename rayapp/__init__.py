@@ -13,7 +13,7 @@ from rayapp.core.batching import (
     longest_first_batching,
 )
 from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, resolve_stopping
-from rayapp.core.evaluator import Evaluator, Group
+from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.layout import LayoutError, parse_cluster_layout
 from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.pool import PlacementPool, PoolError, budget_tokens
@@ -81,7 +81,6 @@ __all__ = [
     "FailureClass",
     "FinishOnlyFilter",
     "FunctionAgent",
-    "Group",
     "LayoutError",
     "LocalProcessSandbox",
     "MultiDataSource",
@@ -99,6 +98,7 @@ __all__ = [
     "StoppingCriteria",
     "Task",
     "TaskConfig",
+    "TaskRun",
     "TaskScheduler",
     "Token",
     "ToolAgent",

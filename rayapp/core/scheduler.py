@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from rayapp.core.batching import BatchingStrategy, fifo_batching
 from rayapp.core.cascade import build_sampling_params, resolve_stopping
-from rayapp.core.evaluator import Evaluator, Group, OnTaskDone
+from rayapp.core.evaluator import Evaluator, OnTaskDone, TaskRun
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
 from rayapp.types import Batch, EvaluatorSpec, Resource, Sample, SamplingParams, StoppingCriteria, Task, Token
@@ -259,10 +259,10 @@ class TaskScheduler:
         metrics = eval_metrics(by_name, self.n_samples_per_eval_prompt)
         return EvalResult(rollout_id, metrics, by_name, state)
 
-    def _distribute(self, rollout_id: int, tasks: list[Task]) -> dict[int, Group]:
+    def _distribute(self, rollout_id: int, tasks: list[Task]) -> dict[int, TaskRun]:
         """One group of samples per task, with settings resolved now so a bad dataset config
         fails the step before anything runs."""
-        groups: dict[int, Group] = {}
+        groups: dict[int, TaskRun] = {}
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
@@ -273,7 +273,7 @@ class TaskScheduler:
                 for i in range(task.config.n_samples)
             ]
             spec = self._resolve_spec_id(task.evaluator_id)
-            groups[id(task)] = Group(
+            groups[id(task)] = TaskRun(
                 task, samples,
                 resolve_stopping(self.global_stopping, spec.default_stopping, samples[0]),
                 build_sampling_params(self.global_sampling, spec.default_sampling, samples[0]),
@@ -316,7 +316,7 @@ class TaskScheduler:
                     f"can only provide {pool_capacity} (per-sample resource {spec.sample_resource}); "
                     f"lower its batch_size or resource budget, or grow the cluster layout")
 
-    async def run_all(self, rollout_id: int, batches: list[Batch], groups: dict[int, Group],
+    async def run_all(self, rollout_id: int, batches: list[Batch], groups: dict[int, TaskRun],
                       on_task_done: OnTaskDone | None = None, phase: str = "rollout",
                       iteration: dict[str, Any] | None = None) -> None:
         if self.pool is not None:
@@ -344,7 +344,7 @@ class TaskScheduler:
             bar.close()
             st["phase"] = f"{phase} done" if st["tasks_done"] == n_tasks else f"{phase} failed"
 
-    async def _run_batch(self, rollout_id: int, batch: Batch, groups: dict[int, Group],
+    async def _run_batch(self, rollout_id: int, batch: Batch, groups: dict[int, TaskRun],
                          task_done: OnTaskDone, label: str, iteration: dict[str, Any] | None,
                          phase: str) -> None:
         spec = self._resolve_spec(batch)

@@ -34,7 +34,6 @@ from rayapp.types import Task, TaskConfig
 if TYPE_CHECKING:  # only the protocol's name: importing datasets must not start the sandbox package
     from rayapp.envs.sandboxes.base import Sandbox
 
-N_PROBLEMS = 164
 INSTRUCTION = ("Complete the following Python function. Reply with the whole function, including the "
                "signature, in one ```python code block.")
 

@@ -14,7 +14,7 @@ from rayapp.core.batching import (
 )
 from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, resolve_stopping
 from rayapp.core.clock import run_virtual
-from rayapp.core.evaluator import Evaluator, Group
+from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.layout import LayoutError, parse_cluster_layout
 from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.pool import HeldBatch, PlacementPool, PoolError, Reservations, budget_tokens
@@ -99,7 +99,6 @@ __all__ = [
     "FailureClass",
     "FinishOnlyFilter",
     "FunctionAgent",
-    "Group",
     "HeldBatch",
     "LayoutError",
     "LocalProcessSandbox",
@@ -123,6 +122,7 @@ __all__ = [
     "StoppingCriteria",
     "Task",
     "TaskConfig",
+    "TaskRun",
     "TaskScheduler",
     "TerminationReason",
     "Token",

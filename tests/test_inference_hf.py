@@ -22,7 +22,8 @@ import torch
 from conftest import refuse_network
 from safetensors.torch import load_file, save_file
 
-from rayapp.inference import FinishReason, GenerateRequest, InferenceBackend, make_backend, parse_request
+from rayapp.core.convert import convert
+from rayapp.inference import FinishReason, GenerateRequest, InferenceBackend, make_backend
 from rayapp.inference.hf import HFBackend, sample_next
 from rayapp.inference.tiny_model import (
     MANIFEST,
@@ -250,7 +251,7 @@ def test_chat_template_round_trip_and_assistant_mask(model_dir):
     (GenerateRequest([1], SamplingParams(temperature=float("nan"))), "temperature"),
     (GenerateRequest([1], SamplingParams(top_p=0.0)), "top_p"),
     (GenerateRequest([1], SamplingParams(top_p=1.5)), "top_p"),
-    (GenerateRequest([1], SamplingParams(top_k=0)), "top_k"),
+    (GenerateRequest([1], SamplingParams(temperature=float("inf"))), "temperature"),
     (GenerateRequest([1], SamplingParams(top_k=-2)), "top_k"),
     (GenerateRequest([1], SamplingParams(max_new_tokens=0)), "max_new_tokens"),
     (GenerateRequest([1], SamplingParams(stop=[""])), "stop"),
@@ -262,7 +263,15 @@ def test_bad_requests_raise_one_clear_value_error(backend, req, field):
     assert run(backend.health())["in_flight"] == 0
 
 
-def test_duplicate_request_id_and_parse_request(backend, prompt):
+def test_top_k_zero_is_rejected_where_the_params_are_made():
+    # -1 or >= 1 is a rule of the type: no SamplingParams with top_k 0 exists to reach a backend.
+    with pytest.raises(ValueError, match=r"\$\.top_k: expected -1 \(off\) or int >= 1, got 0"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match=r"^generate request: \$\.sampling\.top_k: expected -1 \(off\) or int >= 1"):
+        convert({"input_ids": [1], "sampling": {"top_k": 0}}, GenerateRequest, "generate request")
+
+
+def test_duplicate_request_id(backend, prompt):
     async def main():
         task = asyncio.create_task(backend.generate(long_request(prompt, rid="dup")))
         await wait_for_tokens(backend, "dup", 1)
@@ -272,9 +281,6 @@ def test_duplicate_request_id_and_parse_request(backend, prompt):
         return await task
 
     assert run(main()).finish_reason is FinishReason.ABORT
-    assert parse_request({"input_ids": [1, 2], "sampling": {"temperature": 0}}).sampling.temperature == 0
-    with pytest.raises(ValueError, match=r"\$.sampling.top_k"):
-        parse_request(b'{"input_ids": [1], "sampling": {"top_k": "x"}}')
 
 
 def test_sample_next_filters_and_reports_full_vocab_logprob():

@@ -6,11 +6,13 @@ import asyncio
 import json
 import os
 import sys
+import types
 
 import pytest
 
 from rayapp.core.termination import EngineConnectionError
 from rayapp.inference import FinishReason, GenerateRequest, make_backend
+from rayapp.inference import sglang as sglang_backend
 from rayapp.inference.sglang import SGLangBackend, from_sglang_output, to_sglang_request
 from rayapp.types import SamplingParams
 
@@ -135,7 +137,17 @@ class FakeEngine:
 
 def test_thin_class_over_a_stand_in_engine(monkeypatch):
     engine = FakeEngine()
-    backend = SGLangBackend.from_engine(engine, model_path="/models/m")
+    made = {}
+
+    def fake_engine(**kwargs):
+        made.update(kwargs)
+        return engine
+
+    # The real constructor builds the engine through sglang.Engine; a stand-in module hands it ours.
+    monkeypatch.setattr(sglang_backend, "_import_sglang", lambda: types.SimpleNamespace(Engine=fake_engine))
+    backend = SGLangBackend(model_path="/models/m", tp_size=2, attention_backend="triton")
+    assert made == {"model_path": "/models/m", "tp_size": 2, "mem_fraction_static": 0.8, "base_gpu_id": 0,
+                    "attention_backend": "triton"}
 
     async def main():
         out = await backend.generate(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=3), request_id="a"))

@@ -82,7 +82,7 @@ def test_gpu_order_is_kept() -> None:
 
 # (file name or None for inline, content, defaults, expected message with {src} for the source)
 MALFORMED = [
-    ("a.json", '{"10.0.0.3": {"gpus": [0], "cpu": "x"}}', (0, 0), '$.10.0.0.3.cpu: expected number, got "x"'),
+    ("a.json", '{"10.0.0.3": {"gpus": [0], "cpu": "x"}}', (0, 0), '$.10.0.0.3.cpu: expected float, got "x"'),
     (None, '{"a": [0, 1,]}', (0, 0), "malformed JSON: trailing comma in array (byte 12)"),
     (None, '{"a": [0] "b": [1]}', (0, 0), "malformed JSON: expected ',' or '}' (byte 10)"),
     (None, '{"a": [0]', (0, 0), "malformed JSON: input data was truncated"),
@@ -94,34 +94,34 @@ MALFORMED = [
         (0, 0),
         '$.a: unknown field "cpus" (expected gpus, cpu, memory_gb)',
     ),
-    (None, '{"a": {"gpus": [0], "cpu": -1}}', (0, 0), "$.a.cpu: expected a finite number >= 0, got -1"),
-    (None, '{"a": {"memory_gb": -0.5}}', (1, 0), "$.a.memory_gb: expected a finite number >= 0, got -0.5"),
-    (None, '{"a": {"cpu": 1e400}}', (0, 0), "$.a.cpu: expected a finite number >= 0, got inf"),
-    (None, '{"a": {"cpu": true}}', (0, 0), "$.a.cpu: expected number, got true"),
-    (None, '{"a": {"cpu": [4]}}', (0, 0), "$.a.cpu: expected number, got an array"),
+    (None, '{"a": {"gpus": [0], "cpu": -1}}', (0, 0), "$.a.cpu: expected finite float >= 0, got -1"),
+    (None, '{"a": {"memory_gb": -0.5}}', (1, 0), "$.a.memory_gb: expected finite float >= 0, got -0.5"),
+    (None, '{"a": {"cpu": 1e400}}', (0, 0), "$.a.cpu: expected finite float >= 0, got inf"),
+    (None, '{"a": {"cpu": true}}', (0, 0), "$.a.cpu: expected float, got true"),
+    (None, '{"a": {"cpu": [4]}}', (0, 0), "$.a.cpu: expected float, got an array of 1 item"),
     (None, '{"a": {"gpus": [0, 1, 0]}}', (0, 0), "$.a.gpus[2]: duplicate GPU id 0"),
     (None, '{"10.0.0.1": [2, 2]}', (0, 0), "$.10.0.0.1[1]: duplicate GPU id 2"),
-    (None, '{"a": [0, true]}', (0, 0), "$.a[1]: expected integer, got true"),
-    (None, '{"a": {"gpus": [1.0]}}', (0, 0), "$.a.gpus[0]: expected integer, got 1.0"),
-    (None, '{"a": ["0"]}', (0, 0), '$.a[0]: expected integer, got "0"'),
-    (None, '{"a": [-1]}', (0, 0), "$.a[0]: expected integer >= 0, got -1"),
-    (None, '{"a": {"gpus": 4}}', (0, 0), "$.a.gpus: expected a list of GPU ids, got 4"),
-    (None, '{"a": null}', (0, 0), "$.a: expected a list of GPU ids or an object, got null"),
-    (None, '{"a": 4}', (0, 0), "$.a: expected a list of GPU ids or an object, got 4"),
+    (None, '{"a": [0, true]}', (0, 0), "$.a[1]: expected int, got true"),
+    (None, '{"a": {"gpus": [1.0]}}', (0, 0), "$.a.gpus[0]: expected int, got 1.0"),
+    (None, '{"a": ["0"]}', (0, 0), '$.a[0]: expected int, got "0"'),
+    (None, '{"a": [-1]}', (0, 0), "$.a[0]: expected int >= 0, got -1"),
+    (None, '{"a": {"gpus": 4}}', (0, 0), "$.a.gpus: expected array, got 4"),
+    (None, '{"a": null}', (0, 0), "$.a: expected object | array, got null"),
+    (None, '{"a": 4}', (0, 0), "$.a: expected object | array, got 4"),
     (None, '{"": [0]}', (0, 0), '$: expected node names to be non-empty strings, got ""'),
     ("empty.json", "", (0, 0), "file is empty"),
     ("blank.json", " \n\t\n", (0, 0), "file is empty"),
-    ("list.json", "[[0, 1]]", (0, 0), "$: expected an object mapping node names to nodes, got an array"),
+    ("list.json", "[[0, 1]]", (0, 0), "$: expected an object mapping node names to nodes, got an array of 1 item"),
     ("str.json", '"127.0.0.1"', (0, 0), '$: expected an object mapping node names to nodes, got "127.0.0.1"'),
     (None, "{}", (0, 0), "$: expected at least one node, got {}"),
     (None, '{"a": []}', (0, 0), "$.a: node offers nothing (no gpus, cpu 0, memory_gb 0)"),
     (None, '{"a": {"gpus": [], "cpu": 0}}', (0, 0), "$.a: node offers nothing (no gpus, cpu 0, memory_gb 0)"),
-    (None, SHORT, (-1, 0), "--env-num-cpus: expected a finite number >= 0, got -1"),
-    (None, SHORT, (0, float("nan")), "--env-memory-gb: expected a finite number >= 0, got nan"),
-    (None, SHORT, (float("inf"), 0), "--env-num-cpus: expected a finite number >= 0, got inf"),
-    (None, SHORT, (True, 0), "--env-num-cpus: expected number, got true"),
-    (None, SHORT, (10**400, 0), "--env-num-cpus: expected a finite number >= 0, got a very large integer"),
-    (None, SHORT, (0, "8"), '--env-memory-gb: expected number, got "8"'),
+    (None, SHORT, (-1, 0), "--env-num-cpus: expected finite float >= 0, got -1"),
+    (None, SHORT, (0, float("nan")), "--env-memory-gb: expected finite float >= 0, got nan"),
+    (None, SHORT, (float("inf"), 0), "--env-num-cpus: expected finite float >= 0, got inf"),
+    (None, SHORT, (True, 0), "--env-num-cpus: expected float, got true"),
+    (None, SHORT, (10**400, 0), "--env-num-cpus: expected finite float >= 0, got a very large integer"),
+    (None, SHORT, (0, "8"), '--env-memory-gb: expected float, got "8"'),
 ]
 
 
@@ -140,14 +140,14 @@ def test_malformed_gives_one_exact_error(
 @pytest.mark.parametrize(
     ("value", "reason"),
     [
-        ({"a": {"cpu": float("nan")}}, "$.a.cpu: expected a finite number >= 0, got nan"),
-        ({"a": {"memory_gb": float("inf")}}, "$.a.memory_gb: expected a finite number >= 0, got inf"),
-        ({"a": {1: 2}}, "$.a: unknown field 1 (expected gpus, cpu, memory_gb)"),
+        ({"a": {"cpu": float("nan")}}, "$.a.cpu: expected finite float >= 0, got nan"),
+        ({"a": {"memory_gb": float("inf")}}, "$.a.memory_gb: expected finite float >= 0, got inf"),
+        ({"a": {1: 2}}, "$.a: expected str key, got 1"),
         ({7: [0]}, "$: expected node names to be non-empty strings, got 7"),
-        ({"a": [False]}, "$.a[0]: expected integer, got false"),
-        ({"a": {"cpu": 10**400}}, "$.a.cpu: expected a finite number >= 0, got a very large integer"),
+        ({"a": [False]}, "$.a[0]: expected int, got false"),
+        ({"a": {"cpu": 10**400}}, "$.a.cpu: expected finite float >= 0, got a very large integer"),
         ({"a\nb": [0, 0]}, '$."a\\nb"[1]: duplicate GPU id 0'),
-        ([["a", [0]]], "$: expected an object mapping node names to nodes, got an array"),
+        ([["a", [0]]], "$: expected an object mapping node names to nodes, got an array of 1 item"),
         (42, "$: expected an object mapping node names to nodes, got 42"),
         ('{"a": ' + "[" * 100_000, "malformed JSON: nested too deeply"),
         ('{"\ud800": [0]}', "malformed JSON: surrogates not allowed (character 2)"),
@@ -193,7 +193,7 @@ def test_source_name_replaces_the_source_and_defaults_are_checked_without_layout
     )
     with pytest.raises(LayoutError) as info:
         parse_cluster_layout(None, default_cpus=-2)
-    assert str(info.value) == "cluster layout: --env-num-cpus: expected a finite number >= 0, got -2"
+    assert str(info.value) == "cluster layout: --env-num-cpus: expected finite float >= 0, got -2"
 
 
 # --- properties -----------------------------------------------------------------------------------

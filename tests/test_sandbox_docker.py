@@ -1,4 +1,4 @@
-"""DockerSandbox (issue 4). The engine tests need a Docker engine and an image with python3
+"""DockerSandbox. The engine tests need a Docker engine and an image with python3
 (``RAYAPP_SANDBOX_IMAGE``, default ``python:3.11-slim``, used only if already pulled); without them they
 skip with ``docker_available()``'s reason. The command line, path checks and engine-error mapping are
 checked everywhere, with no engine.

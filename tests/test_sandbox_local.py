@@ -1,4 +1,4 @@
-"""LocalProcessSandbox isolation (issue 4): folder, user, limits, process-group kill, network, env, faults.
+"""LocalProcessSandbox isolation: folder, user, limits, process-group kill, network, env, faults.
 
 Commands that try to escape are real (a fork bomb, a CPU spin, a 2 GB allocation, writes to /etc),
 each bounded by a short limit so the suite stays quick and the machine healthy. Leftover processes

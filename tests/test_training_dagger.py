@@ -2,6 +2,7 @@
 t_max_step guard, the eval rule for β, and flag parsing."""
 
 import argparse
+import math
 
 import pytest
 from hypothesis import given
@@ -73,7 +74,8 @@ T_MAX_TABLE = [
 @pytest.mark.parametrize(("start", "end", "step", "expected", "ramp_iters"), T_MAX_TABLE)
 def test_t_max_ramp(start, end, step, expected, ramp_iters):
     s = DAggerSchedule(t_max_start=start, t_max_end=end, t_max_step=step)
-    assert s.t_max_ramp_iters == ramp_iters
+    if step:  # t_max first reaches its end after ramp_iters iterations
+        assert s.t_max(ramp_iters) == end and s.t_max(ramp_iters - 1) != end
     for t, t_max in expected.items():
         value = s.t_max(t)
         assert value == t_max and isinstance(value, int), f"t={t}"
@@ -101,7 +103,7 @@ def test_t_max_moves_monotonically_to_its_end(start, end, step, t):
     now, nxt = s.t_max(t), s.t_max(t + 1)
     assert min(start, end) <= now <= max(start, end)
     assert (nxt >= now) if end >= start else (nxt <= now)
-    assert s.t_max(s.t_max_ramp_iters) == end
+    assert s.t_max(math.ceil(abs(end - start) / step)) == end  # the ramp ends after |end - start| / step steps
 
 
 def test_state_and_env_with_the_ramp_on():

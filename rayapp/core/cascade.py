@@ -5,7 +5,8 @@ specific set value winning: the global setting, then the spec's default, then th
 override carried in ``sample.metadata["_dataset_cfg"]`` (set by the data source). ``None`` at a
 level means "not set here". A dataset's config is a flat mapping; only the keys that name a field
 of StoppingCriteria or SamplingParams take part, the rest (weights, paths, ...) belong to the data
-source. Values are validated, and a bad one names the dataset and the field.
+source. Values go through the one door (``rayapp.core.convert``): a bad one is a ``CascadeError``
+naming the dataset and the field (``dataset 'gsm8k': $.dataset_cfg.max_turns: expected int >= 1, got 0``).
 """
 
 from __future__ import annotations
@@ -14,40 +15,37 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from rayapp.core.convert import InputError, convert, show
 from rayapp.types import Sample, SamplingParams, StoppingCriteria
 
 S = TypeVar("S", StoppingCriteria, SamplingParams)
 
 
-class CascadeError(ValueError):
-    pass
+class CascadeError(InputError):
+    """A per-dataset setting that does not fit its field, or a cascade with nothing to overlay."""
 
 
 def cascade(*levels: S | None) -> S:
     """Overlay ``levels`` left to right: each set (non-None) field replaces the one below."""
     present = [lvl for lvl in levels if lvl is not None]
     if not present:
-        raise CascadeError("cascade needs at least one level")
+        raise CascadeError("cascade", None, "needs at least one level")
     merged: dict[str, Any] = {}
     for level in present:
         merged.update({k: v for k, v in msgspec.structs.asdict(level).items() if v is not None})
     return type(present[0])(**merged)
 
 
-def dataset_override(cls: type[S], dataset_cfg: dict[str, Any] | None, where: str = "dataset") -> S | None:
-    """The fields of ``cls`` that a dataset's config sets, validated; None when it sets none."""
+def dataset_override(cls: type[S], dataset_cfg: Any, where: str = "dataset") -> S | None:
+    """The fields of ``cls`` that a dataset's config sets, through the door (``where``: $.dataset_cfg.field:
+    reason); None when it sets none."""
     if not dataset_cfg:
         return None
     if not isinstance(dataset_cfg, dict):
-        raise CascadeError(f"{where}: _dataset_cfg must be a mapping, got {type(dataset_cfg).__name__}")
-    names = {f.name for f in msgspec.structs.fields(cls)}
+        raise CascadeError(where, "$.dataset_cfg", f"expected an object of settings, got {show(dataset_cfg)}")
+    names = cls.__struct_fields__
     picked = {k: v for k, v in dataset_cfg.items() if k in names}
-    if not picked:
-        return None
-    try:
-        return msgspec.convert(picked, cls)
-    except msgspec.ValidationError as e:
-        raise CascadeError(f"{where}: {cls.__name__}: {e}") from None
+    return convert(picked, cls, where, root="$.dataset_cfg", error=CascadeError) if picked else None
 
 
 def _where(sample: Sample) -> str:

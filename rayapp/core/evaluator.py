@@ -48,8 +48,9 @@ DUMMY_TOKENS = [0, 0]  # the aborted sample's stand-in: one "prompt" and one mas
 
 
 @dataclass
-class Group:
-    """One task's samples and the settings the cascade resolved for them."""
+class TaskRun:
+    """One task run: its samples (the task's group, as the spec and the filters mean it) and the
+    settings the cascade resolved for them."""
 
     task: Task
     samples: list[Sample]
@@ -128,18 +129,18 @@ class Evaluator:
             for t in tokens:
                 self._local.put_nowait(t)
 
-    async def run(self, groups: list[Group]) -> None:
+    async def run(self, groups: list[TaskRun]) -> None:
         """Run every group's samples concurrently; fills the samples in place."""
         await asyncio.gather(*(self._run_group(g) for g in groups))
 
-    async def _run_group(self, group: Group) -> None:
+    async def _run_group(self, group: TaskRun) -> None:
         await asyncio.gather(*(self._execute_sample(s, group) for s in group.samples))
         if self.on_task_done is not None:
             done = self.on_task_done(group.task, group.samples)
             if inspect.isawaitable(done):
                 await done
 
-    async def _execute_sample(self, sample: Sample, group: Group) -> None:
+    async def _execute_sample(self, sample: Sample, group: TaskRun) -> None:
         async with self._sem:
             token = await self._local.get() if self._local is not None else None
             ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step)

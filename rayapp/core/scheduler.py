@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from rayapp.core.batching import BatchingStrategy, fifo_batching
 from rayapp.core.cascade import build_sampling_params, resolve_stopping
 from rayapp.core.clock import loop_time
-from rayapp.core.evaluator import Evaluator, Group
+from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
 from rayapp.types import (
@@ -252,10 +252,10 @@ class TaskScheduler:
         metrics = eval_metrics(by_name, self.config.n_samples_per_eval_prompt)
         return EvalResult(rollout_id, metrics, by_name, state)
 
-    def _distribute(self, rollout_id: int, tasks: list[Task]) -> list[Group]:
+    def _distribute(self, rollout_id: int, tasks: list[Task]) -> list[TaskRun]:
         """One group of samples per fetched task, by fetch index, with settings resolved now so a bad
         dataset config fails the step before anything runs."""
-        groups: list[Group] = []
+        groups: list[TaskRun] = []
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
@@ -266,7 +266,7 @@ class TaskScheduler:
                 for i in range(task.config.n_samples)
             ]
             spec = self._resolve_spec_id(task.evaluator_id)
-            groups.append(Group(
+            groups.append(TaskRun(
                 task, samples,
                 resolve_stopping(self.config.global_stopping, spec.default_stopping, samples[0]),
                 build_sampling_params(self.config.global_sampling, spec.default_sampling, samples[0]),
@@ -329,7 +329,7 @@ class TaskScheduler:
                     f"lower its batch_size or resource budget, or grow the cluster layout")
 
     async def run_all(self, kind: StepKind, rollout_id: int, plan: list[tuple[Batch, list[int]]],
-                      groups: list[Group], group_done: Callable[[int], Awaitable[None]],
+                      groups: list[TaskRun], group_done: Callable[[int], Awaitable[None]],
                       iteration: dict[str, Any] | None = None) -> None:
         """Run every batch of ``plan`` (batches with their groups' indices); ``group_done(i)`` after
         group ``i`` finished. One failing batch or callback cancels the rest and fails the step."""
@@ -363,7 +363,7 @@ class TaskScheduler:
         finally:
             bar.close()
 
-    async def _run_batch(self, kind: StepKind, rollout_id: int, batch: Batch, groups: list[Group],
+    async def _run_batch(self, kind: StepKind, rollout_id: int, batch: Batch, groups: list[TaskRun],
                          indices: list[int], finished: Callable[[int], Awaitable[None]], label: str,
                          iteration: dict[str, Any] | None) -> None:
         spec = self._resolve_spec(batch)
@@ -377,7 +377,7 @@ class TaskScheduler:
         try:
             evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, iteration=iteration, step=kind)
 
-            async def run_group(group: Group, i: int) -> None:
+            async def run_group(group: TaskRun, i: int) -> None:
                 await evaluator.run([group])
                 await finished(i)
 

@@ -16,7 +16,6 @@ from rayapp.inference.client import (
     GenerateRequest,
     InferenceBackend,
     make_backend,
-    parse_request,
     validate_request,
 )
 
@@ -38,6 +37,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BACKENDS", "DEFAULT_MAX_NEW_TOKENS", "FinishReason", "GenerateOutput", "GenerateRequest", "HFBackend",
-    "InferenceBackend", "SGLangBackend", "ensure_tiny_model", "load_tokenizer", "make_backend", "parse_request",
+    "InferenceBackend", "SGLangBackend", "ensure_tiny_model", "load_tokenizer", "make_backend",
     "validate_request",
 ]

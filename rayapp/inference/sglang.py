@@ -141,16 +141,6 @@ class SGLangBackend:
             engine = RayEngine(placement_group=placement_group, **kwargs)
         else:
             engine = sglang.Engine(**kwargs)
-        self._attach(engine, model_path, request_timeout_s)
-
-    @classmethod
-    def from_engine(cls, engine: Any, model_path: str = "", request_timeout_s: float = 600.0) -> SGLangBackend:
-        """Wrap an engine built elsewhere (a custom launch; a stand-in in tests)."""
-        backend = cls.__new__(cls)
-        backend._attach(engine, model_path, request_timeout_s)
-        return backend
-
-    def _attach(self, engine: Any, model_path: str, request_timeout_s: float) -> None:
         self._engine, self.model_path, self.request_timeout_s = engine, model_path, request_timeout_s
         self._in_flight: set[str] = set()
         self._version = 0

@@ -143,13 +143,6 @@ class DAggerSchedule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def effective_step_gamma(self) -> float:
         return self.gamma if self.step_gamma is None else self.step_gamma
 
-    @property
-    def t_max_ramp_iters(self) -> int:
-        """Iterations until t_max reaches t_max_end (0 when the ramp is off)."""
-        if self.t_max_step == 0:
-            return 0
-        return math.ceil(abs(self.t_max_end - self.t_max_start) / self.t_max_step)
-
     def beta(self, iteration: int) -> float:
         t = _check_iteration(iteration)
         start, end = float(self.beta_start), float(self.beta_end)

@@ -1,4 +1,4 @@
-"""Datasets and data sources (issue 4): MultiDataSource, validated row loading, and the built-in
+"""Datasets and data sources: MultiDataSource, validated row loading, and the built-in
 math and HumanEval environments. See each module's docstring for the guarantees it keeps."""
 
 from rayapp.envs.datasets.rows import DatasetError, decode_rows, load_jsonl

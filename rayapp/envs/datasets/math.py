@@ -11,8 +11,6 @@ Guarantees:
   decimal point removed, ``-0`` is ``0``) or None when there is none.
 - ``verify`` scores 1.0 exactly when the normalised extracted answer equals the normalised label;
   it never raises on a malformed response (no answer is a wrong answer).
-- ``load_math_jsonl`` validates user rows ``{id, question, answer}`` at load time (one DatasetError
-  naming the dataset, line and field; ids must be unique).
 """
 
 from __future__ import annotations
@@ -21,13 +19,7 @@ import random
 import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from pathlib import Path
-from typing import Annotated, Any
 
-import msgspec
-
-from rayapp.envs.datasets.rows import load_jsonl
-from rayapp.envs.datasets.source import DatasetSpec
 from rayapp.types import AgentResult, Sample, Task, TaskConfig
 
 INSTRUCTION = "Solve the problem. End your reply with 'The answer is N.' where N is the final number."
@@ -109,11 +101,6 @@ def _prompt(question: str, instruction: str | None) -> str:
     return f"{question}\n{instruction}" if instruction else question
 
 
-def math_dataset(name: str = "math", n: int = 256, seed: int = 0, **spec: Any) -> DatasetSpec:
-    """A generated dataset for MultiDataSource; ``spec`` goes to DatasetSpec (weight, dataset_cfg, ...)."""
-    return DatasetSpec(name, lambda: generate_problems(n, seed), **spec)
-
-
 # ---------------------------------------------------------------------------------------------- answers
 
 # A minus sign counts only when no word character precedes it, so "3-5" reads 5 but "x = -5" reads -5.
@@ -175,24 +162,3 @@ def verify(sample: Sample, result: AgentResult) -> dict[str, float]:
     """Exact match after normalisation; the label is the reference answer (str or number)."""
     got = extract_answer(result.response)
     return {"score": 1.0 if got is not None and got == normalize(str(sample.label)) else 0.0}
-
-
-# ---------------------------------------------------------------------------------------------- user data
-
-NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
-
-
-class MathRow(msgspec.Struct):
-    """One user problem; extra fields are allowed and ignored (sources often carry provenance)."""
-
-    id: NonEmpty | int
-    question: NonEmpty
-    answer: NonEmpty | int | float
-
-
-def load_math_jsonl(path: str | Path, name: str = "math", *, task_type: str = "math", n_samples: int = 1,
-                    instruction: str | None = INSTRUCTION) -> list[Task]:
-    """Tasks from a JSONL file of ``{id, question, answer}`` rows, validated at load time."""
-    rows = load_jsonl(path, name, MathRow, unique="id")
-    return [Task(f"{name}-{r.id}", _prompt(r.question, instruction), TaskConfig(task_type, n_samples=n_samples),
-                 label=normalize(str(r.answer)), metadata={"question": r.question}) for r in rows]

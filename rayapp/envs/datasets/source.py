@@ -1,4 +1,4 @@
-"""MultiDataSource: weighted draws over several datasets, resumable exactly (spec §2, issue 4).
+"""MultiDataSource: weighted draws over several datasets, resumable exactly (spec §2).
 
 Guarantees:
 
@@ -17,7 +17,7 @@ Guarantees:
   are never mutated, so a consumer editing a task changes nothing here.
 - ``state_dict()`` is plain JSON-able data (seed, RNG state as lists, per-dataset epoch and cursor);
   ``load_state_dict(state)`` makes the stream continue exactly where the saved one would have, also
-  after a JSON round-trip. A bad state raises one ValueError naming the field and changes nothing.
+  after a JSON round-trip. A bad state raises one InputError naming the field and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
+from msgspec import Meta
 
 from rayapp.core.cascade import dataset_override
-from rayapp.envs.datasets.rows import describe_error
+from rayapp.core.convert import InputError, convert
 from rayapp.types import SamplingParams, StoppingCriteria, Task
 
-STATE_VERSION = 1
+_Version = Literal[1]
+STATE_VERSION: int = get_args(_Version)[0]
 _MT_WORDS = 624  # Mersenne Twister state words; getstate() adds the position as a 625th
 
 
@@ -100,25 +102,27 @@ def _check_spec(spec: DatasetSpec) -> None:
     dataset_override(SamplingParams, spec.dataset_cfg, where)
 
 
+_Word = Annotated[int, Meta(ge=0, le=2**32 - 1)]
+_SOURCE = "data source state"
+
+
 class _DatasetState(msgspec.Struct, forbid_unknown_fields=True):
-    epoch: int
-    cursor: int
+    epoch: Annotated[int, Meta(ge=0)]
+    cursor: Annotated[int, Meta(ge=0)]
     size: int
 
 
 class _State(msgspec.Struct, forbid_unknown_fields=True):
-    version: int
+    version: _Version
     seed: int
-    rng: tuple[int, list[int], float | None]
+    # CPython's Random state since 3.2: version 3, the Mersenne Twister words + the position, gauss_next.
+    rng: tuple[Literal[3], Annotated[list[_Word], Meta(min_length=_MT_WORDS + 1, max_length=_MT_WORDS + 1)],
+               float | None]
     datasets: dict[str, Any]  # converted per name below: msgspec would name a bad key only as [...]
 
-
-def _convert(value: Any, cls: type[Any], at: str) -> Any:
-    try:
-        return msgspec.convert(value, cls)
-    except msgspec.ValidationError as e:
-        path, msg = describe_error(e)
-        raise ValueError(f"data source state: {at}{path[1:]}: {msg}") from None
+    def __post_init__(self) -> None:
+        if self.rng[1][-1] > _MT_WORDS:
+            raise ValueError(f"$.rng[1][{_MT_WORDS}]: expected a position <= {_MT_WORDS}, got {self.rng[1][-1]}")
 
 
 class MultiDataSource:
@@ -199,37 +203,23 @@ class MultiDataSource:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream a ``state_dict()`` saved. The state's seed wins over the constructor's:
         the per-epoch orders derive from it, so adopting it is what makes the restore exact."""
-        st = _convert(state, _State, "$")
-        per_name = {name: _convert(ds, _DatasetState, f"$.datasets.{name}") for name, ds in st.datasets.items()}
-        if st.version != STATE_VERSION:
-            raise ValueError(f"data source state: $.version: expected {STATE_VERSION}, got {st.version}")
-        rng_version, internal, _ = st.rng
-        if rng_version != 3:  # the only state layout CPython's Random has used since 3.2
-            raise ValueError(f"data source state: $.rng[0]: expected 3, got {rng_version}")
-        if len(internal) != _MT_WORDS + 1:
-            raise ValueError(f"data source state: $.rng[1]: expected {_MT_WORDS + 1} ints, got {len(internal)}")
-        for j, w in enumerate(internal[:_MT_WORDS]):
-            if not 0 <= w < 2**32:
-                raise ValueError(f"data source state: $.rng[1][{j}]: expected a 32-bit unsigned int, got {w}")
-        if not 0 <= internal[-1] <= _MT_WORDS:
-            raise ValueError(f"data source state: $.rng[1][{_MT_WORDS}]: position must be in 0..{_MT_WORDS}, "
-                             f"got {internal[-1]}")
+        st = convert(state, _State, _SOURCE)
         if set(st.datasets) != set(self.names):
             missing, extra = sorted(set(self.names) - set(st.datasets)), sorted(set(st.datasets) - set(self.names))
-            raise ValueError(f"data source state: $.datasets: names do not match this source "
-                             f"(missing {missing}, unknown {extra})")
-        sizes = self.sizes()
-        for name, ds in per_name.items():
-            at = f"data source state: $.datasets.{name}"
-            if ds.size != sizes[name]:
-                raise ValueError(f"{at}.size: saved with {ds.size} rows, this source has {sizes[name]}")
-            if ds.epoch < 0:
-                raise ValueError(f"{at}.epoch: must be >= 0, got {ds.epoch}")
-            if not 0 <= ds.cursor <= ds.size:
-                raise ValueError(f"{at}.cursor: must be in 0..{ds.size}, got {ds.cursor}")
+            raise InputError(_SOURCE, "$.datasets", f"names do not match this source (missing {missing}, "
+                                                    f"unknown {extra})")
+        per_name = {name: convert(ds, _DatasetState, _SOURCE, root=f"$.datasets.{name}")
+                    for name, ds in st.datasets.items()}
+        for name, size in self.sizes().items():
+            ds = per_name[name]
+            if ds.size != size:
+                raise InputError(_SOURCE, f"$.datasets.{name}.size",
+                                 f"saved with {ds.size} rows, this source has {size}")
+            if ds.cursor > ds.size:
+                raise InputError(_SOURCE, f"$.datasets.{name}.cursor", f"must be in 0..{ds.size}, got {ds.cursor}")
         # Everything checked: only now change anything.
         rng = random.Random()
-        rng.setstate((rng_version, tuple(internal), st.rng[2]))
+        rng.setstate((st.rng[0], tuple(st.rng[1]), st.rng[2]))
         self._rng, self.seed = rng, st.seed
         for i, name in enumerate(self.names):
             self._epoch[i], self._cursor[i] = per_name[name].epoch, per_name[name].cursor

@@ -1,4 +1,4 @@
-"""The mini-SWE environment: small repositories with one failing test each, fixed by an agent (issue 4).
+"""The mini-SWE environment: small repositories with one failing test each, fixed by an agent.
 
 Each repository is package data under ``swe_repos/<name>/``: its source, its ``unittest`` tests and
 a ``task.json`` (``id``, ``issue``, ``test_command``, ``failing_test``, ``gold_patch``). The agent
@@ -12,7 +12,6 @@ Guarantees:
   (``swe repo 'todo' (".../todo/task.json"): $.failing_test: expected str, got int``). Ids are
   unique, ``failing_test`` names a test module the repository has, and ``gold_patch`` paths are
   relative paths inside the repository that do not touch its tests or ``task.json``.
-- ``swe_dataset`` hands the repositories to a MultiDataSource, which orders, mixes and resumes them.
 - ``prepare_repo`` writes the repository's files into the sandbox: never ``task.json``, so the
   agent cannot read the gold patch.
 - ``verify_swe`` first rewrites the shipped test files (removing whatever the agent left in their
@@ -31,9 +30,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from rayapp.core.convert import decode
 from rayapp.core.termination import SandboxError
-from rayapp.envs.datasets.rows import DatasetError, describe_error
-from rayapp.envs.datasets.source import DatasetSpec
+from rayapp.envs.datasets.rows import DatasetError
 from rayapp.envs.sandboxes.base import Sandbox
 from rayapp.types import Task, TaskConfig
 
@@ -101,15 +100,11 @@ def load_repo(name: str, root: str | Path | None = None) -> SweRepo:
         raw = task_path.read_bytes()
         files = _repo_files(folder)
     except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{where}: cannot read: {e}") from None
-    try:
-        task = msgspec.json.decode(raw, type=SweTaskFile)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        path, msg = describe_error(e)
-        raise DatasetError(f"{where}: {path}: {msg}") from None
+        raise DatasetError(where, None, f"cannot read: {e}") from None
+    task = decode(raw, SweTaskFile, where, error=DatasetError)
     problem = _check_task(task, files)
     if problem is not None:
-        raise DatasetError(f"{where}: {problem[0]}: {problem[1]}")
+        raise DatasetError(where, *problem)
     return SweRepo(name, task, files)
 
 
@@ -122,13 +117,13 @@ def repo_names(root: str | Path | None = None) -> list[str]:
 def load_repos(root: str | Path | None = None) -> list[SweRepo]:
     names = repo_names(root)
     if not names:
-        raise DatasetError(f"swe: no repositories (no */{TASK_FILE}) under {str(root or REPOS_DIR)!r}")
+        raise DatasetError("swe", None, f"no repositories (no */{TASK_FILE}) under {str(root or REPOS_DIR)!r}")
     repos = [load_repo(n, root) for n in names]
     seen: dict[str, str] = {}
     for r in repos:
         if r.task.id in seen:
-            raise DatasetError(f"swe repo {r.name!r} ({str(Path(root or REPOS_DIR) / r.name / TASK_FILE)!r}): "
-                               f"$.id: duplicate value {r.task.id!r} (also in repo {seen[r.task.id]!r})")
+            raise DatasetError(f"swe repo {r.name!r} ({str(Path(root or REPOS_DIR) / r.name / TASK_FILE)!r})",
+                               "$.id", f"duplicate value {r.task.id!r} (also in repo {seen[r.task.id]!r})")
         seen[r.task.id] = r.name
     return repos
 
@@ -157,11 +152,6 @@ def repo_task(repo: SweRepo, task_type: str = "swe", n_samples: int = 1, task_id
 def load_swe_tasks(task_type: str = "swe", n_samples: int = 1, *, root: str | Path | None = None) -> list[Task]:
     """One task per repository, in name order, ids from task.json."""
     return [repo_task(r, task_type, n_samples) for r in load_repos(root)]
-
-
-def swe_dataset(name: str = "swe", **spec: Any) -> DatasetSpec:
-    """The repositories as a MultiDataSource dataset; ``spec`` goes to DatasetSpec (weight, dataset_cfg, ...)."""
-    return DatasetSpec(name, lambda: load_swe_tasks(), **spec)
 
 
 # ---------------------------------------------------------------------------------------------- sandbox side

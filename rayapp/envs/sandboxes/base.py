@@ -1,4 +1,4 @@
-"""The sandbox interface agents and verifiers act through (issue 4).
+"""The sandbox interface agents and verifiers act through.
 
 A sandbox is one isolated working folder with a command runner. Every call is bounded in time.
 Faults surface as the core's exception types, so ``classify_abort`` reads them: a command that runs

@@ -215,14 +215,16 @@ class Placement(msgspec.Struct):
 
 
 class TurnRecord(msgspec.Struct, omit_defaults=True):
-    """One model turn: which engine answered and where the episode's token sat (``node`` and
-    ``gpu_ids`` are unset without a token); ``actor`` only in a DAgger roll-in."""
+    """One model turn: which engine answered, how long the call took (``engine_s``, seconds on the
+    episode's event-loop clock) and where the episode's token sat (``node`` and ``gpu_ids`` are unset
+    without a token); ``actor`` only in a DAgger roll-in."""
 
     turn: int
     engine: str
     node: str | None = None
     gpu_ids: list[int] | None = None
     actor: Actor | None = None
+    engine_s: float | None = None
 
 
 class DaggerLabel(msgspec.Struct):
@@ -321,11 +323,13 @@ class EpisodeContext(msgspec.Struct):
     _kept: dict[str, Any] = {}
     _exits: AsyncExitStack = msgspec.field(default_factory=AsyncExitStack)
 
-    def record_turn(self, turn: int, engine: str, actor: Actor | None = None) -> None:
-        """Count model turn ``turn`` as done and record who answered it, and where."""
+    def record_turn(self, turn: int, engine: str, actor: Actor | None = None, *,
+                    engine_s: float | None = None) -> None:
+        """Count model turn ``turn`` as done and record who answered it, where, and how long the
+        engine took (``engine_s``)."""
         self.record.turns = turn
         where = (self.token.node, list(self.token.gpu_ids)) if self.token is not None else (None, None)
-        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor))
+        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s))
 
     def keep(self, name: str, resource: R, close: Callable[[], Awaitable[Any]]) -> R:
         """Hold ``resource`` under ``name`` until the episode ends; ``close()`` is awaited then."""

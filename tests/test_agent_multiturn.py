@@ -9,6 +9,7 @@ from conftest import run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rayapp.core.clock import run_virtual
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.agents.tools import calculator, parse_tool_call
 from rayapp.envs.arithmetic import verify
@@ -117,12 +118,24 @@ def test_token_data_invariants_hold_for_every_episode(tok, model_dir, script, ma
     assert result.truncated == (result.termination_reason != "stop")
 
 
+def taking(engine, seconds):
+    """``engine``, each call of which first takes the next of ``seconds`` on the loop's clock."""
+    real, left = engine.generate, list(seconds)
+
+    async def generate(req, timeout_s=None):
+        await asyncio.sleep(left.pop(0))
+        return await real(req, timeout_s)
+
+    engine.generate = generate
+    return engine
+
+
 def test_a_tool_call_round_trip_and_the_final_answer(tok, model_dir):
-    engine = recording(ScriptedEngine(tok, model_dir, [CALL, "The answer is 4."]))
+    engine = recording(taking(ScriptedEngine(tok, model_dir, [CALL, "The answer is 4."]), [2.5, 0.75]))
     s = sample()
     token = Token(3, "node-a", (1,), 0.25, 1.0, 1.0)
     c = ctx(token=token)
-    result = run(ToolAgent(engine, verify).run(s, c))
+    result = run_virtual(ToolAgent(engine, verify).run(s, c))  # virtual time: each turn's engine time is exact
     assert result.termination_reason == "stop" and not result.truncated and result.turns == 2
     assert verify(s, result) == {"score": 1.0}
     # the second request saw the tool's answer, as environment tokens
@@ -130,7 +143,8 @@ def test_a_tool_call_round_trip_and_the_final_answer(tok, model_dir):
     assert '"result": "4"' in second_prompt and "<|tool|>" in second_prompt
     assert [t.node for t in c.record.turn_records] == ["node-a", "node-a"]
     assert c.record.to_metadata()["_turn_placement"] == [
-        {"turn": i, "engine": "scripted", "node": "node-a", "gpu_ids": [1]} for i in (1, 2)]
+        {"turn": i, "engine": "scripted", "node": "node-a", "gpu_ids": [1], "engine_s": t}
+        for i, t in ((1, 2.5), (2, 0.75))]
 
 
 def test_a_turn_ends_at_its_tool_call_so_nothing_after_it_is_trained_on(tok, model_dir):

@@ -6,8 +6,9 @@ Files under ``{root}/eval_details/``, one set per iteration ``id``:
   termination_reason, failure_class, turns, prompt_tokens, response_tokens, remove_sample, abort,
   response`` (``abort`` is the evaluator's ``_abort`` record, null for samples that did not abort).
 - ``{id}.placement.jsonl``: one object per model turn, from ``sample.metadata["_turn_placement"]``:
-  ``dataset, task_id, index, turn, node, gpu_ids, engine`` plus any other keys the agent recorded
-  (node and GPUs fall back to the sample's token when the turn did not name them).
+  ``dataset, task_id, index, turn, node, gpu_ids, engine`` plus what else the turn's record holds
+  (``engine_s``: seconds the engine call took; ``actor`` in a DAgger roll-in); node and GPUs fall
+  back to the sample's token when the turn did not name them.
 - ``{id}.summary.json``: ``rollout_id, kind="eval", n_samples, failure_classes`` (the eight of
   ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, and ``metrics``.
 - ``train_{id}.summary.json``: the same for a rollout step, ``kind="train"``, plus ``n_groups`` and

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
 from rayapp.envs.agents.base import BaseAgent
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
@@ -70,10 +71,11 @@ class ChatAgent(BaseAgent):
                                    termination_reason=TerminationReason.MAX_CONTEXT_LEN, truncated=True)
             cap = min(room, sampling.max_new_tokens or room)
             sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
+        started = loop_time()
         out = await self.engine.generate(GenerateRequest(prompt_ids, sampling, stop_token_ids=[tok.eos_token_id]))
         if out.finish_reason is FinishReason.ABORT:
             raise EngineConnectionError(f"engine aborted request {out.request_id}")
-        ctx.record_turn(1, out.engine)
+        ctx.record_turn(1, out.engine, engine_s=loop_time() - started)
         truncated = out.finish_reason is FinishReason.LENGTH
         return AgentResult(
             tokens=prompt_ids + list(out.output_ids), response_length=len(out.output_ids),

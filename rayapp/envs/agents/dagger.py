@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from rayapp.core.clock import loop_time
 from rayapp.envs.agents.chat import Engine
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.inference.client import GenerateOutput, GenerateRequest
@@ -42,15 +43,17 @@ class DAggerRollIn:
 
     async def act(self, req: GenerateRequest, turn: int, sample: Sample,
                   ctx: EpisodeContext) -> tuple[GenerateOutput, int]:
+        started = loop_time()
         if self._teacher_acts(turn, sample, ctx):
             out = await self.teacher.generate(req)
-            ctx.record_turn(turn, out.engine, Actor.TEACHER)
+            ctx.record_turn(turn, out.engine, Actor.TEACHER, engine_s=loop_time() - started)
             return out, 1
         out = await self.engine.generate(req)
+        engine_s = loop_time() - started  # the student's own call: the label below is the teacher's time
         if ctx.step != StepKind.EVAL:  # labels are training data: an eval step would pay the teacher for nothing
             label = await self.teacher.generate(req)  # the expert's action in the state the student reached
             ctx.record.dagger_labels.append(DaggerLabel(turn, len(req.input_ids), list(label.output_ids), label.text))
-        ctx.record_turn(turn, out.engine, Actor.STUDENT)
+        ctx.record_turn(turn, out.engine, Actor.STUDENT, engine_s=engine_s)
         return out, 0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError, SandboxError
 from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, run_inline
 from rayapp.envs.agents.tools import (
@@ -143,8 +144,9 @@ class ToolAgent(ChatAgent):
     async def act(self, req: GenerateRequest, turn: int, sample: Sample,
                   ctx: EpisodeContext) -> tuple[GenerateOutput, int]:
         """One model turn: the engine's output and the loss weight of its tokens (1: train on them)."""
+        started = loop_time()
         out = await self.engine.generate(req)
-        ctx.record_turn(turn, out.engine)
+        ctx.record_turn(turn, out.engine, engine_s=loop_time() - started)
         return out, 1
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:

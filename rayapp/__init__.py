@@ -14,20 +14,12 @@ from rayapp.core.batching import (
 )
 from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, resolve_stopping
 from rayapp.core.clock import run_virtual
+from rayapp.core.contracts import EvalResult, RolloutResult, SchedulerConfig, StepState, StepStatus
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.layout import LayoutError, parse_cluster_layout
 from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.pool import HeldBatch, PlacementPool, PoolError, Reservations, budget_tokens
-from rayapp.core.scheduler import (
-    DeadlockError,
-    EvalResult,
-    RolloutResult,
-    SchedulerConfig,
-    StepState,
-    StepStatus,
-    TaskScheduler,
-    interleave,
-)
+from rayapp.core.scheduler import DeadlockError, TaskScheduler, interleave
 from rayapp.core.termination import (
     AbortReason,
     AgentTimeout,

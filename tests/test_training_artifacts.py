@@ -5,8 +5,8 @@ import logging
 import pytest
 
 import rayapp.training.artifacts as art
+from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.metrics import failure_summary
-from rayapp.core.scheduler import EvalResult, RolloutResult
 from rayapp.training.artifacts import EvalDetailsWriter, JsonlAppender, read_jsonl
 from rayapp.types import (
     AbortReason,

@@ -19,7 +19,7 @@ from rayapp.actors.engine import EngineClient
 from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.sandbox import open_sandbox
-from rayapp.core.scheduler import EvalResult, RolloutResult
+from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
 
 api = FastAPI(title="rayapp rollout manager")

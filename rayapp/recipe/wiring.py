@@ -13,7 +13,8 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from rayapp.core.scheduler import Pool, SchedulerConfig, TaskScheduler
+from rayapp.core.contracts import Pool, SchedulerConfig
+from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs.agents.chat import Engine, Executor
 from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
 from rayapp.envs.registry import AgentDeps, get_env, make_dataset

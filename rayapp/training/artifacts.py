@@ -37,8 +37,8 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.metrics import failure_summary
-from rayapp.core.scheduler import EvalResult, RolloutResult
 from rayapp.core.termination import classify_termination
 from rayapp.training.files import atomic_write
 from rayapp.types import EpisodeKey, Sample, Task

@@ -36,8 +36,9 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from rayapp.core.contracts import OnTaskDone, RolloutResult
 from rayapp.core.convert import InputError, decode
-from rayapp.core.scheduler import OnTaskDone, RolloutResult, TaskScheduler
+from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.files import atomic_write, fsync_dir
 from rayapp.types import Sample, Task
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import msgspec
 
-from rayapp.core.scheduler import EvalResult, RolloutResult, TaskScheduler
+from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.training.dagger import roll_in_metrics

@@ -1,5 +1,6 @@
 """PlacementPool stateful model check: random layouts, acquires (the ledger's, and batches through a
-reservation hook that refuses, raises or hangs at random), releases good and bad, owners released;
+reservation hook that refuses, raises or hangs at random), releases good and bad (whole batches, and
+tokens given back early, one batch's at a time), owners released;
 placement compared token by token with a slow obvious model, and the ledger's invariants checked
 after every step."""
 
@@ -91,7 +92,8 @@ class PoolModel(RuleBasedStateMachine):
         self.capacity = self.pool.snapshot()
         self.held: list[Token] = []  # from try_acquire_batch
         self.released: list[Token] = []
-        self.batches: dict[str, tuple[str, list[Token]]] = {}  # name -> (owner, tokens), from acquire_batch
+        # name -> (owner, tokens granted, tokens still held), from acquire_batch
+        self.batches: dict[str, tuple[str, list[Token], list[Token]]] = {}
 
     def expect(self, budget, per_sample, max_tokens):
         """The model's placement of the request from the current state, and the state after it."""
@@ -157,13 +159,13 @@ class PoolModel(RuleBasedStateMachine):
         assert placed(got) == want and self.pool.snapshot() == model
         if got:
             assert len({t.placement_group for t in got}) == 1 and [t.bundle_index for t in got] == list(range(len(got)))
-            self.batches[got[0].placement_group] = (owner, got)
+            self.batches[got[0].placement_group] = (owner, got, list(got))
 
     @precondition(lambda self: self.batches)
     @rule(data=st.data())
     def release_batch(self, data):
         name = data.draw(st.sampled_from(sorted(self.batches)))
-        _, tokens = self.batches[name]
+        _, tokens, _ = self.batches[name]
         if len(tokens) > 1 and data.draw(st.booleans()):
             before = self.pool.snapshot()
             with pytest.raises(PoolError, match="released whole"):
@@ -173,9 +175,37 @@ class PoolModel(RuleBasedStateMachine):
         asyncio.run(self.pool.release_batch(tokens))
         del self.batches[name]
 
+    @precondition(lambda self: any(held for _, _, held in self.batches.values()))
+    @rule(data=st.data())
+    def release_early(self, data):
+        """Some of one batch's tokens go back before the batch ends: their capacity is free at once."""
+        name = data.draw(st.sampled_from(sorted(n for n, (_, _, held) in self.batches.items() if held)))
+        owner, granted, held = self.batches[name]
+        picked = data.draw(st.lists(st.sampled_from(held), unique_by=lambda t: t.token_id, min_size=1))
+        before = self.pool.snapshot()
+        asyncio.run(self.pool.release_tokens(picked))
+        after = self.pool.snapshot()
+        assert sum(s["held"] for s in before.values()) - sum(s["held"] for s in after.values()) == len(picked)
+        self.batches[name] = (owner, granted, [t for t in held if t not in picked])
+
+    @precondition(lambda self: any(len(held) < len(granted) for _, granted, held in self.batches.values()))
+    @rule(data=st.data())
+    def bad_early_release(self, data):
+        """A token given back twice, or tokens of two batches at once: refused, nothing changes."""
+        name = data.draw(st.sampled_from(sorted(n for n, (_, g, h) in self.batches.items() if len(h) < len(g))))
+        _, granted, held = self.batches[name]
+        gone = next(t for t in granted if t not in held)
+        others = [t for n, (_, _, h) in self.batches.items() if n != name for t in h]
+        mixed = [*held[:1], *others[:1]] if held and others else [gone]
+        bad = data.draw(st.sampled_from([[gone], [*held, gone], mixed]))
+        before = self.pool.snapshot()
+        with pytest.raises(PoolError, match="release_tokens"):
+            asyncio.run(self.pool.release_tokens(bad))
+        assert self.pool.snapshot() == before
+
     @rule(owner=st.sampled_from(["m1", "m2"]))
     def release_owner(self, owner):
-        mine = [n for n, (o, _) in self.batches.items() if o == owner]
+        mine = [n for n, (o, _, _) in self.batches.items() if o == owner]
         assert asyncio.run(self.pool.release_owner(owner)) == len(mine)
         for n in mine:
             del self.batches[n]
@@ -193,10 +223,10 @@ class PoolModel(RuleBasedStateMachine):
     @invariant()
     def ledger_within_capacity(self):
         snap = self.pool.snapshot()
-        in_batches = [t for _, tokens in self.batches.values() for t in tokens]
+        in_batches = [t for _, _, held in self.batches.values() for t in held]
         assert self.pool.held == len(self.held) + len(in_batches) == sum(s["held"] for s in snap.values())
         assert self.hook.held == {t.token_id: t for t in in_batches}  # the hook holds exactly the live batches
-        assert {b.name: list(b.tokens) for b in self.pool.batches()} == {n: t for n, (_, t) in self.batches.items()}
+        assert {b.name: list(b.tokens) for b in self.pool.batches()} == {n: h for n, (_, _, h) in self.batches.items()}
         assert self.pool.waiting == 0
         for name, s in snap.items():
             cap = self.capacity[name]

@@ -302,3 +302,29 @@ def test_batch_request_budget_sizes_the_batch():
         await pool.release_batch(tokens)
 
     asyncio.run(main())
+
+
+def test_tokens_given_back_early_free_their_capacity_at_once_and_the_batch_closes_whole():
+    async def main():
+        hook = ScriptedHook()
+        pool = PlacementPool({"a": node(2)}, hook)
+        initial = pool.snapshot()
+        first = await pool.acquire_batch(req(GPU, 2, label="first"))
+        waiter = asyncio.create_task(pool.acquire_batch(req(GPU, 1, label="second")))
+        await asyncio.sleep(0)
+        assert pool.waiting == 1
+        await pool.release_tokens(first[:1])  # its sample ended and nothing of its batch waits for a token
+        second = await asyncio.wait_for(waiter, LONG)  # admitted while the first batch still runs
+        assert second[0].gpu_ids == first[0].gpu_ids and hook.held.keys() == {first[1].token_id, second[0].token_id}
+        assert [list(b.tokens) for b in pool.batches()] == [first[1:], second]
+        with pytest.raises(PoolError, match="release_tokens"):
+            await pool.release_tokens(first[:1])  # already back
+        with pytest.raises(PoolError, match="release_tokens"):
+            await pool.release_tokens([first[1], second[0]])  # two batches at once
+        with pytest.raises(PoolError, match="released whole"):
+            await pool.release_batch(first[1:])  # a batch closes with every token it was granted
+        await pool.release_batch(first)  # what it still holds goes back
+        await pool.release_batch(second)
+        assert pool.snapshot() == initial and not hook.held and pool.batches() == []
+
+    asyncio.run(main())

@@ -59,7 +59,8 @@ class Reservations(Protocol):
 
 
 class HeldBatch(msgspec.Struct, frozen=True):
-    """One admitted batch: its unique name, its owner and its tokens as the caller got them."""
+    """One admitted batch: its unique name, its owner and the tokens it still holds, as the caller got
+    them (all it was granted, less those given back early with ``release_tokens``)."""
 
     name: str
     owner: str
@@ -92,7 +93,8 @@ class PlacementPool(Ledger):
         self._reservations = reservations
         self.retry_s = retry_s
         self._batches: dict[str, HeldBatch] = {}
-        self._batch_of: dict[int, str] = {}  # token_id -> name of the batch holding it
+        self._batch_of: dict[int, str] = {}  # token_id -> name of the batch it was granted to
+        self._granted: dict[str, frozenset[Token]] = {}  # batch name -> every token it was granted
         self._grants = 0  # names every grant (and every reservation attempt) uniquely
 
     def release(self, tokens: Iterable[Token]) -> None:
@@ -192,9 +194,29 @@ class PlacementPool(Ledger):
 
     def _track(self, name: str, owner: str, tokens: list[Token]) -> list[Token]:
         self._batches[name] = HeldBatch(name, owner, tuple(tokens))
+        self._granted[name] = frozenset(tokens)
         for t in tokens:
             self._batch_of[t.token_id] = name
         return tokens
+
+    async def release_tokens(self, tokens: list[Token]) -> None:
+        """Give back some tokens of one batch early (its samples that need them are done), else
+        PoolError and nothing changes: each must be held by the same batch. The batch stays tracked,
+        holding the rest, until ``release_batch`` closes it. Wakes the first waiter."""
+        tokens = list(tokens)
+        if not tokens:
+            return
+        names = {self._batch_of.get(t.token_id) for t in tokens}
+        batch = self._batches.get(next(iter(names))) if len(names) == 1 else None
+        if batch is None:
+            raise PoolError(f"release_tokens: {len(tokens)} tokens of {len(names)} batches (or of none held); "
+                            f"give back tokens of one batch at a time")
+        held = set(batch.tokens)
+        if len(set(tokens)) != len(tokens) or not held.issuperset(tokens):
+            raise PoolError(f"release_tokens: {batch.name}: every token must be held by it, once")
+        self._batches[batch.name] = msgspec.structs.replace(batch, tokens=tuple(t for t in batch.tokens
+                                                                                if t not in set(tokens)))
+        await self._give_back(tokens)
 
     async def release_batch(self, tokens: list[Token]) -> None:
         """Give back one batch ``acquire_batch`` returned, whole, else PoolError and nothing changes. A
@@ -210,20 +232,26 @@ class PlacementPool(Ledger):
             log.warning("release_batch: tokens %s are not held (already freed)", [t.token_id for t in tokens])
             return
         batch = self._batches.get(next(iter(names))) if len(names) == 1 else None
-        if batch is None or len(tokens) != len(batch.tokens) or set(tokens) != set(batch.tokens):
+        if batch is None or len(tokens) != len(self._granted[batch.name]) or set(tokens) != self._granted[batch.name]:
             what = batch.name if batch is not None else f"{len(tokens)} tokens of {len(names)} batches"
             raise PoolError(f"release_batch: {what}: a batch is released whole, with every token it was granted")
         await self._free(batch)
 
     async def _free(self, batch: HeldBatch) -> None:
+        """Close ``batch``: what it still holds goes back."""
         del self._batches[batch.name]
-        for t in batch.tokens:
+        for t in self._granted.pop(batch.name):
             del self._batch_of[t.token_id]
+        await self._give_back(list(batch.tokens))
+
+    async def _give_back(self, tokens: list[Token]) -> None:
+        if not tokens:
+            return
         try:
             if self._reservations is not None:
-                await self._reservations.release(list(batch.tokens))
+                await self._reservations.release(tokens)
         finally:
-            self._release_records([self._held[t.token_id] for t in batch.tokens])
+            self._release_records([self._held[t.token_id] for t in tokens])
             self._wake_head()
 
     async def release_owner(self, owner: str) -> int:

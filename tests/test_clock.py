@@ -3,12 +3,17 @@ timeout and an acquire timeout, finished at once with exact timings."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import VirtualEventLoop, loop_time, run_virtual
+from rayapp.core.layout import parse_cluster_layout
+from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, StepState, TaskScheduler
+from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
+from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
 
 HOUR = 3600.0
@@ -112,3 +117,42 @@ def test_an_acquire_timeout_fails_the_step_at_its_virtual_deadline(make_pool):
     assert run_virtual(main()) == HOUR  # batch 2 gave up after 1 h; batch 1 was cancelled with it
     assert sorted((t, when) for t, what, when in log if what == "start") == [("t0", 0.0), ("t1", 0.0)]
     assert sched.status().state is StepState.FAILED
+
+
+def test_virtual_time_a_timeout_does_not_fire_while_thread_work_runs():
+    """clock.py: work outside the loop takes no virtual time, so a 1 h bound around 0.1 s of thread
+    work must not expire. It does: with a timer pending, the virtual selector jumps to it at once."""
+
+    async def main():
+        t0 = loop_time()
+        await asyncio.wait_for(asyncio.to_thread(time.sleep, 0.1), 3600)
+        return loop_time() - t0
+
+    assert run_virtual(main()) == 0.0
+
+
+def test_virtual_time_a_checkpointed_step_with_an_acquire_timeout_is_not_failed_by_a_checkpoint_write(tmp_path):
+    """The same bug through the house: one GPU, two whole-GPU batches; the second waits (1 h bound)
+    while the first runs a 10 s episode and its group is checkpointed (asyncio.to_thread). The step
+    takes 20 s of virtual time; instead the queued acquire times out while the write's thread runs."""
+
+    async def ten_seconds(sample, ctx):
+        await asyncio.sleep(10)
+        return AgentResult(tokens=[1, 2], response_length=1, response="x", loss_mask=[1], rollout_log_probs=[-0.1])
+
+    rows = [Task(f"q{i}", "p", TaskConfig("x", n_samples=1)) for i in range(2)]
+    spec = EvaluatorSpec("x", FunctionAgent(ten_seconds, lambda sample, result: {"score": 1.0}),
+                         Resource(gpu=1, concurrency=1), Resource(gpu=1), batch_size=1)
+    pool = PlacementPool(parse_cluster_layout(ONE_GPU, 8, 64))
+    sched = TaskScheduler([spec], MultiDataSource([DatasetSpec("a", rows)], seed=0), pool,
+                          SchedulerConfig(rollout_batch_size=2, acquire_timeout_s=3600, progress=False))
+    steps = ResumableRollouts(sched, RolloutCheckpoint(tmp_path))
+
+    async def main():
+        t0 = loop_time()
+        result = await steps.execute_rollout(0)
+        return result, loop_time() - t0
+
+    result, took = run_virtual(main())
+    assert [s.status for g in result.groups for s in g] == [Status.COMPLETED] * 2
+    assert took == 20.0

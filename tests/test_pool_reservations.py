@@ -10,8 +10,9 @@ import msgspec
 import pytest
 from pool_helpers import HookError, ScriptedHook, node, placed, pool_of, req, take
 
+from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool, PoolError
-from rayapp.types import Resource, Token
+from rayapp.types import BatchRequest, Resource, Token
 
 GPU = Resource(gpu=1)
 LONG = 3600  # a bound no test reaches: a hang fails the test instead of stalling it
@@ -328,3 +329,22 @@ def test_tokens_given_back_early_free_their_capacity_at_once_and_the_batch_close
         assert pool.snapshot() == initial and not hook.held and pool.batches() == []
 
     asyncio.run(main())
+
+
+def test_release_tokens_after_release_owner_freed_the_batch_is_tolerated_like_release_batch():
+    """pool.py: release_batch of a batch release_owner already freed is 'ignored with a warning' (the
+    presumed-dead owner was alive after all); release_tokens of the same tokens raises PoolError, so
+    the same race fails a step only when the batch gave tokens back early."""
+    pool = PlacementPool(parse_cluster_layout('{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}', 8, 64))
+    initial = pool.snapshot()
+
+    async def main():
+        tokens = await pool.acquire_batch(BatchRequest(Resource(gpu=2), Resource(gpu=1), 2, owner="old"))
+        assert await pool.release_owner("old") == 1
+        await pool.release_tokens(tokens[:1])  # the old owner's episode ends: ignored with a warning
+        await pool.release_batch(tokens)  # ignored with a warning
+
+    try:
+        asyncio.run(main())
+    finally:
+        assert pool.snapshot() == initial

@@ -1,21 +1,26 @@
 """Mid-rollout checkpoints: msgpack files of typed records, written atomically, read back whole or
 skipped (``rayapp.training.checkpoint``; the scheduler-level resume is tests/test_training_resume.py)."""
 
+import asyncio
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import msgspec
 import pytest
 
 import rayapp.training.checkpoint as checkpoint
+from rayapp.core.agent import FunctionAgent
 from rayapp.core.convert import InputError
+from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
-from rayapp.training.checkpoint import CheckpointGroup, RolloutCheckpoint
-from rayapp.types import Sample, Status, Task, TaskConfig
+from rayapp.training.checkpoint import CheckpointGroup, ResumableRollouts, RolloutCheckpoint
+from rayapp.types import AgentResult, EvaluatorSpec, Sample, Status, Task, TaskConfig
 
 
 def sample(task_id="t", index=0, **kw):
@@ -79,14 +84,14 @@ def test_crash_mid_rollout_resumes_without_loss_or_duplicates(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         state = ckpt2.resume(4)
     assert "group_000005.msgpack" in caplog.text and "input data was truncated" in caplog.text
-    assert sorted(state.groups) == [0, 2, 3] and state.missing(6) == [1, 4, 5]
+    assert sorted(state.groups) == [0, 2, 3]
     assert state.groups == {i: expected[i] for i in (0, 2, 3)}
     src2.load_state_dict(state.source_state)
     tasks2 = src2.take(6)
     assert [t.task_id for t in tasks2] == [t.task_id for t in tasks]
     with pytest.raises(ValueError, match="group index 2 is not new"):
         ckpt2.record_group(4, 2, expected[2])
-    for i in state.missing(6):
+    for i in (1, 4, 5):  # the groups still to run
         ckpt2.record_group(4, i, _run(tasks2[i], 4))
     final = ckpt2.resume(4)
     assert [final.groups[i] for i in range(6)] == expected
@@ -108,7 +113,7 @@ def test_begin_discards_and_protocol_errors(tmp_path):
     (tmp_path / "rollout_000000" / "state.msgpack").write_bytes(b"garbage")
     with pytest.raises(InputError, match=r"rollout_000000/state\.msgpack: \$: expected object, got int"):
         ckpt.resume(0)
-    ckpt.discard(0)
+    shutil.rmtree(tmp_path / "rollout_000000")  # what a user does to run the step afresh
     assert ckpt.resume(0) is None
     with pytest.raises(TypeError, match=r"rollout 1: source_state: .*type object is unsupported"):
         ckpt.begin(1, {"rng": object()})
@@ -147,5 +152,69 @@ def test_killed_process_leaves_only_whole_groups(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(Path(checkpoint.__file__).parents[2])})
     assert proc.returncode == 9, proc.stderr
     state = RolloutCheckpoint(tmp_path).resume(1)
-    assert state.source_state == {"seed": 3} and state.missing(4) == [3]
+    assert state.source_state == {"seed": 3} and sorted(state.groups) == [0, 1, 2]
     assert [g[0].tokens for g in state.groups.values()] == [[0], [1], [2]]
+
+
+def _deeply_nested_group() -> bytes:
+    good = msgspec.msgpack.encode(CheckpointGroup(1, 0, "run", 0, [Sample("t", 0, "p", metadata={"x": 1})]))
+    at = good.index(b"\xa1x\x01") + 2  # metadata value 1 -> [[[...]]] 100k deep
+    return good[:at] + b"\x91" * 100_000 + b"\xc0" + good[at + 1:]
+
+
+def test_the_door_turns_a_too_deeply_nested_document_into_one_input_error():
+    """convert.py promises one InputError for any outside input; msgspec's RecursionError escapes."""
+    from rayapp.core.convert import InputError, decode
+
+    with pytest.raises(InputError, match=r"group_000000\.msgpack"):
+        decode(_deeply_nested_group(), CheckpointGroup, "group_000000.msgpack", fmt="msgpack")
+
+
+def test_resume_skips_a_damaged_group_file_instead_of_crashing(tmp_path):
+    """checkpoint.py: 'A group file that cannot be read (damaged on disk) is skipped with a warning
+    and re-run'. A deeply nested one makes resume() raise RecursionError: the rollout cannot resume
+    at all until someone deletes the file by hand."""
+    ckpt = RolloutCheckpoint(tmp_path)
+    ckpt.begin(0, {"cursor": 0})
+    good = [Sample("t", 0, "p", status=Status.COMPLETED)]
+    ckpt.record_group(0, 1, good)
+    (tmp_path / "rollout_000000" / "group_000000.msgpack").write_bytes(_deeply_nested_group())
+    assert RolloutCheckpoint(tmp_path).resume(0).groups == {1: good}
+
+
+def test_nothing_is_written_after_a_cancelled_checkpointed_step_returns(tmp_path, monkeypatch):
+    """A step cancelled while its group's checkpoint is being written returns at once, but the write
+    goes on in its thread and lands afterwards: the next attempt's resume() sees a folder that
+    changes under it (a group present or not depending on thread timing)."""
+    writing, finish = threading.Event(), threading.Event()
+    real = RolloutCheckpoint.record_group
+
+    def slow_record(self, rollout_id, index, group):
+        writing.set()
+        finish.wait(5)
+        real(self, rollout_id, index, group)
+
+    monkeypatch.setattr(RolloutCheckpoint, "record_group", slow_record)
+    rows = [Task("q0", "p", TaskConfig("x", n_samples=1))]
+    def ok(sample, ctx):
+        return AgentResult(tokens=[1, 2], response_length=1, response="x", loss_mask=[1], rollout_log_probs=[-0.1])
+
+    sched = TaskScheduler([EvaluatorSpec("x", FunctionAgent(ok, lambda sample, result: {"score": 1.0}))],
+                          MultiDataSource([DatasetSpec("a", rows)], seed=0), None,
+                          SchedulerConfig(rollout_batch_size=1, progress=False))
+    steps = ResumableRollouts(sched, RolloutCheckpoint(tmp_path))
+
+    async def main():
+        step = asyncio.ensure_future(steps.execute_rollout(0))
+        while not writing.is_set():
+            await asyncio.sleep(0.01)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        before = sorted(p.name for p in (tmp_path / "rollout_000000").iterdir())
+        finish.set()
+        await asyncio.sleep(0.3)
+        return before, sorted(p.name for p in (tmp_path / "rollout_000000").iterdir())
+
+    before, after = asyncio.run(main())
+    assert after == before

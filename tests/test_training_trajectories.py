@@ -96,8 +96,9 @@ class Opaque:
     (lambda: sample(metadata={"s": {1, 2}}), r"metadata\['s'\]: a builtins.set is not plain"),
     (lambda: sample(metadata={(1, 2): 0}), r"dict key \(1, 2\)"),
     (lambda: sample(metadata={"b": b""}), r"metadata\[.b.\]: a builtins.bytes is not plain"),
-    (lambda: sample(index="3"), r"groups\[0\]\[0\]: Expected `int`, got `str` - at `\$.index`"),
-    (lambda: sample(status="bogus"), r"Invalid enum value 'bogus'"),
+    (lambda: sample(index="3"), r'groups\[0\]\[0\]: \$\.index: expected int, got "3"$'),
+    (lambda: sample(status="bogus"),
+     r'groups\[0\]\[0\]: \$\.status: expected "pending" or "completed" or "truncated" or "aborted", got "bogus"$'),
     (lambda: sample(tokens=[1, True]), r"\.tokens\[1\]: expected an int, got True"),
     (lambda: sample(tokens=[2**64]), r"\.tokens: values outside int64"),
     (lambda: sample(tokens=torch.ones(2, 2, dtype=torch.long)), r"expected a 1-D integer tensor"),
@@ -159,7 +160,8 @@ def _torch_bytes(obj):
     (lambda: _torch_bytes({**samples_to_plain([]), "version": 2}), "version 2; this code reads version 1"),
     (lambda: _torch_bytes({**samples_to_plain([]), "rollout_id": -1}), "rollout_id -1"),
     (lambda: _torch_bytes({**samples_to_plain([]), "groups": [1]}), "'groups' is not a list of lists"),
-    (lambda: _torch_bytes({**samples_to_plain([]), "groups": [[{"index": 0}]]}), r"groups[0][0]: Object missing"),
+    (lambda: _torch_bytes({**samples_to_plain([]), "groups": [[{"index": 0}]]}),
+     r"groups[0][0]: $.task_id: missing required field"),
     (lambda: _torch_bytes({**samples_to_plain([[sample()]]), "groups": [[{**samples_to_plain([[sample()]])[
         "groups"][0][0], "tokens": torch.zeros(2)}]]}), "groups[0][0].tokens: expected a 1-D integer tensor"),
 ])

@@ -6,8 +6,10 @@ pool's admission timeouts already follow, so timestamps and timeouts always agre
 jumps to the timer instead of waiting for it, so a step of hour-long episodes runs in milliseconds
 with exact timings (simulations, tests). Real I/O still wakes the loop: with no timer pending it
 blocks on its selector as usual, so a thread's ``call_soon_threadsafe`` (``asyncio.to_thread``)
-is seen. Work done outside the loop (threads, processes) takes no virtual time, and a timer may fire
-while such work runs: in virtual time, only what awaits the loop's timers has a duration.
+is seen. Work the loop hands to an executor (``asyncio.to_thread``, ``run_in_executor``) takes no
+virtual time, and no timer fires while it runs: the loop waits for it in real time with the clock
+stopped, so a bound around thread work never expires early. Only what awaits the loop's timers has a
+duration.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class _VirtualSelector(selectors.BaseSelector):
         events = self._inner.select(0)
         if events or timeout == 0:
             return events
-        if timeout is None:  # no timer pending: only real I/O (a thread, a signal) can wake the loop
+        if timeout is None or self._loop.executor_busy:
+            # No timer pending, or work in an executor that takes no virtual time: only real I/O (the
+            # thread's completion, a signal) may move things on, and the clock stands still meanwhile.
             return self._inner.select(None)
         self._loop.advance(timeout)
         return []
@@ -69,10 +73,24 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0):
         self._now = float(start)
+        self._in_executor = 0  # executor calls not yet finished
         super().__init__(_VirtualSelector(self, selectors.DefaultSelector()))
 
     def time(self) -> float:
         return self._now
+
+    @property
+    def executor_busy(self) -> bool:
+        return self._in_executor > 0
+
+    def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future:
+        future = super().run_in_executor(executor, func, *args)
+        self._in_executor += 1
+        future.add_done_callback(self._executor_done)
+        return future
+
+    def _executor_done(self, _future: asyncio.Future) -> None:
+        self._in_executor -= 1
 
     def advance(self, seconds: float) -> None:
         """Move virtual time forward (never back)."""

@@ -28,6 +28,7 @@ _STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 _EXPECTED = re.compile(r"^Expected `([^`]+)`(?:, got `([^`]+)`)?(.*)$", re.S)
 _BOUND = re.compile(r"^Expected `(int|float)` [<>]")  # a number of the right type out of its bounds
 _MISSING = object()
+TOO_DEEP = "nested too deeply"
 
 
 class InputError(ValueError):
@@ -168,14 +169,17 @@ def convert(value: Any, type_: type[T] | Any, source: str, *, root: str = "$", s
         return msgspec.convert(value, type_, strict=strict)
     except msgspec.ValidationError as e:
         raise _error(e, value, type_, source, root, error) from None
+    except RecursionError:
+        raise error(source, root, TOO_DEEP) from None
 
 
 def decode(raw: bytes | str, type_: type[T] | Any, source: str, *, fmt: str = "json",
-           error: type[InputError] = InputError) -> T:
-    """``raw`` (JSON, or msgpack with ``fmt="msgpack"``) decoded straight into ``type_``."""
+           error: type[InputError] = InputError, **options: Any) -> T:
+    """``raw`` (JSON, or msgpack with ``fmt="msgpack"``) decoded straight into ``type_``; ``options``
+    go to msgspec's decoder (``float_hook``, ...)."""
     module = msgspec.msgpack if fmt == "msgpack" else msgspec.json
     try:
-        return module.decode(raw, type=type_)
+        return module.Decoder(type_, **options).decode(raw) if options else module.decode(raw, type=type_)
     except msgspec.ValidationError as e:
         try:  # only to show the offending value; a document too odd to re-read shows none
             plain = module.decode(raw)
@@ -184,8 +188,13 @@ def decode(raw: bytes | str, type_: type[T] | Any, source: str, *, fmt: str = "j
         raise _error(e, plain, type_, source, "$", error) from None
     except msgspec.DecodeError as e:
         reason = str(e).removeprefix("JSON is malformed: ").replace("`", "")
-        name = "JSON" if fmt == "json" else fmt
-        raise error(source, None, f"malformed {name}: {reason[:1].lower()}{reason[1:]}") from None
+        raise error(source, None, f"malformed {_name(fmt)}: {reason[:1].lower()}{reason[1:]}") from None
+    except RecursionError:  # msgspec's own depth guard: a document nested past what it will read
+        raise error(source, None, f"malformed {_name(fmt)}: {TOO_DEEP}") from None
+
+
+def _name(fmt: str) -> str:
+    return "JSON" if fmt == "json" else fmt
 
 
 def check(obj: T, source: str, *, error: type[InputError] = InputError) -> T:

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 
-from rayapp.core.convert import InputError, convert, show
+from rayapp.core.convert import InputError, convert, decode, show
 from rayapp.types import FINITE, NodeSpec
 
 
@@ -56,8 +55,6 @@ class _FullNode(msgspec.Struct, forbid_unknown_fields=True):
 _NodeForm = list[_GpuId] | _FullNode
 # float_hook=float turns an overflowing literal (1e400) into inf instead of failing inside decode with
 # a path that names no node; the node's conversion then reports it at its real path.
-_DECODER = msgspec.json.Decoder(float_hook=float)
-_AT = re.compile(r" - at `\$.*`$")  # msgspec's error suffix, e.g. " - at `$.gpus[1]`"
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -102,19 +99,14 @@ def _read(path: Any, head: str) -> bytes:
 
 def _decode(text: str | bytes, head: str) -> Any:
     try:
-        data = _DECODER.decode(raw := text.encode() if isinstance(text, str) else text)
-        dup = _duplicate_key(raw)
-        if dup is None:
-            return data
-        reason = f"duplicate key {show(dup)}: each node and field may appear once"
+        raw = text.encode() if isinstance(text, str) else text
     except UnicodeEncodeError as e:  # a lone surrogate in inline text has no UTF-8 form
-        reason = f"malformed JSON: {e.reason} (character {e.start})"
-    except msgspec.DecodeError as e:  # ValidationError too: an integer literal too long to hold
-        reason = _AT.sub("", str(e)).removeprefix("JSON is malformed: ")
-        reason = "malformed JSON: " + reason[:1].lower() + reason[1:]
-    except RecursionError:
-        reason = "malformed JSON: nested too deeply"
-    raise LayoutError(head, None, reason)
+        raise LayoutError(head, None, f"malformed JSON: {e.reason} (character {e.start})") from None
+    data = decode(raw, Any, head, error=LayoutError, float_hook=float)
+    dup = _duplicate_key(raw)
+    if dup is not None:  # msgspec keeps the last of repeated keys without a word
+        raise LayoutError(head, None, f"duplicate key {show(dup)}: each node and field may appear once")
+    return data
 
 
 def _duplicate_key(raw: bytes) -> str | None:

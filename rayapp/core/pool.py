@@ -201,12 +201,17 @@ class PlacementPool(Ledger):
 
     async def release_tokens(self, tokens: list[Token]) -> None:
         """Give back some tokens of one batch early (its samples that need them are done), else
-        PoolError and nothing changes: each must be held by the same batch. The batch stays tracked,
+        PoolError and nothing changes: each must be held by the same batch (a batch ``release_owner``
+        freed already is ignored with a warning, as in ``release_batch``). The batch stays tracked,
         holding the rest, until ``release_batch`` closes it. Wakes the first waiter."""
         tokens = list(tokens)
         if not tokens:
             return
         names = {self._batch_of.get(t.token_id) for t in tokens}
+        if names == {None} and not any(t.token_id in self._held for t in tokens):
+            # Freed already, as release_batch tolerates: by release_owner (its owner presumed dead).
+            log.warning("release_tokens: tokens %s are not held (already freed)", [t.token_id for t in tokens])
+            return
         batch = self._batches.get(next(iter(names))) if len(names) == 1 else None
         if batch is None:
             raise PoolError(f"release_tokens: {len(tokens)} tokens of {len(names)} batches (or of none held); "

@@ -97,10 +97,6 @@ class ResumeState:
     source_state: dict
     groups: dict[int, list[Sample]] = field(default_factory=dict)  # finished groups by fetch index, sorted
 
-    def missing(self, n: int) -> list[int]:
-        """The indices in ``range(n)`` still to run."""
-        return [i for i in range(n) if i not in self.groups]
-
 
 class RolloutCheckpoint:
     """Durable progress of a rollout, so a replica killed mid-way resumes without re-running
@@ -108,7 +104,7 @@ class RolloutCheckpoint:
 
     Protocol: ``st = ckpt.resume(id)``; if None, ``ckpt.begin(id, source.state_dict())`` and fetch,
     else ``source.load_state_dict(st.source_state)``, fetch the same tasks and run only
-    ``st.missing(n)``; ``record_group`` as each group finishes; ``finish(id, source.state_dict())``
+    those not in ``st.groups``; ``record_group`` as each group finishes; ``finish(id, source.state_dict())``
     at the end (``ResumableRollouts`` follows it). A group file that cannot be read (damaged on disk)
     is skipped with a warning and re-run; a group of another ``begin`` (a stale writer) is skipped
     the same way. Each call does blocking I/O with fsync: on a busy event loop, call it through
@@ -208,10 +204,24 @@ class RolloutCheckpoint:
         self._run.pop(rollout_id, None)
         self._done.pop(rollout_id, None)
 
-    def discard(self, rollout_id: int) -> None:
-        """Remove ``rollout_id``'s checkpoint folder (e.g. after the trainer consumed it)."""
-        shutil.rmtree(self.folder(rollout_id), ignore_errors=True)
-        self._forget(rollout_id)
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a thread (blocking I/O with fsync), awaited to its end even when the caller is
+    cancelled meanwhile: a thread cannot be stopped, and a checkpoint write must never land after the
+    step that made it has returned. The cancellation is raised once the write is over."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(work)
+            break
+        except asyncio.CancelledError:
+            if work.cancelled() or work.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 class _Recorder:
@@ -238,7 +248,7 @@ class _Recorder:
 
     async def group_done(self, index: int, samples: list[Sample]) -> None:
         try:
-            await asyncio.to_thread(self.checkpoint.record_group, self.rollout_id, index, samples)
+            await _in_thread(self.checkpoint.record_group, self.rollout_id, index, samples)
         except Exception:
             log.exception("rollout %d: could not checkpoint group %d", self.rollout_id, index)
 
@@ -262,7 +272,7 @@ class ResumableRollouts:
         result = await self.scheduler.execute_rollout(rollout_id, on_task_done, step_log=step_log)
         result.metrics["rollout/resumed_groups"] = float(len(restored))
         try:
-            await asyncio.to_thread(self.checkpoint.finish, rollout_id, source.state_dict())
+            await _in_thread(self.checkpoint.finish, rollout_id, source.state_dict())
         except Exception:  # the step is done: a lost marker costs the next restart its seek, not the samples
             log.exception("rollout %d: could not mark its checkpoint finished", rollout_id)
         return result
@@ -272,17 +282,17 @@ class ResumableRollouts:
         data stream stood after rollout ``rollout_id - 1`` when that one finished here: a restarted
         process, or a trainer that went back to an earlier step, gets the same tasks again."""
         ck, source = self.checkpoint, self.scheduler.data_source
-        resumed = await asyncio.to_thread(ck.resume, rollout_id)
+        resumed = await _in_thread(ck.resume, rollout_id)
         if resumed is not None:
             source.load_state_dict(resumed.source_state)
             log.warning("rollout %d resumes from its checkpoint: %d groups finished before", rollout_id,
                         len(resumed.groups))
             return dict(resumed.groups)
-        before = await asyncio.to_thread(ck.next_source_state, rollout_id - 1) if rollout_id > 0 else None
+        before = await _in_thread(ck.next_source_state, rollout_id - 1) if rollout_id > 0 else None
         if before is not None:
             source.load_state_dict(before)
         elif rollout_id > 0:
             log.info("rollout %d: no finished checkpoint of rollout %d; the data stream goes on from where the "
                      "source stands", rollout_id, rollout_id - 1)
-        await asyncio.to_thread(ck.begin, rollout_id, source.state_dict())
+        await _in_thread(ck.begin, rollout_id, source.state_dict())
         return {}

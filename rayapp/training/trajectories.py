@@ -32,9 +32,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
+from rayapp.core.convert import InputError, convert
 from rayapp.training.files import atomic_write
 from rayapp.types import Sample
 
@@ -122,11 +122,12 @@ def _array(v: Any, is_int: bool, where: str) -> torch.Tensor:
 
 
 def _sample_from_fields(d: dict, where: str) -> Sample:
-    """Type-check the non-array fields as Sample declares them (msgspec names the bad field)."""
+    """Type-check the non-array fields as Sample declares them, through the one door (it names the
+    bad field); a TypeError like every other refusal here."""
     try:
-        return msgspec.convert({k: x for k, x in d.items() if k not in _ARRAYS}, Sample)
-    except msgspec.ValidationError as e:
-        raise TypeError(f"{where}: {e}") from None
+        return convert({k: x for k, x in d.items() if k not in _ARRAYS}, Sample, where)
+    except InputError as e:
+        raise TypeError(str(e)) from None
 
 
 def _sample_to_plain(s: Any, where: str) -> dict:

@@ -36,6 +36,7 @@ from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
+from rayapp.training.artifacts import read_jsonl
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
 from rayapp.types import (
@@ -136,6 +137,7 @@ __all__ = [
     "make_sandbox",
     "parse_cluster_layout",
     "pass_at_k",
+    "read_jsonl",
     "resolve_stopping",
     "roll_in_metrics",
     "run_virtual",

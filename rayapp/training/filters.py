@@ -135,7 +135,8 @@ class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     whole_group: Annotated[bool, Meta(description="drop a group whole when any of its samples did not finish; "
                                                   "false: only those samples")] = False
     stop_reasons: Annotated[frozenset[ReasonValue], Meta(description="the agent termination reasons that count as "
-                                                                     "finished")] = frozenset({"stop"})
+                                                                     "finished")] = (
+        frozenset({TerminationReason.STOP.value}))
     name: Annotated[str, _NAME] = "finish_only"
 
     def reason(self, sample: Sample) -> DropReason | None:

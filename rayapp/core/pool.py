@@ -95,6 +95,7 @@ class PlacementPool(Ledger):
         self._batches: dict[str, HeldBatch] = {}
         self._batch_of: dict[int, str] = {}  # token_id -> name of the batch it was granted to
         self._granted: dict[str, frozenset[Token]] = {}  # batch name -> every token it was granted
+        self._holding: dict[str, dict[Token, None]] = {}  # batch name -> the tokens it still holds, in order
         self._grants = 0  # names every grant (and every reservation attempt) uniquely
 
     def release(self, tokens: Iterable[Token]) -> None:
@@ -193,8 +194,9 @@ class PlacementPool(Ledger):
         self._release_records([self._held[t.token_id] for t in tokens])
 
     def _track(self, name: str, owner: str, tokens: list[Token]) -> list[Token]:
-        self._batches[name] = HeldBatch(name, owner, tuple(tokens))
+        self._batches[name] = HeldBatch(name, owner, tuple(tokens))  # as granted; the rest in _holding
         self._granted[name] = frozenset(tokens)
+        self._holding[name] = dict.fromkeys(tokens)
         for t in tokens:
             self._batch_of[t.token_id] = name
         return tokens
@@ -211,11 +213,11 @@ class PlacementPool(Ledger):
         if batch is None:
             raise PoolError(f"release_tokens: {len(tokens)} tokens of {len(names)} batches (or of none held); "
                             f"give back tokens of one batch at a time")
-        held = set(batch.tokens)
-        if len(set(tokens)) != len(tokens) or not held.issuperset(tokens):
+        held = self._holding[batch.name]
+        if len(set(tokens)) != len(tokens) or not all(t in held for t in tokens):
             raise PoolError(f"release_tokens: {batch.name}: every token must be held by it, once")
-        self._batches[batch.name] = msgspec.structs.replace(batch, tokens=tuple(t for t in batch.tokens
-                                                                                if t not in set(tokens)))
+        for t in tokens:  # O(tokens given back), not O(batch): a batch may give back one at a time
+            del held[t]
         await self._give_back(tokens)
 
     async def release_batch(self, tokens: list[Token]) -> None:
@@ -242,7 +244,7 @@ class PlacementPool(Ledger):
         del self._batches[batch.name]
         for t in self._granted.pop(batch.name):
             del self._batch_of[t.token_id]
-        await self._give_back(list(batch.tokens))
+        await self._give_back(list(self._holding.pop(batch.name)))
 
     async def _give_back(self, tokens: list[Token]) -> None:
         if not tokens:
@@ -284,7 +286,7 @@ class PlacementPool(Ledger):
 
     def batches(self) -> list[HeldBatch]:
         """Every admitted batch not yet released, oldest first: who holds which tokens where."""
-        return list(self._batches.values())
+        return [msgspec.structs.replace(b, tokens=tuple(self._holding[b.name])) for b in self._batches.values()]
 
     def __repr__(self) -> str:
         return f"PlacementPool({self._n} nodes, {len(self._held)} tokens held, {len(self._queue)} waiting)"

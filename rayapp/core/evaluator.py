@@ -1,17 +1,25 @@
-"""One batch's episodes (spec §4): created per batch, drains its queue, discarded.
+"""One batch's episodes (spec §4): created per batch, runs its groups, discarded.
 
 Invariants it keeps:
-- at most ``spec.resource.concurrency`` samples run at once (an asyncio.Semaphore);
-- each running sample holds exactly one token of the batch's local pool across run AND verify,
-  given back in ``finally`` whatever happens, so the batch returns every token it was granted;
+- at most ``spec.resource.concurrency`` samples run at once, and no more than the batch has
+  tokens: that many workers take the samples in order;
+- each running sample holds exactly one token of the batch across run AND verify; a worker keeps
+  its token from one sample to the next while samples of the batch wait, so tokens are reused
+  inside the batch before any goes back;
+- early release (``release``: the pool's ``release_tokens``): a token goes back to the global pool
+  only once no sample of the batch waits for one (every sample started or finished) and the sample
+  that held it ended, or at once when it is one no sample can ever use (more tokens than the
+  concurrency ceiling); never while its sample runs, and each at most once. A release that fails,
+  or a cancelled worker, leaves the token to the batch's close. Without ``release`` every token is
+  back in the local pool when ``run`` returns (the spec's hold-until-the-batch-ends);
 - one EpisodeContext spans both phases: what the agent kept in it is closed when the episode ends,
   cancellation included, and its EpisodeRecord becomes the sample's episode metadata keys in
   every outcome but cancellation;
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
   ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
-- ``on_task_done`` fires once per task, as soon as that task's group is finished.
+- ``on_task_done`` fires once per task, as soon as that task's group is finished; one that raises
+  cancels the batch's samples, and ``run`` ends only once they have all ended.
 """
-
 from __future__ import annotations
 
 import asyncio

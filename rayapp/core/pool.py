@@ -17,6 +17,11 @@ Invariants kept, on top of the ledger's (tests check them after every step):
 * Every token ``acquire_batch`` returns belongs to exactly one tracked batch until the batch is
   released whole (``release_batch``, ``release_owner``); the ledger-level ``release`` refuses it.
   Releasing every batch restores the initial ``snapshot()`` exactly.
+* A batch may give some of its tokens back before it closes (``release_tokens``, early release):
+  only tokens it still holds, each once; they are free at once and wake the head waiter. The
+  batch still closes with its whole grant (``release_batch``), which frees only what it still
+  holds, so every token goes back to the ledger exactly once, early or at the close, and a token
+  given back early can be granted to another batch while its first batch is still open.
 
 Everything runs on one event loop, and every wait uses that loop's clock only (``asyncio.timeout``),
 so a virtual-time loop drives the pool as it drives the scheduler. Pure Python + asyncio; never

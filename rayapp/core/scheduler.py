@@ -4,7 +4,11 @@ Every step makes the same four moves: fetch -> distribute -> batch -> run. A ste
 indexed by their position in the fetch: results, the progress callback and a step log all speak of
 "group i". ``run_all`` checks first that the pool can ever admit the largest batch each spec will ask
 for (fail fast instead of hanging), then runs the batches concurrently; each batch waits for an
-all-or-nothing admission, runs one Evaluator, and gives its tokens back in ``finally``. Results
+all-or-nothing admission, runs one Evaluator, and closes its grant in ``finally`` (``release_batch``).
+With ``SchedulerConfig.release="early"`` (the default) the Evaluator gives each token back as soon
+as no sample of its batch can use it (``Pool.release_tokens``), so a later batch may be admitted
+while an earlier one's slowest samples still run; ``"batch_end"`` holds every token until the batch
+closes (the spec's behaviour). Either way the pool is as it was after every step. Results
 stream out through ``on_task_done`` as each task finishes, and come back whole at the end. The step
 status records how the step ended (done, failed, cancelled), not what its counters suggest.
 

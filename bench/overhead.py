@@ -8,7 +8,8 @@ scheduler's own cost per sample, with the episode itself taking no time. Figures
 here asserts on time (``tests/test_bench_smoke.py`` runs ``--smoke`` to see that it runs).
 
 Run from the repo root: ``.venv/bin/python bench/overhead.py [--samples N] [--group G] [--rounds R]``;
-``--profile`` prints the scheduler run's top functions (cProfile) instead.
+``--profile`` prints the scheduler run's top functions (cProfile) instead. Two agents: the no-op
+one (the target: >= 30k samples/s, <= 3x the bare gather) and one that waits on the loop once.
 """
 
 from __future__ import annotations
@@ -39,11 +40,18 @@ def _run(sample: Sample, ctx: object) -> AgentResult:
     return RESULT
 
 
+async def _run_yielding(sample: Sample, ctx: object) -> AgentResult:
+    await asyncio.sleep(0)
+    return RESULT
+
+
 def _verify(sample: Sample, result: AgentResult) -> dict[str, float]:
     return REWARD
 
 
-AGENT = FunctionAgent(_run, _verify)
+# The no-op agent is the target's; one that waits on the loop once per episode, as every real one
+# does, also shows the cost of the tasks a real step runs (one per sample at this concurrency).
+AGENTS = {"no-op": FunctionAgent(_run, _verify), "yields once": FunctionAgent(_run_yielding, _verify)}
 
 
 class Source:
@@ -54,22 +62,22 @@ class Source:
         return self.tasks[:n]
 
 
-def make_scheduler(n_tasks: int, group: int, batch_tasks: int) -> TaskScheduler:
+def make_scheduler(agent: FunctionAgent, n_tasks: int, group: int, batch_tasks: int) -> TaskScheduler:
     tasks = [Task(f"t{i}", "p", TaskConfig("noop", n_samples=group), label="4") for i in range(n_tasks)]
     tokens = batch_tasks * group
-    spec = EvaluatorSpec("noop", AGENT, batch_size=batch_tasks, run_resource=PER_SAMPLE,
+    spec = EvaluatorSpec("noop", agent, batch_size=batch_tasks, run_resource=PER_SAMPLE,
                          resource=Resource(concurrency=tokens, cpu=tokens * PER_SAMPLE.cpu))
     # room for two batches at once, so admission waits and wakes as in a real step
     pool = PlacementPool({"n0": NodeSpec(cpu=2 * tokens * PER_SAMPLE.cpu, memory_gb=64)})
     return TaskScheduler([spec], Source(tasks), pool, SchedulerConfig(rollout_batch_size=n_tasks, progress=False))
 
 
-async def bare(n_samples: int) -> None:
+async def bare(agent: FunctionAgent, n_samples: int) -> None:
     samples = [Sample("t", i, "p", "4") for i in range(n_samples)]
 
     async def one(s: Sample) -> None:
-        result = await AGENT.run(s, None)
-        await AGENT.evaluate(s, result, None)
+        result = await agent.run(s, None)
+        await agent.evaluate(s, result, None)
 
     await asyncio.gather(*(one(s) for s in samples))
 
@@ -87,14 +95,14 @@ def timed(coro) -> float:
     return time.perf_counter() - start
 
 
-def measure(n_tasks: int, group: int, batch_tasks: int, rounds: int) -> tuple[float, float]:
-    """Best of ``rounds`` for each, in samples/s: (scheduler, bare gather)."""
+def measure(agent: FunctionAgent, n_tasks: int, group: int, batch_tasks: int, rounds: int) -> tuple[float, float]:
+    """Best of ``rounds`` for each, in samples/s: (scheduler, bare gather), alternating."""
     n = n_tasks * group
     best_sched = best_bare = float("inf")
     for _ in range(rounds):
-        sched = make_scheduler(n_tasks, group, batch_tasks)
+        sched = make_scheduler(agent, n_tasks, group, batch_tasks)
         best_sched = min(best_sched, timed(scheduled(sched)))
-        best_bare = min(best_bare, timed(bare(n)))
+        best_bare = min(best_bare, timed(bare(agent, n)))
     return n / best_sched, n / best_bare
 
 
@@ -111,18 +119,18 @@ def main() -> None:
         args.samples, args.batch, args.rounds = 2048, 64, 1
     n_tasks = max(1, args.samples // args.group)
     if args.profile:
-        sched = make_scheduler(n_tasks, args.group, args.batch)
+        sched = make_scheduler(AGENTS["no-op"], n_tasks, args.group, args.batch)
         prof = cProfile.Profile()
         prof.runcall(asyncio.run, scheduled(sched))
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    sched_rate, bare_rate = measure(n_tasks, args.group, args.batch, args.rounds)
     n = n_tasks * args.group
     print(f"{n} samples in groups of {args.group}, {args.batch} tasks per batch, best of {args.rounds}")
-    print(f"{'':24}{'samples/s':>12}")
-    print(f"{'TaskScheduler':24}{sched_rate:>12,.0f}")
-    print(f"{'bare asyncio.gather':24}{bare_rate:>12,.0f}")
-    print(f"ratio (gather / scheduler): {bare_rate / sched_rate:.2f}x")
+    print(f"{'agent':14}{'TaskScheduler/s':>17}{'bare gather/s':>15}{'ratio':>8}")
+    for name, agent in AGENTS.items():
+        sched_rate, bare_rate = measure(agent, n_tasks, args.group, args.batch, args.rounds)
+        print(f"{name:14}{sched_rate:>17,.0f}{bare_rate:>15,.0f}{bare_rate / sched_rate:>7.2f}x")
+    print("ratio: bare asyncio.gather samples/s over the TaskScheduler's")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import random
 import pytest
 from conftest import run
 
+from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import loop_time, run_virtual
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.scheduler import SchedulerConfig, StepState, TaskScheduler
@@ -86,8 +87,10 @@ class Timed:
         assert tid not in self.running, "two running samples share a token"
         self.running.add(tid)
         self.started[key] = (loop_time(), tid)
+        hours = self.hours.get(key, 1)
         try:
-            await asyncio.sleep(self.hours.get(key, 1) * H)
+            if hours:  # 0: an episode that ends without ever waiting on the loop
+                await asyncio.sleep(hours * H)
         except BaseException:  # cancelled: the episode ends here
             self.running.discard(tid)
             raise
@@ -95,7 +98,8 @@ class Timed:
 
     async def evaluate(self, sample, result, ctx):
         try:
-            await asyncio.sleep(0)  # the verify phase still holds the token
+            if self.hours.get((sample.task_id, sample.index), 1):
+                await asyncio.sleep(0)  # the verify phase still holds the token
         finally:
             self.running.discard(ctx.token.token_id if ctx.token else None)
         return {"score": 1.0}
@@ -198,11 +202,35 @@ def test_tokens_beyond_the_concurrency_ceiling_go_back_at_once():
     assert {tid for _, tid in agent.started.values()} == {used}
 
 
+def test_tokens_no_worker_needs_go_back_once_the_first_sample_waits():
+    # samples 0 and 1 end without ever waiting on the loop; sample 2 runs 5 h on the same worker's
+    # token: the batch's other two tokens are of no use to it and go back at 0 h, not at 5 h
+    released, ran = [], []
+
+    async def release(tokens):
+        released.append((loop_time(), sorted(t.token_id for t in tokens)))
+
+    async def run_fn(sample, ctx):
+        ran.append((sample.index, ctx.token.token_id))
+        if sample.index == 2:
+            await asyncio.sleep(5 * H)
+        return AgentResult(tokens=[1, 2], response_length=1, response="x")
+
+    task = Task("t", "p", TaskConfig("x", n_samples=3))
+    group = TaskRun(task, [Sample("t", i, "p") for i in range(3)], StoppingCriteria(), SamplingParams())
+    toks = [Token(i, "n0", (0,), 0.25, 0.0, 0.0) for i in range(3)]
+    spec = EvaluatorSpec("x", FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), Resource(concurrency=3))
+    run_virtual(Evaluator(spec, rollout_id=0, tokens=toks, release=release).run([group]))
+    [used] = {tid for _, tid in ran}
+    assert [i for i, _ in ran] == [0, 1, 2]
+    assert released == [(0, sorted(set(range(3)) - {used})), (5 * H, [used])]
+
+
 # ---- every sample once, the pool whole, whatever happens ------------------------------------------
 
 def _random_tasks(rng):
     tasks = tasks_of(*(rng.randint(1, 4) for _ in range(rng.randint(1, 6))))
-    hours = {(t.task_id, i): rng.choice([0.5, 1, 2, 7]) for t in tasks for i in range(t.config.n_samples)}
+    hours = {(t.task_id, i): rng.choice([0, 0.5, 1, 2, 7]) for t in tasks for i in range(t.config.n_samples)}
     return tasks, hours
 
 

@@ -145,10 +145,10 @@ class Evaluator:
         its own so that no token idles while they run. A callback that raises cancels the batch's
         samples and propagates once they have ended.
 
-        Workers, as many as may run at once (the least of the concurrency ceiling, the batch's
-        tokens and its samples), take the samples in order, each holding one token across them:
-        a token is reused inside the batch while samples wait for one, and no semaphore, token
-        queue or task per sample is needed."""
+        Workers, at most as many as may run at once (the least of the concurrency ceiling, the
+        batch's tokens and its samples), take the samples in order, each holding one token across
+        them: a token is reused inside the batch while samples wait for one, and no semaphore,
+        token queue or task per sample is needed."""
         queue = deque((s, k) for k, g in enumerate(groups) for s in g.samples)  # samples waiting for a token
         left = [len(g.samples) for g in groups]
         workers = min(self._concurrency, len(queue))
@@ -162,12 +162,22 @@ class Evaluator:
                 def finished(k: int) -> None:
                     tg.create_task(self._finished(groups[k], k, done))
 
+                async def spawn() -> None:
+                    # Runs once this task first waits (or is done): the other workers start then, one
+                    # per sample still waiting, so samples that end without ever waiting need no task
+                    # of their own; the tokens no worker will take are of no use to the batch.
+                    n = min(workers - 1, len(queue))
+                    for _ in range(n):
+                        tg.create_task(self._work(queue, groups, left, finished))
+                    if self.release is not None and local is not None and local.qsize() > n:
+                        await self._release_early([local.get_nowait() for _ in range(local.qsize() - n)])
+
                 for k in [k for k, n in enumerate(left) if n == 0]:  # an empty group is finished at once
                     finished(k)
-                for _ in range(workers - 1):
-                    tg.create_task(self._work(queue, groups, left, finished))
+                if workers > 1:
+                    tg.create_task(spawn())
                 if workers:
-                    await self._work(queue, groups, left, finished)  # the last worker is this task
+                    await self._work(queue, groups, left, finished)  # the first worker is this task
         finally:
             self._deadlines.idle()
 
@@ -188,7 +198,7 @@ class Evaluator:
             raise
         if token is not None:  # its last sample ended and none waits for a token
             if self.release is not None:
-                await self._release_early(token)
+                await self._release_early([token])
             else:
                 local.put_nowait(token)
 
@@ -200,11 +210,12 @@ class Evaluator:
         if done is not None:
             await done(k)
 
-    async def _release_early(self, token: Token) -> None:
+    async def _release_early(self, tokens: list[Token]) -> None:
         """Back to the global pool now, with the others that end in the same pass of the loop: the
-        first worker to return one waits that pass out and gives back all of them in one call."""
-        self._returning.append(token)
-        if len(self._returning) > 1:
+        first to return some waits that pass out and gives back all of them in one call."""
+        first = not self._returning
+        self._returning += tokens
+        if not first:
             return
         try:
             await asyncio.sleep(0)

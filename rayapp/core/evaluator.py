@@ -28,6 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from rayapp.core.clock import loop_time
@@ -149,7 +150,9 @@ class Evaluator:
         batch's tokens and its samples), take the samples in order, each holding one token across
         them: a token is reused inside the batch while samples wait for one, and no semaphore,
         token queue or task per sample is needed."""
-        queue = deque((s, k) for k, g in enumerate(groups) for s in g.samples)  # samples waiting for a token
+        queue: deque[tuple[Sample, int]] = deque()  # samples waiting for a token, with their group's position
+        for k, g in enumerate(groups):
+            queue.extend(zip(g.samples, repeat(k)))
         left = [len(g.samples) for g in groups]
         workers = min(self._concurrency, len(queue))
         local = self._local

@@ -1,4 +1,4 @@
-"""One batch's episodes (spec §4): created per batch, runs its groups, discarded.
+"""One batch's episodes (spec §4): created per batch, runs its groups once, discarded.
 
 Invariants it keeps:
 - at most ``spec.resource.concurrency`` samples run at once, and no more than the batch has
@@ -131,6 +131,7 @@ class Evaluator:
         self._concurrency = max(1, spec.resource.concurrency)
         self._deadlines = Deadlines()  # every phase's time limit, on one loop timer
         self._returning: list[Token] = []  # tokens on their way back to the pool (early release)
+        self._ran = False
         # The short-lived local pool: the batch's tokens, one handed to each running sample.
         self._local: asyncio.Queue[Token] | None = None
         if tokens is not None:
@@ -149,7 +150,10 @@ class Evaluator:
         Workers, at most as many as may run at once (the least of the concurrency ceiling, the
         batch's tokens and its samples), take the samples in order, each holding one token across
         them: a token is reused inside the batch while samples wait for one, and no semaphore,
-        token queue or task per sample is needed."""
+        token queue or task per sample is needed. One batch, one run: a second call is refused."""
+        if self._ran:  # its tokens may be back in the global pool, or held by the first run's workers
+            raise RuntimeError(f"evaluator {self.spec.evaluator_id!r}: run() once per batch; make a new Evaluator")
+        self._ran = True
         queue: deque[tuple[Sample, int]] = deque()  # samples waiting for a token, with their group's position
         for k, g in enumerate(groups):
             queue.extend(zip(g.samples, repeat(k)))

@@ -1,15 +1,18 @@
 """In-process overhead of a rollout step: samples per second with a no-op agent.
 
 A full ``TaskScheduler.execute_rollout`` (fetch, distribute, batch, admission through the core
-``PlacementPool``, one Evaluator per batch, callbacks, metrics) over an agent that returns a fixed
-``AgentResult`` at once, against a bare ``asyncio.gather`` of the same agent's run + evaluate calls
-for the same number of samples. Both are measured in the same run and the ratio printed: the
-scheduler's own cost per sample, with the episode itself taking no time. Figures only; nothing
-here asserts on time (``tests/test_bench_smoke.py`` runs ``--smoke`` to see that it runs).
+``PlacementPool``, one Evaluator per batch with early release, callbacks, metrics) over an agent
+that returns a fixed ``AgentResult`` at once, against a bare ``asyncio.gather`` of the same agent's
+run + evaluate calls for the same number of samples; both measured in the same run, best of
+``--rounds``, and the ratio printed. The no-op row is the target (>= 30k samples/s, <= 3x the
+gather). Its samples never wait on the loop, so the Evaluator's first worker runs them all and
+starts no task per sample; a second row with an agent that waits on the loop once per episode,
+as every real one does, shows the step with one task per sample (its concurrency here is the
+whole batch). Figures only; nothing here asserts on time (``tests/test_bench_smoke.py`` runs
+``--smoke``, seconds long, to see that it runs).
 
-Run from the repo root: ``.venv/bin/python bench/overhead.py [--samples N] [--group G] [--rounds R]``;
-``--profile`` prints the scheduler run's top functions (cProfile) instead. Two agents: the no-op
-one (the target: >= 30k samples/s, <= 3x the bare gather) and one that waits on the loop once.
+Run from the repo root: ``.venv/bin/python bench/overhead.py [--samples N] [--group G] [--batch B]
+[--rounds R]``; ``--profile`` prints the scheduler run's top functions (cProfile) instead.
 """
 
 from __future__ import annotations
@@ -49,8 +52,6 @@ def _verify(sample: Sample, result: AgentResult) -> dict[str, float]:
     return REWARD
 
 
-# The no-op agent is the target's; one that waits on the loop once per episode, as every real one
-# does, also shows the cost of the tasks a real step runs (one per sample at this concurrency).
 AGENTS = {"no-op": FunctionAgent(_run, _verify), "yields once": FunctionAgent(_run_yielding, _verify)}
 
 

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None] | None]
 GroupDone = Callable[[int], Awaitable[None]]  # called with the finished group's position
-Release = Callable[[list[Token]], Awaitable[None]]  # the pool's release_tokens
+ReleaseTokens = Callable[[list[Token]], Awaitable[None]]  # the pool's release_tokens
 
 DUMMY_TOKENS = [0, 0]  # the aborted sample's stand-in: one "prompt" and one masked response token
 
@@ -120,7 +120,7 @@ class Evaluator:
         clock: Callable[[], float] = loop_time,  # the loop's: the clock its timeouts follow
         iteration: dict[str, Any] | None = None,
         step: StepKind = StepKind.ROLLOUT,
-        release: Release | None = None,
+        release: ReleaseTokens | None = None,
     ):
         self.spec = spec
         self.rollout_id = rollout_id

@@ -37,6 +37,7 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python bench/pool.py
+	$(BIN)/python bench/overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -321,7 +321,7 @@ class EpisodeContext(msgspec.Struct):
     step: StepKind = StepKind.ROLLOUT
     record: EpisodeRecord = msgspec.field(default_factory=EpisodeRecord)
     _kept: dict[str, Any] = {}
-    _exits: AsyncExitStack = msgspec.field(default_factory=AsyncExitStack)
+    _exits: AsyncExitStack | None = None  # made by the first keep: most episodes keep nothing
 
     def record_turn(self, turn: int, engine: str, actor: Actor | None = None, *,
                     engine_s: float | None = None) -> None:
@@ -336,6 +336,8 @@ class EpisodeContext(msgspec.Struct):
         if name in self._kept:
             raise ValueError(f"episode {self.rollout_id}: a resource named {name!r} is already kept")
         self._kept[name] = resource
+        if self._exits is None:
+            self._exits = AsyncExitStack()
         self._exits.push_async_callback(close)
         return resource
 
@@ -347,6 +349,8 @@ class EpisodeContext(msgspec.Struct):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._exits is None:
+            return
         self._kept.clear()
         await self._exits.aclose()
 

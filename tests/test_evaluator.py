@@ -4,6 +4,7 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
+from rayapp.core.clock import run_virtual
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.types import (
     AgentResult,
@@ -200,6 +201,13 @@ def test_truncated_episode_and_default_loss_mask():
     assert s.metadata["_termination_reason"] == "max_turns"
 
 
+def test_an_evaluator_runs_one_batch_once():
+    ev = Evaluator(spec(Recorder()), rollout_id=0, tokens=tokens(1))
+    run(ev.run(make_groups(1, 1)))
+    with pytest.raises(RuntimeError, match="run\\(\\) once per batch"):
+        run(ev.run(make_groups(1, 1)))
+
+
 def test_a_gated_batch_without_tokens_is_refused():
     with pytest.raises(ValueError, match="at least one token"):
         Evaluator(spec(Recorder()), rollout_id=0, tokens=[])
@@ -270,3 +278,42 @@ def test_a_failing_close_aborts_the_sample_and_the_token_comes_back():
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_conn"
     assert ev._local.qsize() == 1
+
+
+def test_a_verify_phase_past_its_limit_aborts_at_the_limit_and_others_are_untouched():
+    async def verify(sample, result):
+        await asyncio.sleep(100 if sample.index == 1 else 1)
+        return {"score": 1.0}
+
+    groups = make_groups(1, 3)
+    ev = Evaluator(spec(FunctionAgent(lambda s, c: ok_result(), verify), concurrency=3, eval_timeout_s=30),
+                   rollout_id=0, tokens=tokens(3))
+    run_virtual(ev.run(groups))
+    s0, s1, s2 = groups[0].samples
+    assert s0.status is s2.status is Status.COMPLETED
+    assert s1.status is Status.ABORTED and s1.metadata["_termination_reason"] == "agent_timeout"
+    assert s1.metadata["_abort"]["window"] == [0.0, 30.0]
+    assert s1.metadata["_abort"]["error"] == "AgentTimeout: eval phase ran past its 30s limit"
+    assert ev._local.qsize() == 3 and ev._deadlines._timer is None  # nothing left armed
+
+
+def test_a_callback_that_raises_cancels_the_batch_and_every_token_comes_back():
+    started = []
+
+    async def run_fn(sample, ctx):
+        started.append(sample.task_id)
+        await asyncio.sleep(0 if sample.task_id == "t0" else 3600)
+        return ok_result()
+
+    def on_done(task, samples):
+        raise RuntimeError("collector broke")
+
+    groups = make_groups(3, 2)
+    ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), concurrency=6), rollout_id=0,
+                   tokens=tokens(6), on_task_done=on_done)
+    with pytest.raises(ExceptionGroup) as info:
+        run_virtual(ev.run(groups))
+    assert info.group_contains(RuntimeError, match="collector broke")
+    assert sorted(started) == ["t0", "t0", "t1", "t1", "t2", "t2"]
+    assert all(s.status is Status.PENDING for g in groups[1:] for s in g.samples)  # cancelled, not finished
+    assert ev._local.qsize() == 6

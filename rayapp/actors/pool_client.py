@@ -34,6 +34,11 @@ class PoolClient:
     async def release_batch(self, tokens: list[Token]) -> None:
         await self._call("release_batch", tokens)
 
+    async def release_tokens(self, tokens: list[Token]) -> None:
+        """Early release of some of a batch's tokens (bounded like every call; the batch's
+        ``release_batch`` frees them anyway if this one is lost)."""
+        await self._call("release_tokens", tokens)
+
     async def max_tokens_for(self, per_sample: Resource) -> int:
         return await self._call("max_tokens_for", per_sample)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from msgspec import Meta
@@ -16,6 +16,7 @@ from msgspec import Meta
 from rayapp.types import BatchRequest, Resource, Sample, SamplingParams, StepKind, StoppingCriteria, Task, Token
 
 OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None]]
+Release = Literal["early", "batch_end"]
 
 
 class Pool(Protocol):
@@ -24,6 +25,11 @@ class Pool(Protocol):
     async def acquire_batch(self, request: BatchRequest) -> list[Token]: ...
 
     async def release_batch(self, tokens: list[Token]) -> None: ...
+
+    async def release_tokens(self, tokens: list[Token]) -> None:
+        """Give back some tokens of one admitted batch early (early release); the batch still closes
+        whole with ``release_batch``, which frees what it holds then."""
+        ...
 
     async def max_tokens_for(self, per_sample: Resource) -> int: ...
 
@@ -65,6 +71,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     global_sampling: SamplingParams = SamplingParams()
     acquire_timeout_s: float | None = None  # a batch not admitted within it fails the step
     progress: bool = True  # a tqdm bar per step
+    # When a batch's capacity goes back to the pool: "early", each token as soon as no sample of
+    # its batch waits for one (the sample that held it ended); "batch_end", all of it when the
+    # batch's last sample ends (the spec's behaviour, kept to measure against).
+    release: Release = "early"
 
 
 class StepState(enum.StrEnum):

@@ -1,27 +1,38 @@
-"""One batch's episodes (spec §4): created per batch, drains its queue, discarded.
+"""One batch's episodes (spec §4): created per batch, runs its groups once, discarded.
 
 Invariants it keeps:
-- at most ``spec.resource.concurrency`` samples run at once (an asyncio.Semaphore);
-- each running sample holds exactly one token of the batch's local pool across run AND verify,
-  given back in ``finally`` whatever happens, so the batch returns every token it was granted;
+- at most ``spec.resource.concurrency`` samples run at once, and no more than the batch has
+  tokens: that many workers take the samples in order;
+- each running sample holds exactly one token of the batch across run AND verify; a worker keeps
+  its token from one sample to the next while samples of the batch wait, so tokens are reused
+  inside the batch before any goes back;
+- early release (``release``: the pool's ``release_tokens``): a token goes back to the global pool
+  only once no sample of the batch waits for one (every sample started or finished) and the sample
+  that held it ended, or at once when it is one no sample can ever use (more tokens than the
+  concurrency ceiling); never while its sample runs, and each at most once. A release that fails,
+  or a cancelled worker, leaves the token to the batch's close. Without ``release`` every token is
+  back in the local pool when ``run`` returns (the spec's hold-until-the-batch-ends);
 - one EpisodeContext spans both phases: what the agent kept in it is closed when the episode ends,
   cancellation included, and its EpisodeRecord becomes the sample's episode metadata keys in
   every outcome but cancellation;
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
   ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
-- ``on_task_done`` fires once per task, as soon as that task's group is finished.
+- ``on_task_done`` fires once per task, as soon as that task's group is finished; one that raises
+  cancels the batch's samples, and ``run`` ends only once they have all ended.
 """
-
 from __future__ import annotations
 
 import asyncio
 import inspect
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from rayapp.core.clock import loop_time
+from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentTimeout, classify_abort
 from rayapp.types import (
     AbortRecord,
@@ -43,6 +54,8 @@ from rayapp.types import (
 log = logging.getLogger(__name__)
 
 OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None] | None]
+GroupDone = Callable[[int], Awaitable[None]]  # called with the finished group's position
+ReleaseTokens = Callable[[list[Token]], Awaitable[None]]  # the pool's release_tokens
 
 DUMMY_TOKENS = [0, 0]  # the aborted sample's stand-in: one "prompt" and one masked response token
 
@@ -58,25 +71,12 @@ class TaskRun:
     sampling: SamplingParams
 
 
-async def _bounded(coro: Awaitable[Any], timeout_s: float | None, phase: EpisodePhase) -> Any:
-    """Await one phase under its wall clock; running out is an AgentTimeout that says which (a
-    TimeoutError the phase raised itself passes through as it is)."""
-    clock = asyncio.timeout(timeout_s)
-    try:
-        async with clock:
-            return await coro
-    except TimeoutError as e:
-        if clock.expired():
-            raise AgentTimeout(f"{phase} phase ran past its {timeout_s}s limit") from e
-        raise
-
-
 def _checked(result: Any) -> AgentResult:
     """The run phase's result, its termination reason made the enum (a plain agent may give the value)."""
     if not isinstance(result, AgentResult):
         raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
     reason = result.termination_reason
-    if reason is not None:
+    if reason is not None and type(reason) is not TerminationReason:
         try:
             result.termination_reason = TerminationReason(reason)
         except ValueError:
@@ -103,6 +103,13 @@ def _populate_token_data(sample: Sample, result: AgentResult) -> None:
 
 
 class Evaluator:
+    """Runs one batch's groups (``run``) with at most ``spec.resource.concurrency`` samples at once.
+
+    ``tokens`` is the batch's grant (None: ungated). ``release`` (the pool's ``release_tokens``)
+    turns on early release: a token no sample of the batch can use any more goes back to the
+    global pool at once instead of when the batch closes; without it every token stays in the
+    local pool until ``run`` returns (the spec's hold-until-the-batch-ends)."""
+
     def __init__(
         self,
         spec: EvaluatorSpec,
@@ -113,13 +120,18 @@ class Evaluator:
         clock: Callable[[], float] = loop_time,  # the loop's: the clock its timeouts follow
         iteration: dict[str, Any] | None = None,
         step: StepKind = StepKind.ROLLOUT,
+        release: ReleaseTokens | None = None,
     ):
         self.spec = spec
         self.rollout_id = rollout_id
         self.iteration, self.step = dict(iteration or {}), StepKind(step)
         self.on_task_done = on_task_done
         self.clock = clock
-        self._sem = asyncio.Semaphore(max(1, spec.resource.concurrency))
+        self.release = release
+        self._concurrency = max(1, spec.resource.concurrency)
+        self._deadlines = Deadlines()  # every phase's time limit, on one loop timer
+        self._returning: list[Token] = []  # tokens on their way back to the pool (early release)
+        self._ran = False
         # The short-lived local pool: the batch's tokens, one handed to each running sample.
         self._local: asyncio.Queue[Token] | None = None
         if tokens is not None:
@@ -129,45 +141,142 @@ class Evaluator:
             for t in tokens:
                 self._local.put_nowait(t)
 
-    async def run(self, groups: list[TaskRun]) -> None:
-        """Run every group's samples concurrently; fills the samples in place."""
-        await asyncio.gather(*(self._run_group(g) for g in groups))
+    async def run(self, groups: list[TaskRun], done: GroupDone | None = None) -> None:
+        """Run every group's samples, filling them in place; once group ``k`` (its position in
+        ``groups``) finished, ``on_task_done`` fires for it, then ``done(k)`` is awaited, in a task of
+        its own so that no token idles while they run. A callback that raises cancels the batch's
+        samples and propagates once they have ended.
 
-    async def _run_group(self, group: TaskRun) -> None:
-        await asyncio.gather(*(self._execute_sample(s, group) for s in group.samples))
-        if self.on_task_done is not None:
-            done = self.on_task_done(group.task, group.samples)
-            if inspect.isawaitable(done):
-                await done
+        Workers, at most as many as may run at once (the least of the concurrency ceiling, the
+        batch's tokens and its samples), take the samples in order, each holding one token across
+        them: a token is reused inside the batch while samples wait for one, and no semaphore,
+        token queue or task per sample is needed. One batch, one run: a second call is refused."""
+        if self._ran:  # its tokens may be back in the global pool, or held by the first run's workers
+            raise RuntimeError(f"evaluator {self.spec.evaluator_id!r}: run() once per batch; make a new Evaluator")
+        self._ran = True
+        queue: deque[tuple[Sample, int]] = deque()  # samples waiting for a token, with their group's position
+        for k, g in enumerate(groups):
+            queue.extend(zip(g.samples, repeat(k)))
+        left = [len(g.samples) for g in groups]
+        workers = min(self._concurrency, len(queue))
+        local = self._local
+        if local is not None:
+            workers = min(workers, local.qsize())
+            if self.release is not None and local.qsize() > workers:  # tokens no sample can ever use
+                await self._release([local.get_nowait() for _ in range(local.qsize() - workers)])
+        try:
+            async with asyncio.TaskGroup() as tg:
+                def finished(k: int) -> None:
+                    tg.create_task(self._finished(groups[k], k, done))
 
-    async def _execute_sample(self, sample: Sample, group: TaskRun) -> None:
-        async with self._sem:
-            token = await self._local.get() if self._local is not None else None
-            ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step)
+                async def spawn() -> None:
+                    # Runs once this task first waits (or is done): the other workers start then, one
+                    # per sample still waiting, so samples that end without ever waiting need no task
+                    # of their own; the tokens no worker will take are of no use to the batch.
+                    n = min(workers - 1, len(queue))
+                    for _ in range(n):
+                        tg.create_task(self._work(queue, groups, left, finished))
+                    if self.release is not None and local is not None and local.qsize() > n:
+                        await self._release_early([local.get_nowait() for _ in range(local.qsize() - n)])
+
+                for k in [k for k, n in enumerate(left) if n == 0]:  # an empty group is finished at once
+                    finished(k)
+                if workers > 1:
+                    tg.create_task(spawn())
+                if workers:
+                    await self._work(queue, groups, left, finished)  # the first worker is this task
+        finally:
+            self._deadlines.idle()
+
+    async def _work(self, queue: deque[tuple[Sample, int]], groups: list[TaskRun], left: list[int],
+                    finished: Callable[[int], None]) -> None:
+        local = self._local
+        token = local.get_nowait() if local is not None else None  # run() starts no more workers than tokens
+        try:
+            while queue:
+                sample, k = queue.popleft()
+                await self._execute_sample(sample, groups[k], token)
+                left[k] -= 1
+                if left[k] == 0:
+                    finished(k)
+        except BaseException:  # cancelled: the token stays in the batch, which closes whole
             if token is not None:
-                ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
-            phase, started = EpisodePhase.RUN, self.clock()
-            try:
-                async with ctx:  # closes what the agent kept between the phases, whatever happens
-                    result = _checked(await _bounded(self.spec.handler.run(sample, ctx), group.stopping.timeout_s,
-                                                     phase))
-                    ctx.record.turns = result.turns
-                    ctx.record.termination_reason = result.termination_reason
+                local.put_nowait(token)
+            raise
+        if token is not None:  # its last sample ended and none waits for a token
+            if self.release is not None:
+                await self._release_early([token])
+            else:
+                local.put_nowait(token)
+
+    async def _finished(self, group: TaskRun, k: int, done: GroupDone | None) -> None:
+        if self.on_task_done is not None:
+            result = self.on_task_done(group.task, group.samples)
+            if inspect.isawaitable(result):
+                await result
+        if done is not None:
+            await done(k)
+
+    async def _release_early(self, tokens: list[Token]) -> None:
+        """Back to the global pool now, with the others that end in the same pass of the loop: the
+        first to return some waits that pass out and gives back all of them in one call."""
+        first = not self._returning
+        self._returning += tokens
+        if not first:
+            return
+        try:
+            await asyncio.sleep(0)
+        finally:  # cancelled: the tokens stay in the batch, which closes whole
+            tokens, self._returning = self._returning, []
+        await self._release(tokens)
+
+    async def _release(self, tokens: list[Token]) -> None:
+        """Early release; a release that fails leaves the tokens to the batch's close (``release_batch``
+        gives back whatever the batch still holds), so a pool hiccup never fails a sample."""
+        try:
+            await self.release(tokens)
+        except Exception as e:
+            log.warning("early release of %d tokens failed (they go back when the batch closes): %s: %s",
+                        len(tokens), type(e).__name__, e)
+
+    async def _bounded(self, coro: Awaitable[Any], timeout_s: float | None, phase: EpisodePhase) -> Any:
+        """Await one phase under its wall clock; running out is an AgentTimeout that says which (a
+        TimeoutError the phase raised itself passes through as it is). No limit arms no timer."""
+        if timeout_s is None:
+            return await coro
+        limit = self._deadlines.limit(timeout_s)
+        try:
+            with limit:
+                return await coro
+        except TimeoutError as e:
+            if limit.expired:
+                raise AgentTimeout(f"{phase} phase ran past its {timeout_s}s limit") from e
+            raise
+
+    async def _execute_sample(self, sample: Sample, group: TaskRun, token: Token | None) -> None:
+        ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step)
+        if token is not None:
+            ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
+        handler, phase, started = self.spec.handler, EpisodePhase.RUN, self.clock()
+        try:
+            async with ctx:  # closes what the agent kept between the phases, whatever happens
+                limit = group.stopping.timeout_s
+                run = handler.run(sample, ctx)
+                result = _checked(await run if limit is None else await self._bounded(run, limit, phase))
+                ctx.record.turns = result.turns
+                ctx.record.termination_reason = result.termination_reason
+                if result.metadata:
                     sample.metadata.update(result.metadata)
-                    phase = EpisodePhase.VERIFY
-                    reward = await _bounded(self.spec.handler.evaluate(sample, result, ctx),
-                                            self.spec.eval_timeout_s, phase)
-                if not isinstance(reward, dict) or "score" not in reward:
-                    raise TypeError(f"handler.evaluate returned {reward!r}, not a dict with a 'score'")
-                _populate_token_data(sample, result)
-                sample.reward = {k: float(v) for k, v in reward.items()}
-                sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
-            except Exception as e:
-                self._abort(sample, ctx, e, phase, started)
-            finally:
-                if self._local is not None and token is not None:
-                    self._local.put_nowait(token)
-            sample.metadata.update(ctx.record.to_metadata())
+                phase = EpisodePhase.VERIFY
+                reward = await self._bounded(handler.evaluate(sample, result, ctx), self.spec.eval_timeout_s, phase)
+            if not isinstance(reward, dict) or "score" not in reward:
+                raise TypeError(f"handler.evaluate returned {reward!r}, not a dict with a 'score'")
+            _populate_token_data(sample, result)
+            sample.reward = {k: float(v) for k, v in reward.items()}
+            sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
+        except Exception as e:
+            self._abort(sample, ctx, e, phase, started)
+        sample.metadata.update(ctx.record.to_metadata())
 
     def _abort(self, sample: Sample, ctx: EpisodeContext, e: Exception, phase: EpisodePhase, started: float) -> None:
         reason, ended, token = classify_abort(e), self.clock(), ctx.token

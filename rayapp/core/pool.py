@@ -17,6 +17,11 @@ Invariants kept, on top of the ledger's (tests check them after every step):
 * Every token ``acquire_batch`` returns belongs to exactly one tracked batch until the batch is
   released whole (``release_batch``, ``release_owner``); the ledger-level ``release`` refuses it.
   Releasing every batch restores the initial ``snapshot()`` exactly.
+* A batch may give some of its tokens back before it closes (``release_tokens``, early release):
+  only tokens it still holds, each once; they are free at once and wake the head waiter. The
+  batch still closes with its whole grant (``release_batch``), which frees only what it still
+  holds, so every token goes back to the ledger exactly once, early or at the close, and a token
+  given back early can be granted to another batch while its first batch is still open.
 
 Everything runs on one event loop, and every wait uses that loop's clock only (``asyncio.timeout``),
 so a virtual-time loop drives the pool as it drives the scheduler. Pure Python + asyncio; never
@@ -95,6 +100,7 @@ class PlacementPool(Ledger):
         self._batches: dict[str, HeldBatch] = {}
         self._batch_of: dict[int, str] = {}  # token_id -> name of the batch it was granted to
         self._granted: dict[str, frozenset[Token]] = {}  # batch name -> every token it was granted
+        self._holding: dict[str, dict[Token, None]] = {}  # batch name -> the tokens it still holds, in order
         self._grants = 0  # names every grant (and every reservation attempt) uniquely
 
     def release(self, tokens: Iterable[Token]) -> None:
@@ -193,8 +199,9 @@ class PlacementPool(Ledger):
         self._release_records([self._held[t.token_id] for t in tokens])
 
     def _track(self, name: str, owner: str, tokens: list[Token]) -> list[Token]:
-        self._batches[name] = HeldBatch(name, owner, tuple(tokens))
+        self._batches[name] = HeldBatch(name, owner, tuple(tokens))  # as granted; the rest in _holding
         self._granted[name] = frozenset(tokens)
+        self._holding[name] = dict.fromkeys(tokens)
         for t in tokens:
             self._batch_of[t.token_id] = name
         return tokens
@@ -216,11 +223,11 @@ class PlacementPool(Ledger):
         if batch is None:
             raise PoolError(f"release_tokens: {len(tokens)} tokens of {len(names)} batches (or of none held); "
                             f"give back tokens of one batch at a time")
-        held = set(batch.tokens)
-        if len(set(tokens)) != len(tokens) or not held.issuperset(tokens):
+        held = self._holding[batch.name]
+        if len(set(tokens)) != len(tokens) or not all(t in held for t in tokens):
             raise PoolError(f"release_tokens: {batch.name}: every token must be held by it, once")
-        self._batches[batch.name] = msgspec.structs.replace(batch, tokens=tuple(t for t in batch.tokens
-                                                                                if t not in set(tokens)))
+        for t in tokens:  # O(tokens given back), not O(batch): a batch may give back one at a time
+            del held[t]
         await self._give_back(tokens)
 
     async def release_batch(self, tokens: list[Token]) -> None:
@@ -247,7 +254,7 @@ class PlacementPool(Ledger):
         del self._batches[batch.name]
         for t in self._granted.pop(batch.name):
             del self._batch_of[t.token_id]
-        await self._give_back(list(batch.tokens))
+        await self._give_back(list(self._holding.pop(batch.name)))
 
     async def _give_back(self, tokens: list[Token]) -> None:
         if not tokens:
@@ -289,7 +296,7 @@ class PlacementPool(Ledger):
 
     def batches(self) -> list[HeldBatch]:
         """Every admitted batch not yet released, oldest first: who holds which tokens where."""
-        return list(self._batches.values())
+        return [msgspec.structs.replace(b, tokens=tuple(self._holding[b.name])) for b in self._batches.values()]
 
     def __repr__(self) -> str:
         return f"PlacementPool({self._n} nodes, {len(self._held)} tokens held, {len(self._queue)} waiting)"

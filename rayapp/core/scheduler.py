@@ -4,7 +4,11 @@ Every step makes the same four moves: fetch -> distribute -> batch -> run. A ste
 indexed by their position in the fetch: results, the progress callback and a step log all speak of
 "group i". ``run_all`` checks first that the pool can ever admit the largest batch each spec will ask
 for (fail fast instead of hanging), then runs the batches concurrently; each batch waits for an
-all-or-nothing admission, runs one Evaluator, and gives its tokens back in ``finally``. Results
+all-or-nothing admission, runs one Evaluator, and closes its grant in ``finally`` (``release_batch``).
+With ``SchedulerConfig.release="early"`` (the default) the Evaluator gives each token back as soon
+as no sample of its batch can use it (``Pool.release_tokens``), so a later batch may be admitted
+while an earlier one's slowest samples still run; ``"batch_end"`` holds every token until the batch
+closes (the spec's behaviour). Either way the pool is as it was after every step. Results
 stream out through ``on_task_done`` as each task finishes, and come back whole at the end. The step
 status records how the step ended (done, failed, cancelled), not what its counters suggest.
 
@@ -46,7 +50,9 @@ from rayapp.types import (
     BatchRequest,
     EvaluatorSpec,
     Sample,
+    SamplingParams,
     StepKind,
+    StoppingCriteria,
     Task,
     Token,
 )
@@ -86,6 +92,9 @@ class TaskScheduler:
         config = config or SchedulerConfig()
         if config.rollout_batch_size < 1 or config.n_samples_per_eval_prompt < 1:
             raise ValueError("rollout_batch_size and n_samples_per_eval_prompt must be >= 1")
+        if config.release == "early" and pool is not None and not callable(getattr(pool, "release_tokens", None)):
+            raise ValueError(f"SchedulerConfig.release='early' needs a pool with release_tokens; "
+                             f"{type(pool).__name__} has none (set release='batch_end')")
         self.data_source, self.pool, self.config = data_source, pool, config
         self.batching_strategy = batching_strategy or fifo_batching
         self.eval_datasets = dict(eval_datasets or {})
@@ -160,6 +169,9 @@ class TaskScheduler:
         """One group of samples per fetched task, by fetch index, with settings resolved now so a bad
         dataset config fails the step before anything runs."""
         groups: list[TaskRun] = []
+        # The cascade once per spec and dataset config object (tasks of one dataset share theirs);
+        # the objects outlive the loop, so their ids stay theirs.
+        settings: dict[tuple[str, int], tuple[StoppingCriteria, SamplingParams]] = {}
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
@@ -170,11 +182,13 @@ class TaskScheduler:
                 for i in range(task.config.n_samples)
             ]
             spec = self._resolve_spec_id(task.evaluator_id)
-            groups.append(TaskRun(
-                task, samples,
-                resolve_stopping(self.config.global_stopping, spec.default_stopping, samples[0]),
-                build_sampling_params(self.config.global_sampling, spec.default_sampling, samples[0]),
-            ))
+            key = (spec.evaluator_id, id(task.metadata.get("_dataset_cfg")))
+            resolved = settings.get(key)
+            if resolved is None:
+                resolved = settings[key] = (
+                    resolve_stopping(self.config.global_stopping, spec.default_stopping, samples[0]),
+                    build_sampling_params(self.config.global_sampling, spec.default_sampling, samples[0]))
+            groups.append(TaskRun(task, samples, *resolved))
         return groups
 
     def _batch(self, tasks: list[Task], todo: list[int]) -> list[tuple[Batch, list[int]]]:
@@ -279,17 +293,16 @@ class TaskScheduler:
         st.batches_waiting -= 1
         st.batches_running += 1
         try:
-            evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, iteration=iteration, step=kind)
+            early = tokens is not None and self.config.release == "early"
+            evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, iteration=iteration, step=kind,
+                                  release=self.pool.release_tokens if early else None)
 
-            async def run_group(group: TaskRun, i: int) -> None:
-                await evaluator.run([group])
-                await finished(i)
+            async def done(k: int) -> None:
+                await finished(indices[k])
 
-            # A TaskGroup, not gather: a failing callback cancels its siblings and waits for them, so
-            # no episode still holds a token when they go back below.
-            async with asyncio.TaskGroup() as tg:
-                for g, i in zip(groups, indices, strict=True):
-                    tg.create_task(run_group(g, i))
+            # A callback that raises cancels the batch's other samples and waits for them, so no
+            # episode still holds a token when they go back below.
+            await evaluator.run(groups, done)
         finally:
             st.batches_running -= 1
             st.batches_done += 1

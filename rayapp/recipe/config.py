@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.core.batching import BatchingStrategy, load_strategy
+from rayapp.core.contracts import Release
 from rayapp.core.convert import InputError, convert
 from rayapp.envs.registry import ENVS
 from rayapp.training.dagger import DAggerSchedule
@@ -153,6 +154,10 @@ class SchedulerSection(_Strict, dict=True):
     acquire_timeout_s: Annotated[Seconds, Meta(description="seconds a batch may wait for the pool to admit it; "
                                                          "then the step fails")] = 3600.0
     progress: Annotated[bool, Meta(description="show a progress bar per step")] = True
+    release: Annotated[Release, Meta(description="when a batch's placement goes back to the pool: early, each "
+                                                 "sample's share as soon as it ended and no sample of its batch "
+                                                 "waits for one; batch_end, all of it when the batch's last "
+                                                 "sample ends (the spec's)")] = "early"
     save_eval_details: Annotated[str | None, Meta(description="folder for eval_details/ artifacts (per-sample "
                                                               "JSONL, eval and train summaries); unset: none")] = None
     trajectory_dir: Annotated[str | None, Meta(description="folder where rollouts are saved and reused per the "

@@ -70,7 +70,7 @@ def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool
     config = SchedulerConfig(rollout_batch_size=s.rollout_batch_size,
                              n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
                              global_stopping=s.global_stopping, global_sampling=s.global_sampling,
-                             acquire_timeout_s=s.acquire_timeout_s, progress=s.progress)
+                             acquire_timeout_s=s.acquire_timeout_s, progress=s.progress, release=s.release)
     return TaskScheduler(
         build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox),
         build_data_source(cfg), pool, config, batching_strategy=s.strategy, eval_datasets=build_eval_sets(cfg),

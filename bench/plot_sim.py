@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt
 def _panels(rows: list[dict], key: str, ylabel: str, path: Path, *, ref: float | None = None) -> Path:
     sizes = sorted({r["nodes"] for r in rows})
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    policies = [p for p in dict.fromkeys(r["policy"] for r in rows)
-                if any(r["policy"] == p and r.get(key) is not None for r in rows)]
+    every = list(dict.fromkeys(r["policy"] for r in rows))  # one colour per policy in every plot
+    policies = [p for p in every if any(r["policy"] == p and r.get(key) is not None for r in rows)]
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.2 * len(sizes), 4.2), sharey=True, squeeze=False)
     width = 0.8 / max(1, len(policies))
     for ax, nodes in zip(axes[0], sizes, strict=True):
@@ -36,7 +36,7 @@ def _panels(rows: list[dict], key: str, ylabel: str, path: Path, *, ref: float |
                 r = next((x for x in rows if (x["nodes"], x["workload"], x["policy"]) == (nodes, w, policy)), None)
                 ys.append(r.get(key) if r and r.get(key) is not None else float("nan"))
             ax.bar([i + (j - (len(policies) - 1) / 2) * width for i in range(len(workloads))], ys, width,
-                   label=policy)
+                   label=policy, color=f"C{every.index(policy)}")
         if ref is not None:
             ax.axhline(ref, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(workloads)), workloads)
@@ -44,8 +44,9 @@ def _panels(rows: list[dict], key: str, ylabel: str, path: Path, *, ref: float |
         ax.set_title(f"{nodes:,} nodes x 8 GPUs ({waves:g} waves)")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(policies), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

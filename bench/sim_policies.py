@@ -98,7 +98,9 @@ class Meter:
         self.last = now
         self.held += held
         self.busy += busy
-        if self.timeline is not None:
+        if self.timeline is not None:  # one point per instant: its state once every change at it is done
+            if self.timeline and self.timeline[-1][0] == now:
+                self.timeline.pop()
             self.timeline.append((now, self.held, self.busy))
 
 

@@ -1,0 +1,212 @@
+"""Policies run through the real core: ``TaskScheduler`` + ``Evaluator`` + ``PlacementPool`` in
+virtual time, with agents that sleep their trace's turns and verify.
+
+A policy is a row of ``POLICIES``: the ``SchedulerConfig`` fields it sets and its batching
+strategy. A field this scheduler does not have is dropped (so a policy that only restates today's
+default still runs), unless the policy ``needs`` it; then the policy is skipped and the table says so.
+
+What the pool really held is measured, not assumed: ``MeteredPool`` wraps it and integrates the
+GPU share of the tokens held over virtual time; the agents integrate the share of the samples that
+are working. Their ratio is the share of reserved capacity that did work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim_workloads import GPUS_PER_NODE, GROUP, PER_SAMPLE, TaskTrace, layout
+
+from rayapp.core.agent import FunctionAgent
+from rayapp.core.batching import BatchingStrategy, fifo_batching, longest_first_batching
+from rayapp.core.clock import loop_time, run_virtual
+from rayapp.core.contracts import SchedulerConfig
+from rayapp.core.pool import PlacementPool
+from rayapp.core.scheduler import TaskScheduler
+from rayapp.types import AgentResult, BatchRequest, EvaluatorSpec, Resource, Status, Task, TaskConfig, Token
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    config: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig fields it sets
+    batching: BatchingStrategy = fifo_batching
+    needs: tuple[str, ...] = ()  # SchedulerConfig fields without which it cannot run
+
+
+POLICIES: tuple[Policy, ...] = (
+    Policy("hold FIFO", {"release": "batch_end"}),
+    Policy("early FIFO", {"release": "early"}, needs=("release",)),
+    Policy("longest-first, noisy", {"release": "early"}, longest_first_batching),
+)
+
+
+def supported(policy: Policy) -> bool:
+    return all(f in SchedulerConfig.__struct_fields__ for f in policy.needs)
+
+
+def release_mode(policy: Policy) -> str:
+    """How this policy's batches give capacity back, on this scheduler."""
+    fields = SchedulerConfig.__struct_fields__
+    return policy.config["release"] if "release" in fields and "release" in policy.config else "batch_end"
+
+
+@dataclass
+class Run:
+    """One policy over every step of one workload on one cluster. Seconds are virtual."""
+
+    policy: str
+    release: str
+    makespan: float  # the steps' makespans, summed (each step waits for its last group)
+    work_gpu_s: float  # GPU share x seconds that samples spent running or verifying
+    held_gpu_s: float  # GPU share x seconds reserved for the policy
+    capacity_gpu: float
+    samples: int
+    wall_s: float  # real seconds the simulation took (its own cost; not a result)
+    returned_once: bool = True  # every sample came back exactly once
+    pool_restored: bool = True  # the pool ended as it started
+    timeline: list[tuple[float, float, float]] | None = None  # (t, held GPUs, working GPUs)
+
+    @property
+    def reserved_busy(self) -> float:
+        return self.work_gpu_s / self.held_gpu_s if self.held_gpu_s else 0.0
+
+    @property
+    def cluster_busy(self) -> float:
+        return self.work_gpu_s / (self.capacity_gpu * self.makespan) if self.makespan else 0.0
+
+
+def _gpus(tokens: list[Token]) -> float:
+    return sum(t.gpu * len(t.gpu_ids) for t in tokens)
+
+
+class Meter:
+    """Integrates held and working GPU share over the loop's (virtual) clock."""
+
+    def __init__(self, record: bool = False) -> None:
+        self.held = self.busy = self.held_area = self.busy_area = 0.0
+        self.last = 0.0
+        self.timeline: list[tuple[float, float, float]] | None = [] if record else None
+
+    def change(self, held: float = 0.0, busy: float = 0.0) -> None:
+        now = loop_time()
+        self.held_area += self.held * (now - self.last)
+        self.busy_area += self.busy * (now - self.last)
+        self.last = now
+        self.held += held
+        self.busy += busy
+        if self.timeline is not None:  # one point per instant: its state once every change at it is done
+            if self.timeline and self.timeline[-1][0] == now:
+                self.timeline.pop()
+            self.timeline.append((now, self.held, self.busy))
+
+
+class MeteredPool:
+    """The scheduler's Pool protocol over a ``PlacementPool``, metering the tokens it holds. Tokens
+    given back early (``release_tokens``) stop counting then; ``release_batch`` stops the rest."""
+
+    def __init__(self, pool: PlacementPool, meter: Meter) -> None:
+        self.pool, self.meter = pool, meter
+        self._held: set[int] = set()
+
+    async def acquire_batch(self, request: BatchRequest) -> list[Token]:
+        tokens = await self.pool.acquire_batch(request)
+        self._held.update(t.token_id for t in tokens)
+        self.meter.change(held=_gpus(tokens))
+        return tokens
+
+    async def release_tokens(self, tokens: list[Token]) -> None:
+        await self.pool.release_tokens(tokens)
+        self._held.difference_update(t.token_id for t in tokens)
+        self.meter.change(held=-_gpus(tokens))
+
+    async def release_batch(self, tokens: list[Token]) -> None:
+        left = [t for t in tokens if t.token_id in self._held]
+        try:
+            await self.pool.release_batch(tokens)
+        finally:
+            self._held.difference_update(t.token_id for t in left)
+            self.meter.change(held=-_gpus(left))
+
+    async def max_tokens_for(self, per_sample: Resource) -> int:
+        return await self.pool.max_tokens_for(per_sample)
+
+    def __getattr__(self, name: str) -> Any:  # anything else the scheduler may ask of a pool
+        return getattr(self.pool, name)
+
+
+def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Counter) -> EvaluatorSpec:
+    """An EvaluatorSpec whose budget admits a whole batch at once; its agent sleeps the trace."""
+    share = PER_SAMPLE.gpu
+    starts: dict[tuple[str, int], float] = {}
+
+    async def run_fn(sample, ctx) -> AgentResult:
+        trace = traces[sample.task_id].samples[sample.index]
+        key = (sample.task_id, sample.index)
+        runs[key] += 1
+        starts[key] = loop_time()
+        meter.change(busy=share)
+        for turn, (engine_s, tool_s) in enumerate(trace.turns, 1):
+            await asyncio.sleep(engine_s)
+            ctx.record_turn(turn, "sim", engine_s=engine_s)
+            if tool_s:
+                await asyncio.sleep(tool_s)
+        return AgentResult(tokens=[1, 2], response_length=1, turns=len(trace.turns))
+
+    async def verify_fn(sample, result) -> dict[str, float]:
+        await asyncio.sleep(traces[sample.task_id].samples[sample.index].verify_s)
+        meter.change(busy=-share)
+        return {"score": 1.0}
+
+    n = batch_tasks * GROUP
+    budget = Resource(gpu=share * n, concurrency=n, cpu=PER_SAMPLE.cpu * n, memory_gb=PER_SAMPLE.memory_gb * n)
+    return EvaluatorSpec("sim", FunctionAgent(run_fn, verify_fn), batch_size=batch_tasks, resource=budget,
+                         run_resource=PER_SAMPLE)
+
+
+def check_returned_once(steps: list[list[TaskTrace]], groups: list[list[list[Any]]], runs: Counter) -> bool:
+    """Every sample of every step ran once and came back once, completed."""
+    want = Counter((t.task_id, i) for step in steps for t in step for i in range(len(t.samples)))
+    got = Counter((s.task_id, s.index) for step in groups for g in step for s in g)
+    completed = all(s.status is Status.COMPLETED for step in groups for g in step for s in g)
+    return completed and got == want and runs == want
+
+
+def run_policy(policy: Policy, steps: list[list[TaskTrace]], nodes: int, batch_tasks: int, *,
+               timeline: bool = False) -> Run:
+    """``policy`` over ``steps`` (one list of tasks per rollout step) on ``nodes`` x 8 GPUs."""
+    pool = PlacementPool(layout(nodes))
+    before = pool.snapshot()
+    meter = Meter(record=timeline)
+    runs: Counter = Counter()
+    traces = {t.task_id: t for step in steps for t in step}
+    fields = SchedulerConfig.__struct_fields__
+    config = SchedulerConfig(rollout_batch_size=len(steps[0]), progress=False,
+                             **{k: v for k, v in policy.config.items() if k in fields})
+    queue = list(steps)
+
+    class Source:
+        async def get_tasks(self, n: int) -> list[Task]:
+            return [Task(t.task_id, "", TaskConfig("sim", n_samples=len(t.samples), expected_len=t.expected_len))
+                    for t in queue.pop(0)]
+
+    sched = TaskScheduler([_spec(batch_tasks, traces, meter, runs)], Source(), MeteredPool(pool, meter), config,
+                          batching_strategy=policy.batching)
+
+    async def main() -> list[list[list[Any]]]:
+        out = []
+        for i in range(len(steps)):
+            out.append((await sched.execute_rollout(i)).groups)
+        meter.change()
+        return out
+
+    wall = time.perf_counter()
+    groups = run_virtual(main())
+    wall = time.perf_counter() - wall
+    return Run(policy.name, release_mode(policy), meter.last, meter.busy_area, meter.held_area,
+               nodes * float(GPUS_PER_NODE), sum(len(t.samples) for t in traces.values()), wall,
+               returned_once=check_returned_once(steps, groups, runs),
+               pool_restored=pool.snapshot() == before and not pool.batches(), timeline=meter.timeline)

@@ -102,14 +102,15 @@ def test_on_task_done_fires_per_task_as_it_finishes_not_at_the_end():
                 await asyncio.wait_for(gate.wait(), 5)
             return ok_result()
 
-        def on_done(task, samples):
-            done.append(task.task_id)
-            assert all(s.status is Status.COMPLETED for s in samples)
+        groups = make_groups(2, 2)
+
+        async def on_done(k):
+            done.append(groups[k].task.task_id)
+            assert all(s.status is Status.COMPLETED for s in groups[k].samples)
             gate.set()
 
         agent = FunctionAgent(run_fn, lambda s, r: {"score": 1.0})
-        await Evaluator(spec(agent, concurrency=4), rollout_id=0, tokens=None, on_task_done=on_done).run(
-            make_groups(2, 2))
+        await Evaluator(spec(agent, concurrency=4), rollout_id=0, tokens=None).run(groups, on_done)
         return done
 
     assert run(scenario()) == ["t0", "t1"]
@@ -208,6 +209,19 @@ def test_an_evaluator_runs_one_batch_once():
         run(ev.run(make_groups(1, 1)))
 
 
+@pytest.mark.parametrize("bad", [
+    AgentResult(tokens=["a", "b"], response_length=1),  # token ids that are not ints
+    AgentResult(tokens=[1, 2], response_length=1, turns="three"),  # turns that are not a count
+])
+def test_an_agent_result_that_breaks_its_type_aborts_the_sample(bad):
+    groups = make_groups(1, 1)
+    run(Evaluator(spec(FunctionAgent(lambda s, c: bad, lambda s, r: {"score": 1})), rollout_id=0,
+                  tokens=None).run(groups))
+    s = groups[0].samples[0]
+    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
+    assert s.tokens == [0, 0] and s.remove_sample
+
+
 def test_a_gated_batch_without_tokens_is_refused():
     with pytest.raises(ValueError, match="at least one token"):
         Evaluator(spec(Recorder()), rollout_id=0, tokens=[])
@@ -220,16 +234,22 @@ def test_an_unknown_termination_reason_aborts_naming_it():
                   tokens=None).run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
-    assert "termination_reason 'max_context'" in s.metadata["_abort"]["error"]
+    assert '$.termination_reason: expected "stop" or "max_turns" or "max_context_len" or "length", got ' \
+           '"max_context"' in s.metadata["_abort"]["error"]
 
 
 def test_a_plain_string_reason_becomes_the_enum_and_the_metadata_holds_plain_values():
     res = AgentResult(tokens=[1, 2, 3], response_length=1, termination_reason="length", turns=2)
     groups = make_groups(1, 1)
-    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 0})), rollout_id=0,
-                  tokens=tokens(1)).run(groups))
+    verified = []
+
+    def verify(s, r):
+        verified.append(r)
+        return {"score": 0}
+
+    run(Evaluator(spec(FunctionAgent(lambda s, c: res, verify)), rollout_id=0, tokens=tokens(1)).run(groups))
     meta = groups[0].samples[0].metadata
-    assert res.termination_reason is TerminationReason.LENGTH
+    assert verified[0].termination_reason is TerminationReason.LENGTH  # the verifier sees the checked result
     assert meta == {"_placement": {"node": "node0", "gpu_ids": [0], "gpu": 0.5}, "_turns": 2,
                     "_termination_reason": "length"}
     assert type(meta["_termination_reason"]) is str
@@ -305,14 +325,14 @@ def test_a_callback_that_raises_cancels_the_batch_and_every_token_comes_back():
         await asyncio.sleep(0 if sample.task_id == "t0" else 3600)
         return ok_result()
 
-    def on_done(task, samples):
+    async def on_done(k):
         raise RuntimeError("collector broke")
 
     groups = make_groups(3, 2)
     ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), concurrency=6), rollout_id=0,
-                   tokens=tokens(6), on_task_done=on_done)
+                   tokens=tokens(6))
     with pytest.raises(ExceptionGroup) as info:
-        run_virtual(ev.run(groups))
+        run_virtual(ev.run(groups, on_done))
     assert info.group_contains(RuntimeError, match="collector broke")
     assert sorted(started) == ["t0", "t0", "t1", "t1", "t2", "t2"]
     assert all(s.status is Status.PENDING for g in groups[1:] for s in g.samples)  # cancelled, not finished

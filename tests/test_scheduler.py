@@ -359,3 +359,28 @@ def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_eac
 
     with pytest.raises(ValueError, match=r"finished groups \[3\] beyond the 3 fetched"):
         run(sched.execute_rollout(1, step_log=Beyond()))
+
+
+@pytest.mark.parametrize(("strategy", "message"), [
+    (lambda ts, specs: [Batch("a", list(ts))], r"batch 0 mixes evaluators \['a', 'b'\]"),
+    (lambda ts, specs: [*[Batch(t.config.task_type, [t]) for t in ts], Batch("a", [])], r"batch 2 is empty"),
+])
+def test_a_strategy_batch_that_is_empty_or_mixes_evaluators_is_refused_before_anything_runs(strategy, message):
+    ran = []
+
+    def agent(sample, ctx):
+        ran.append(sample.task_id)
+        return AgentResult(tokens=[1, 2], response_length=1)
+
+    tasks = [Task("ta", "p", TaskConfig("a")), Task("tb", "p", TaskConfig("b"))]
+
+    class Fixed:
+        async def get_tasks(self, n):
+            return tasks
+
+    specs = [EvaluatorSpec(e, FunctionAgent(agent, verify)) for e in "ab"]
+    sched = TaskScheduler(specs, Fixed(), None, SchedulerConfig(rollout_batch_size=2, progress=False),
+                          batching_strategy=strategy)
+    with pytest.raises(ValueError, match="batching strategy .*" + message):
+        run(sched.execute_rollout(0))
+    assert ran == []

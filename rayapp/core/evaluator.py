@@ -17,13 +17,12 @@ Invariants it keeps:
   every outcome but cancellation;
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
   ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
-- ``on_task_done`` fires once per task, as soon as that task's group is finished; one that raises
-  cancels the batch's samples, and ``run`` ends only once they have all ended.
+- ``run``'s ``done(k)`` is awaited once per group, as soon as group ``k`` is finished; one that
+  raises cancels the batch's samples, and ``run`` ends only once they have all ended.
 """
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -32,6 +31,7 @@ from itertools import repeat
 from typing import Any
 
 from rayapp.core.clock import loop_time
+from rayapp.core.convert import check
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentTimeout, classify_abort
 from rayapp.types import (
@@ -47,13 +47,11 @@ from rayapp.types import (
     StepKind,
     StoppingCriteria,
     Task,
-    TerminationReason,
     Token,
 )
 
 log = logging.getLogger(__name__)
 
-OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None] | None]
 GroupDone = Callable[[int], Awaitable[None]]  # called with the finished group's position
 ReleaseTokens = Callable[[list[Token]], Awaitable[None]]  # the pool's release_tokens
 
@@ -72,17 +70,12 @@ class TaskRun:
 
 
 def _checked(result: Any) -> AgentResult:
-    """The run phase's result, its termination reason made the enum (a plain agent may give the value)."""
+    """The run phase's result put through its own type's bounds (an agent's constructor checks
+    nothing): token ids that are not ints, a reason that is not a ``TerminationReason`` (a plain
+    agent may give its value) abort the sample instead of reaching the trainer."""
     if not isinstance(result, AgentResult):
         raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
-    reason = result.termination_reason
-    if reason is not None and type(reason) is not TerminationReason:
-        try:
-            result.termination_reason = TerminationReason(reason)
-        except ValueError:
-            raise TypeError(f"handler.run returned termination_reason {reason!r}, not one of "
-                            f"{[r.value for r in TerminationReason]}") from None
-    return result
+    return check(result, "handler.run")
 
 
 def _populate_token_data(sample: Sample, result: AgentResult) -> None:
@@ -102,6 +95,15 @@ def _populate_token_data(sample: Sample, result: AgentResult) -> None:
     sample.rollout_log_probs = list(result.rollout_log_probs)
 
 
+def _notifier(tg: asyncio.TaskGroup, done: GroupDone | None) -> Callable[[int], None]:
+    """``finished(k)``: ``done(k)`` in a task of ``tg`` (nothing without ``done``)."""
+    def finished(k: int) -> None:
+        if done is not None:
+            tg.create_task(done(k))
+
+    return finished
+
+
 class Evaluator:
     """Runs one batch's groups (``run``) with at most ``spec.resource.concurrency`` samples at once.
 
@@ -116,8 +118,6 @@ class Evaluator:
         *,
         rollout_id: int,
         tokens: list[Token] | None,
-        on_task_done: OnTaskDone | None = None,
-        clock: Callable[[], float] = loop_time,  # the loop's: the clock its timeouts follow
         iteration: dict[str, Any] | None = None,
         step: StepKind = StepKind.ROLLOUT,
         release: ReleaseTokens | None = None,
@@ -125,8 +125,6 @@ class Evaluator:
         self.spec = spec
         self.rollout_id = rollout_id
         self.iteration, self.step = dict(iteration or {}), StepKind(step)
-        self.on_task_done = on_task_done
-        self.clock = clock
         self.release = release
         self._concurrency = max(1, spec.resource.concurrency)
         self._deadlines = Deadlines()  # every phase's time limit, on one loop timer
@@ -143,7 +141,7 @@ class Evaluator:
 
     async def run(self, groups: list[TaskRun], done: GroupDone | None = None) -> None:
         """Run every group's samples, filling them in place; once group ``k`` (its position in
-        ``groups``) finished, ``on_task_done`` fires for it, then ``done(k)`` is awaited, in a task of
+        ``groups``) finished, ``done(k)`` is awaited, in a task of
         its own so that no token idles while they run. A callback that raises cancels the batch's
         samples and propagates once they have ended.
 
@@ -166,8 +164,7 @@ class Evaluator:
                 await self._release([local.get_nowait() for _ in range(local.qsize() - workers)])
         try:
             async with asyncio.TaskGroup() as tg:
-                def finished(k: int) -> None:
-                    tg.create_task(self._finished(groups[k], k, done))
+                finished = _notifier(tg, done)
 
                 async def spawn() -> None:
                     # Runs once this task first waits (or is done): the other workers start then, one
@@ -209,14 +206,6 @@ class Evaluator:
             else:
                 local.put_nowait(token)
 
-    async def _finished(self, group: TaskRun, k: int, done: GroupDone | None) -> None:
-        if self.on_task_done is not None:
-            result = self.on_task_done(group.task, group.samples)
-            if inspect.isawaitable(result):
-                await result
-        if done is not None:
-            await done(k)
-
     async def _release_early(self, tokens: list[Token]) -> None:
         """Back to the global pool now, with the others that end in the same pass of the loop: the
         first to return some waits that pass out and gives back all of them in one call."""
@@ -257,7 +246,7 @@ class Evaluator:
         ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step)
         if token is not None:
             ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
-        handler, phase, started = self.spec.handler, EpisodePhase.RUN, self.clock()
+        handler, phase, started = self.spec.handler, EpisodePhase.RUN, loop_time()
         try:
             async with ctx:  # closes what the agent kept between the phases, whatever happens
                 limit = group.stopping.timeout_s
@@ -279,7 +268,7 @@ class Evaluator:
         sample.metadata.update(ctx.record.to_metadata())
 
     def _abort(self, sample: Sample, ctx: EpisodeContext, e: Exception, phase: EpisodePhase, started: float) -> None:
-        reason, ended, token = classify_abort(e), self.clock(), ctx.token
+        reason, ended, token = classify_abort(e), loop_time(), ctx.token
         ctx.record.abort = AbortRecord(
             reason, phase, [started, ended], round(ended - started, 3), token.node if token else None,
             list(token.gpu_ids) if token else [], ctx.record.turns or 0, f"{type(e).__name__}: {e}"[:2000])

@@ -194,17 +194,22 @@ class TaskScheduler:
     def _batch(self, tasks: list[Task], todo: list[int]) -> list[tuple[Batch, list[int]]]:
         """The strategy's batches of the tasks at ``todo``, each with its tasks' fetch indices. The
         strategy sees tasks, not indices: a task object fetched twice maps to its indices in fetch
-        order. Batches that do not partition the input are refused (every task once, none foreign)."""
+        order. Batches that do not partition the input (every task once, none foreign), an empty batch
+        and a batch mixing evaluators are refused before anything runs."""
         slots: dict[int, deque[int]] = defaultdict(deque)
         for i in todo:
             slots[id(tasks[i])].append(i)
         plan = []
         for b in self.batching_strategy([tasks[i] for i in todo], self.specs):
+            where = f"batching strategy {self.batching_strategy!r}: batch {len(plan)}"
+            if not b.tasks:
+                raise ValueError(f"{where} is empty")
+            if len({t.evaluator_id for t in b.tasks}) > 1:  # one batch runs under one spec's handler and budget
+                raise ValueError(f"{where} mixes evaluators {sorted({t.evaluator_id for t in b.tasks})}")
             try:
                 plan.append((b, [slots[id(t)].popleft() for t in b.tasks]))
             except IndexError:
-                raise ValueError(f"batching strategy {self.batching_strategy!r}: batch {len(plan)} holds a task "
-                                 f"that is not in its input, or one already batched") from None
+                raise ValueError(f"{where} holds a task that is not in its input, or one already batched") from None
         left = sum(map(len, slots.values()))
         if left:
             raise ValueError(f"batching strategy {self.batching_strategy!r}: {left} of its tasks are in no batch")

@@ -56,6 +56,7 @@ from rayapp.types import (
     StoppingCriteria,
     Task,
     TaskConfig,
+    TaskKey,
     TerminationReason,
     Token,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "StoppingCriteria",
     "Task",
     "TaskConfig",
+    "TaskKey",
     "TaskRun",
     "TaskScheduler",
     "TerminationReason",

@@ -249,6 +249,18 @@ class AbortRecord(msgspec.Struct):
     error: str
 
 
+class TaskKey(enum.StrEnum):
+    """The ``metadata`` keys a task and its samples carry from the data source and the scheduler
+    (spec §2, §5): where the task came from and how the cascade's third level reads it."""
+
+    DATASET_NAME = "_dataset_name"  # the rollout dataset (MultiDataSource)
+    DATASET_CFG = "_dataset_cfg"  # that dataset's flat overrides: the cascade's third level
+    DATASET_EPOCH = "_dataset_epoch"  # how many times the dataset was read through before this task
+    EVAL_DATASET_NAME = "_eval_dataset_name"  # the eval dataset (execute_eval)
+    EVAL_COPY = "_eval_copy"  # which of the prompt's n_samples_per_eval_prompt copies
+    ROLLOUT_ID = "_rollout_id"  # the step the sample belongs to
+
+
 class EpisodeKey(enum.StrEnum):
     """The ``Sample.metadata`` keys the trainer reads of an episode (spec §4), written only by
     ``EpisodeRecord.to_metadata``."""

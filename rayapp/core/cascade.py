@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from rayapp.core.convert import InputError, convert, show
-from rayapp.types import Sample, SamplingParams, StoppingCriteria
+from rayapp.types import Sample, SamplingParams, StoppingCriteria, TaskKey
 
 S = TypeVar("S", StoppingCriteria, SamplingParams)
 
@@ -49,19 +49,19 @@ def dataset_override(cls: type[S], dataset_cfg: Any, where: str = "dataset") -> 
 
 
 def _where(sample: Sample) -> str:
-    name = sample.metadata.get("_eval_dataset_name") or sample.metadata.get("_dataset_name")
+    name = sample.metadata.get(TaskKey.EVAL_DATASET_NAME) or sample.metadata.get(TaskKey.DATASET_NAME)
     return f"dataset {name!r}" if name else f"task {sample.task_id!r}"
 
 
 def resolve_stopping(
     global_: StoppingCriteria, spec_default: StoppingCriteria, sample: Sample
 ) -> StoppingCriteria:
-    cfg = sample.metadata.get("_dataset_cfg")
+    cfg = sample.metadata.get(TaskKey.DATASET_CFG)
     return cascade(global_, spec_default, dataset_override(StoppingCriteria, cfg, _where(sample)))
 
 
 def build_sampling_params(
     global_: SamplingParams, spec_default: SamplingParams, sample: Sample
 ) -> SamplingParams:
-    cfg = sample.metadata.get("_dataset_cfg")
+    cfg = sample.metadata.get(TaskKey.DATASET_CFG)
     return cascade(global_, spec_default, dataset_override(SamplingParams, cfg, _where(sample)))

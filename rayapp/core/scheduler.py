@@ -54,6 +54,7 @@ from rayapp.types import (
     StepKind,
     StoppingCriteria,
     Task,
+    TaskKey,
     Token,
 )
 
@@ -145,7 +146,7 @@ class TaskScheduler:
             copies = []
             for task in tasks:
                 for copy in range(self.config.n_samples_per_eval_prompt):
-                    meta = {**task.metadata, "_eval_dataset_name": name, "_eval_copy": copy}
+                    meta = {**task.metadata, TaskKey.EVAL_DATASET_NAME.value: name, TaskKey.EVAL_COPY.value: copy}
                     config = msgspec.structs.replace(task.config, n_samples=1)
                     copies.append(msgspec.structs.replace(task, config=config, metadata=meta))
             per_dataset.append(copies)
@@ -161,7 +162,7 @@ class TaskScheduler:
         await self.run_all(StepKind.EVAL, rollout_id, plan, groups, group_done, state)
         by_name: dict[str, list[Sample]] = {name: [] for name in self.eval_datasets}
         for g in groups:  # split apart by _eval_dataset_name
-            by_name[g.task.metadata["_eval_dataset_name"]].extend(g.samples)
+            by_name[g.task.metadata[TaskKey.EVAL_DATASET_NAME]].extend(g.samples)
         metrics = eval_metrics(by_name, self.config.n_samples_per_eval_prompt)
         return EvalResult(rollout_id, metrics, by_name, state)
 
@@ -175,14 +176,14 @@ class TaskScheduler:
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
-            first = task.metadata.get("_eval_copy", 0)
+            first = task.metadata.get(TaskKey.EVAL_COPY, 0)
             samples = [
                 Sample(task.task_id, first + i, task.prompt, task.label,
-                       metadata={**task.metadata, "_rollout_id": rollout_id})
+                       metadata={**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id})
                 for i in range(task.config.n_samples)
             ]
             spec = self._resolve_spec_id(task.evaluator_id)
-            key = (spec.evaluator_id, id(task.metadata.get("_dataset_cfg")))
+            key = (spec.evaluator_id, id(task.metadata.get(TaskKey.DATASET_CFG)))
             resolved = settings.get(key)
             if resolved is None:
                 resolved = settings[key] = (

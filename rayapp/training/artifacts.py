@@ -41,7 +41,7 @@ from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.metrics import failure_summary
 from rayapp.core.termination import classify_termination
 from rayapp.training.files import atomic_write
-from rayapp.types import EpisodeKey, Sample, Task
+from rayapp.types import EpisodeKey, Sample, Task, TaskKey
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 def dataset_of(sample: Sample, default: str = "unknown") -> str:
     m = sample.metadata
-    return m.get("_eval_dataset_name") or m.get("_dataset_name") or default
+    return m.get(TaskKey.EVAL_DATASET_NAME) or m.get(TaskKey.DATASET_NAME) or default
 
 
 def sample_record(dataset: str, s: Sample) -> dict:
@@ -233,7 +233,8 @@ class EvalDetailsWriter:
         """A ``TaskScheduler(on_task_done=...)`` callback that streams each finished group."""
         async def done(task: Task, samples: list[Sample]) -> None:
             for s in samples:
-                self.append_sample(rollout_id, s, dataset_of(s, task.metadata.get("_eval_dataset_name", "unknown")))
+                name = task.metadata.get(TaskKey.EVAL_DATASET_NAME, "unknown")
+                self.append_sample(rollout_id, s, dataset_of(s, name))
         return done
 
     def close_stream(self, rollout_id: int) -> None:

@@ -34,7 +34,7 @@ from msgspec import Meta
 
 from rayapp.core.cascade import dataset_override
 from rayapp.core.convert import InputError, convert
-from rayapp.types import SamplingParams, StoppingCriteria, Task
+from rayapp.types import SamplingParams, StoppingCriteria, Task, TaskKey
 
 _Version = Literal[1]
 STATE_VERSION: int = get_args(_Version)[0]
@@ -62,9 +62,10 @@ def stamp(task: Task, spec: DatasetSpec, epoch: int | None = None) -> Task:
     out = copy.deepcopy(task)
     if spec.n_samples_per_prompt is not None:
         out.config.n_samples = spec.n_samples_per_prompt
-    out.metadata = {**out.metadata, "_dataset_name": spec.name, "_dataset_cfg": copy.deepcopy(spec.dataset_cfg)}
+    out.metadata = {**out.metadata, TaskKey.DATASET_NAME.value: spec.name,
+                    TaskKey.DATASET_CFG.value: copy.deepcopy(spec.dataset_cfg)}
     if epoch is not None:
-        out.metadata["_dataset_epoch"] = epoch
+        out.metadata[TaskKey.DATASET_EPOCH.value] = epoch
     return out
 
 

@@ -27,11 +27,6 @@ def pool(ray_session):
 GROUP = "rayapp/node/127.0.0.1"
 
 
-def pg_state(ray, name):
-    states = [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == name]
-    return states[-1] if states else None
-
-
 def live_groups(ray):
     """Every rayapp group Ray has not removed: {id: (name, state)}."""
     return {i: (pg["name"], pg["state"]) for i, pg in ray.util.placement_group_table().items()
@@ -189,7 +184,8 @@ def test_a_restarted_owner_frees_what_its_predecessor_held(ray_session, pool):
     tokens = ray.get(pool.acquire_batch.remote(BatchRequest(Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1), QUARTER,
                                                             4, label="orphan", owner="manager")), timeout=30)
     assert ray.get(pool.release_owner.remote("manager"), timeout=30) == 1
-    assert pg_state(ray, tokens[0].placement_group) == "CREATED"  # the node's group stays for the next batch
+    # the node's group stays for the next batch
+    assert list(live_groups(ray).values()) == [(tokens[0].placement_group, "CREATED")]
 
 
 def test_release_owner_cancels_the_acquires_a_dead_owner_left_waiting(ray_session, pool):

@@ -37,6 +37,7 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python bench/pool.py
+	$(BIN)/python bench/ray_pool.py --smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -1,7 +1,7 @@
 """Admission through Ray: acquire + release of one batch through the PlacementPoolService actor.
 
-The manager's path: ``PoolClient`` over an actor handle, one 8-token batch (gpu 0.25, cpu 0.1,
-memory 0.05 GB each) acquired and released whole, sequentially and from 8 concurrent callers. Prints
+The manager's path: ``PoolClient`` over an actor handle, one 8-token batch (gpu 0.125, cpu 0.1,
+memory 0.01 GB each) acquired and released whole, sequentially and from 8 concurrent callers. Prints
 p50 and p99 per batch (ms) and batches/s, on one node (``ray.init`` with 8 logical GPUs) and on a
 4-node ``ray.cluster_utils.Cluster``, for the pool's design (one long-lived placement group per node,
 the ledger sub-allocating it) and, unless ``--smoke``, for the former design kept here as a bench-only
@@ -32,7 +32,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayapp.actors.pool import NODE_ID_LABEL, PlacementPoolService, resolve_nodes
+from rayapp.actors.pool import NODE_ID_LABEL, PlacementPoolService, remove_leftovers, resolve_nodes
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
@@ -40,11 +40,12 @@ from rayapp.core.pool import PlacementPool
 from rayapp.types import BatchRequest, Resource, Token
 
 BATCH = 8
-PER_SAMPLE = Resource(gpu=0.25, cpu=0.1, memory_gb=0.05)
-REQUEST = BatchRequest(Resource(gpu=BATCH * 0.25, concurrency=BATCH, cpu=BATCH * 0.1, memory_gb=BATCH * 0.05),
+PER_SAMPLE = Resource(gpu=0.125, cpu=0.1, memory_gb=0.01)
+REQUEST = BatchRequest(Resource(gpu=BATCH * 0.125, concurrency=BATCH, cpu=BATCH * 0.1, memory_gb=BATCH * 0.01),
                        PER_SAMPLE, BATCH, label="bench", timeout_s=120)
 CONCURRENCY = 8
-NODE = {"gpus": list(range(8)), "cpu": 2, "memory_gb": 1}
+# Room for all 8 concurrent batches on one node: latency is admission, not waiting for capacity.
+NODE = {"gpus": list(range(8)), "cpu": 8, "memory_gb": 1}
 
 
 class PerBatchGroups:
@@ -126,6 +127,7 @@ def measure(setup: str, layout: dict[str, Any], batches: int, designs: list[str]
             rows.append(row(setup, design, mode, times, wall))
             print(rows[-1], flush=True)
         ray.kill(actor)
+        remove_leftovers()  # a killed service's groups outlive it (Ray ties them to the job)
     return rows
 
 
@@ -139,7 +141,7 @@ def main() -> None:
     print(f"acquire+release of one {BATCH}-token batch through PlacementPoolService (PoolClient over an actor)")
     print(f"{'setup':<8} {'design':<16} {'mode':<12} {'batches':>7} {'p50 ms':>8} {'p99 ms':>8} {'batches/s':>10}")
 
-    ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, logging_level="warning",
+    ray.init(address="local", num_cpus=10, num_gpus=8, include_dashboard=False, logging_level="warning",
              log_to_driver=False)
     try:
         measure("1 node", {"127.0.0.1": NODE}, batches, designs)
@@ -150,7 +152,7 @@ def main() -> None:
                                                             "include_dashboard": False})
     try:
         for i in range(4):
-            cluster.add_node(num_cpus=2, num_gpus=8, labels={"rayapp.io/node": f"node-{i}"},
+            cluster.add_node(num_cpus=8, num_gpus=8, labels={"rayapp.io/node": f"node-{i}"},
                              node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)

@@ -282,3 +282,13 @@ def test_every_set_of_tokens_the_ledger_holds_fits_the_node_bundles_ray_reserves
         for (node, index), need in asked.items():
             have = node_bundles(layout[node])[index]
             assert all(v <= have.get(k, 0) + 1e-9 for k, v in need.items() if v), (node, index, need, have)
+
+
+def test_a_service_stopped_in_order_removes_its_groups(ray_session):
+    ray = ray_session
+    from rayapp.actors.pool import PlacementPoolService
+
+    service = PlacementPoolService(LAYOUT, pg_ready_timeout_s=10.0)  # in this process, as Serve's replica holds it
+    assert [name for name, state in live_groups(ray).values() if state == "CREATED"] == [GROUP]
+    del service  # Serve calls __del__ when it stops a replica
+    assert live_groups(ray) == {}

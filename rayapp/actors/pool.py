@@ -29,8 +29,8 @@ nodes' groups carry on. The ledger keeps the dead node's capacity (the layout is
 samples placed there keep aborting as infra faults until the service restarts on a layout without it;
 ``placement()`` lists such nodes under ``lost_nodes``. At start-up the service removes every group
 named with the ``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
-design), then makes its own; they are fate-shared with the service's actor, so Ray removes them
-when it dies.
+design), then makes its own. Ray ties a group to the job that made it, not to the actor, so a crashed
+service's groups live on until the next one starts; a service stopped in order removes its own.
 
 Layout node names resolve to Ray nodes by the ``rayapp.io/node`` label, the node id, or the node's
 IP, in that order; a name that matches no live node, or several, is an error at start-up.
@@ -278,6 +278,17 @@ class PlacementPoolService:
         self.groups.start(pg_ready_timeout_s)
         self.pool = PlacementPool(layout, self.groups)
         log.info("placement pool over %d nodes: %s", len(layout), layout)
+
+    def __del__(self) -> None:
+        # Ray removes a group when the job that made it ends, not when this actor dies: a replica
+        # stopped in order (Serve calls __del__) gives its groups back now; a crashed one's are
+        # removed by the next service at start-up.
+        groups = getattr(self, "groups", None)
+        if groups is not None:
+            try:
+                groups.close()
+            except Exception as e:  # Ray already gone (interpreter shutdown): nothing left to free
+                log.debug("removing the pool's placement groups failed: %s", e)
 
     async def acquire_batch(self, request: BatchRequest) -> list[Token]:
         return await self.pool.acquire_batch(request)

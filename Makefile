@@ -42,6 +42,7 @@ $(VENV)/.bench: pyproject.toml | $(STAMP)
 
 bench: $(STAMP) $(VENV)/.bench
 	$(BIN)/python bench/pool.py
+	$(BIN)/python bench/ray_pool.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sim.py --plot docs
 

@@ -97,3 +97,36 @@ def test_killed_sandbox_killed_engine_and_timeout_abort_with_their_class(ray_ses
     for s in (by_kind["sandbox1"], timed_out, lost):
         assert s.remove_sample and s.loss_mask == [0] and s.tokens == [0, 0] and s.reward == {"score": 0.0}
         assert s.metadata["_abort"]["phase"] == "run" and s.metadata["_abort"]["node"] == "127.0.0.1"
+
+
+def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):
+    """A group Ray no longer holds (its node died; here: removed under the pool) fails the work sent
+    there at once, as infra_sandbox, instead of leaving it waiting for a bundle that never returns."""
+    ray = ray_session
+    from rayapp.actors.pool import PlacementPoolService, run_in_bundle
+    from rayapp.actors.pool_client import PoolClient
+    from rayapp.actors.sandbox import open_sandbox
+    from rayapp.core.termination import SandboxError
+    from rayapp.types import BatchRequest
+
+    actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=5.0)
+    client = PoolClient(actor, "lost")
+    per_sample = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
+    request = BatchRequest(Resource(gpu=0.5, concurrency=2, cpu=1, memory_gb=0.5), per_sample, 2, label="lost")
+
+    async def scenario():
+        tokens = await client.acquire_batch(request)
+        try:
+            assert await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60) == 3  # the bundle works
+            ray.util.remove_placement_group(ray.util.get_placement_group(tokens[0].placement_group))
+            with pytest.raises(SandboxError, match=r"bundle rayapp/node/127\.0\.0\.1\[\d\] on 127\.0\.0\.1 is"):
+                await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60)
+            with pytest.raises(SandboxError, match=r"is (lost|gone)"):
+                await open_sandbox(tokens[1])
+            placement = await client.placement()
+            assert placement["lost_nodes"] == ["127.0.0.1"]
+        finally:
+            await client.release_batch(tokens)
+
+    asyncio.run(scenario())
+    ray.kill(actor)

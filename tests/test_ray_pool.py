@@ -1,6 +1,7 @@
-"""The PlacementPool on real Ray placement groups (one local Ray, logical GPUs)."""
+"""The PlacementPool on real Ray placement groups, one per layout node (one local Ray, logical GPUs)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -23,47 +24,108 @@ def pool(ray_session):
     ray.kill(actor)
 
 
-def pg_state(ray, name):
-    states = [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"] == name]
-    return states[-1] if states else None
+GROUP = "rayapp/node/127.0.0.1"
 
 
-def test_a_batch_group_exists_while_held_and_is_gone_after(ray_session, pool):
+def live_groups(ray):
+    """Every rayapp group Ray has not removed: {id: (name, state)}."""
+    return {i: (pg["name"], pg["state"]) for i, pg in ray.util.placement_group_table().items()
+            if pg["name"].startswith("rayapp/") and pg["state"] != "REMOVED"}
+
+
+def test_the_node_group_is_reserved_at_start_and_tokens_map_to_their_bundles(ray_session, pool):
     ray = ray_session
+    (group,) = [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"] == GROUP and pg["state"] == "CREATED"]
+    assert list(group["bundles"].values()) == [{"GPU": 1.0}] * 4 + [{"CPU": 8.0, "memory": 4 * 2**30}]
+    before = live_groups(ray)
     budget = Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1)
     tokens = ray.get(pool.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="r0/b0/math")), timeout=30)
-    assert len(tokens) == 4 and {t.placement_group for t in tokens} == {tokens[0].placement_group}
-    name = tokens[0].placement_group
-    assert name.startswith("rayapp/r0/b0/math/") and [t.bundle_index for t in tokens] == [0, 1, 2, 3]
-    assert pg_state(ray, name) == "CREATED"
-    held = ray.get(pool.placement.remote(), timeout=30)["batches"]
-    assert [(t["placement_group"], t["bundle_index"], t["gpu"]) for b in held.values() for t in b["tokens"]] == [
-        (name, i, 0.25) for i in range(4)]
-    table = next(pg for pg in ray.util.placement_group_table().values() if pg["name"] == name)
-    assert all(b == {"CPU": 0.5, "GPU": 0.25, "memory": 0.25 * 2**30} for b in table["bundles"].values())
-    ray.get(pool.release_batch.remote(tokens), timeout=30)
-    assert pg_state(ray, name) == "REMOVED"
+    cpu_only = ray.get(pool.acquire_batch.remote(BatchRequest(Resource(concurrency=2, cpu=2), Resource(cpu=1), 2,
+                                                              label="cpu")), timeout=30)
+    try:
+        (gpu,) = {t.gpu_ids for t in tokens}  # the ledger packed the four quarters onto one GPU
+        assert [(t.placement_group, t.bundle_index) for t in tokens] == [(GROUP, gpu[0])] * 4
+        assert [(t.placement_group, t.bundle_index) for t in cpu_only] == [(GROUP, 4)] * 2
+        view = ray.get(pool.placement.remote(), timeout=30)
+        held = {name: [(t["placement_group"], t["bundle_index"], t["gpu_ids"]) for t in b["tokens"]]
+                for name, b in view["batches"].items()}
+        assert sorted(held.values()) == sorted([[(GROUP, gpu[0], [gpu[0]])] * 4, [(GROUP, 4, [])] * 2])
+        assert view["groups"]["127.0.0.1"]["state"] == "CREATED" and view["lost_nodes"] == []
+    finally:
+        ray.get(pool.release_batch.remote(tokens), timeout=30)
+        ray.get(pool.release_batch.remote(cpu_only), timeout=30)
+    assert live_groups(ray) == before, "admission made or removed a placement group"
 
 
-def test_fractional_bundles_share_one_gpu_as_the_ledger_says(ray_session, pool):
+def test_sample_work_runs_inside_its_bundle_and_quarters_share_the_gpu_as_the_ledger_says(ray_session, pool):
     ray = ray_session
-    from rayapp.actors.pool import bundle_strategy
+    from rayapp.actors.pool import run_in_bundle, work_options
+
+    def where():
+        pg = ray.util.get_current_placement_group()
+        return pg.id.hex(), tuple(ray.get_gpu_ids()), ray.get_runtime_context().get_assigned_resources()
 
     budget = Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1)
     tokens = ray.get(pool.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="share")), timeout=30)
     try:
-        assert len({t.gpu_ids for t in tokens}) == 1  # the ledger packed all four onto one GPU
+        async def run_all():
+            return await asyncio.gather(*(run_in_bundle(t, where, timeout_s=60) for t in tokens))
 
-        @ray.remote(num_gpus=0.25, num_cpus=0.5)
-        def where():
-            return ray.get_gpu_ids(), ray.get_runtime_context().get_node_id()
+        seen = asyncio.run(run_all())
+        (group_id,) = [i for i, pg in ray.util.placement_group_table().items()
+                       if pg["name"] == GROUP and pg["state"] == "CREATED"]
+        assert {pg for pg, _, _ in seen} == {group_id}
+        assert len({gpus for _, gpus, _ in seen}) == 1, f"Ray spread the quarters over GPUs: {seen}"
+        assert all(sum(v for k, v in res.items() if k.startswith("GPU")) == pytest.approx(0.25) for _, _, res in seen)
 
-        seen = ray.get([where.options(scheduling_strategy=bundle_strategy(t)).remote() for t in tokens], timeout=60)
-        assert len({tuple(g) for g, _ in seen}) == 1, f"Ray spread the quarters over GPUs: {seen}"
-        # while they are held, Ray has exactly one GPU less to give
-        assert ray.available_resources().get("GPU", 0) == pytest.approx(3.0)
+        # Four quarters fill the GPU's bundle: a fifth piece of work there waits until one ends.
+        @ray.remote
+        class Gate:
+            def __init__(self):
+                self.open = False
+
+            def set(self):
+                self.open = True
+
+            def is_open(self):
+                return self.open
+
+        gate = Gate.options(num_cpus=0).remote()
+
+        def hold(g):
+            while not ray.get(g.is_open.remote()):
+                time.sleep(0.05)
+
+        call = ray.remote(max_retries=0)(hold)
+        holders = [call.options(**work_options(t)).remote(gate) for t in tokens]
+        extra = call.options(**work_options(tokens[0])).remote(gate)
+        ready, _ = ray.wait([extra], timeout=2.0)
+        assert not ready, "Ray ran more work in the bundle than the ledger granted"
+        ray.get(gate.set.remote(), timeout=30)
+        ray.get([*holders, extra], timeout=60)
+        ray.kill(gate)
     finally:
         ray.get(pool.release_batch.remote(tokens), timeout=30)
+
+
+def test_releasing_tokens_early_admits_the_next_batch_with_the_groups_untouched(ray_session, pool):
+    ray = ray_session
+    whole = Resource(gpu=4.0, concurrency=16, cpu=8, memory_gb=4)
+    before = live_groups(ray)
+    first = ray.get(pool.acquire_batch.remote(BatchRequest(whole, QUARTER, 16, label="first")), timeout=30)
+    four = Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1)
+    waiting = pool.acquire_batch.remote(BatchRequest(four, QUARTER, 4, label="next", timeout_s=60))
+    ready, _ = ray.wait([waiting], timeout=1.0)
+    assert not ready, "admitted while the pool was full"
+    done = [t for t in first if t.gpu_ids == first[0].gpu_ids]  # the samples on one GPU ended
+    ray.get(pool.release_tokens.remote(done), timeout=30)
+    second = ray.get(waiting, timeout=30)
+    assert {t.gpu_ids for t in second} == {first[0].gpu_ids}  # the freed GPU, in the same bundle
+    assert {(t.placement_group, t.bundle_index) for t in second} == {(done[0].placement_group, done[0].bundle_index)}
+    assert live_groups(ray) == before, "early release made or removed a placement group"
+    ray.get(pool.release_batch.remote(first), timeout=30)
+    ray.get(pool.release_batch.remote(second), timeout=30)
 
 
 def test_an_oversubscribed_batch_waits_and_is_admitted_when_another_releases(ray_session, pool):
@@ -80,23 +142,41 @@ def test_an_oversubscribed_batch_waits_and_is_admitted_when_another_releases(ray
     ray.get(pool.release_batch.remote(second), timeout=30)
 
 
-def test_a_group_ray_cannot_satisfy_is_retried_until_the_timeout_with_nothing_leaked(ray_session):
+def test_a_layout_ray_cannot_hold_fails_at_start_with_nothing_left(ray_session):
     ray = ray_session
     from rayapp.actors.pool import PlacementPoolService
 
-    # the ledger believes in 100 TB of memory; Ray has far less, so the group never becomes ready
+    # the layout claims 100 TB of memory; Ray has far less, so the node's group never becomes ready
     layout = '{"127.0.0.1": {"gpus": [0], "cpu": 8, "memory_gb": 100000}}'
     actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(layout, pg_ready_timeout_s=1.0)
-    initial = ray.get(actor.snapshot.remote(), timeout=30)
-    big = Resource(cpu=1, memory_gb=50000)
-    request = BatchRequest(Resource(concurrency=1, cpu=1, memory_gb=50000), big, 1, label="too-big", timeout_s=2.5)
-    with pytest.raises(TimeoutError, match=r"too-big.*refused \d+ times"):
-        ray.get(actor.acquire_batch.remote(request), timeout=30)
-    assert ray.get(actor.snapshot.remote(), timeout=30) == initial
-    assert ray.get(actor.placement.remote(), timeout=30)["batches"] == {}
-    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
-               if pg["name"].startswith("rayapp/too-big/"))
-    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError, match=r"could not reserve the layout of 1 nodes"):
+        ray.get(actor.snapshot.remote(), timeout=60)
+    assert live_groups(ray) == {}
+
+
+def test_a_restarted_service_removes_what_its_predecessor_left_and_makes_its_own(ray_session):
+    ray = ray_session
+    from rayapp.actors.pool import PlacementPoolService
+
+    service = ray.remote(PlacementPoolService).options(num_cpus=0)
+    old = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
+    budget = Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1)
+    # the old service still holds a batch when the new one starts
+    ray.get(old.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="held")), timeout=30)
+    # a group left by the one-group-per-batch design (it cannot fit: the node group holds every GPU)
+    stray = ray.util.placement_group([{"GPU": 1}], name="rayapp/rollout0/b0/math/1")
+    (old_id,) = [i for i, (name, _) in live_groups(ray).items() if name == GROUP]
+    new = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
+    try:
+        tokens = ray.get(new.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="fresh")), timeout=30)
+        (new_id,) = [i for i, (name, state) in live_groups(ray).items() if name == GROUP and state == "CREATED"]
+        assert new_id != old_id and live_groups(ray) == {new_id: (GROUP, "CREATED")}
+        assert ray.util.placement_group_table(stray)["state"] == "REMOVED"
+        assert {t.placement_group for t in tokens} == {GROUP}
+        ray.get(new.release_batch.remote(tokens), timeout=30)
+    finally:
+        ray.kill(old)
+        ray.kill(new)
 
 
 def test_a_restarted_owner_frees_what_its_predecessor_held(ray_session, pool):
@@ -104,7 +184,8 @@ def test_a_restarted_owner_frees_what_its_predecessor_held(ray_session, pool):
     tokens = ray.get(pool.acquire_batch.remote(BatchRequest(Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1), QUARTER,
                                                             4, label="orphan", owner="manager")), timeout=30)
     assert ray.get(pool.release_owner.remote("manager"), timeout=30) == 1
-    assert pg_state(ray, tokens[0].placement_group) == "REMOVED"
+    # the node's group stays for the next batch
+    assert list(live_groups(ray).values()) == [(tokens[0].placement_group, "CREATED")]
 
 
 def test_release_owner_cancels_the_acquires_a_dead_owner_left_waiting(ray_session, pool):
@@ -167,3 +248,47 @@ def test_acquire_cancelled_while_waiting_holds_nothing(ray_session, pool):
     with pytest.raises((ray.exceptions.TaskCancelledError, asyncio.CancelledError)):
         ray.get(waiting, timeout=30)
     ray.get(pool.release_batch.remote(first), timeout=30)
+
+
+def test_every_set_of_tokens_the_ledger_holds_fits_the_node_bundles_ray_reserves():
+    import random
+
+    from rayapp.actors.pool import NodeGroups, node_bundles, token_share
+    from rayapp.core.ledger import Ledger
+    from rayapp.types import NodeSpec
+
+    layout = {"a": NodeSpec(gpus=(3, 5, 7), cpu=10.5, memory_gb=6.3), "b": NodeSpec(cpu=4, memory_gb=2)}
+    assert node_bundles(layout["a"]) == [{"GPU": 1.0}] * 3 + [{"CPU": 10.5, "memory": round(6.3 * 1024) * 2**20}]
+    assert node_bundles(NodeSpec(gpus=(0,))) == [{"GPU": 1.0}, {"CPU": 0.001}]
+    hook = NodeGroups(layout, {"a": "id-a", "b": "id-b"})
+    shapes = [Resource(gpu=g, cpu=c, memory_gb=m) for g in (0, 0.1, 0.25, 1 / 3, 0.5, 1, 2)
+              for c in (0, 0.3, 1, 2.5) for m in (0, 0.07, 0.5)]
+    rng = random.Random(7)
+    for _ in range(200):
+        ledger, held = Ledger(layout), []
+        for _ in range(40):
+            got = ledger.try_acquire_batch(Resource(gpu=99, concurrency=9, cpu=99, memory_gb=99), rng.choice(shapes),
+                                           rng.randint(1, 3))
+            held += got or []
+            if held and rng.random() < 0.3:  # some end early, as samples do
+                ledger.release([held.pop(rng.randrange(len(held)))])
+        asked: dict = {}
+        for t in held:
+            bundle = asked.setdefault((t.node, hook.bundle_of(t)), {})
+            share = token_share(t)
+            assert bool(t.gpu_ids) == (hook.bundle_of(t) < len(layout[t.node].gpus))
+            for key, ray_key in (("num_gpus", "GPU"), ("num_cpus", "CPU"), ("memory", "memory")):
+                bundle[ray_key] = bundle.get(ray_key, 0) + share.get(key, 0)
+        for (node, index), need in asked.items():
+            have = node_bundles(layout[node])[index]
+            assert all(v <= have.get(k, 0) + 1e-9 for k, v in need.items() if v), (node, index, need, have)
+
+
+def test_a_service_stopped_in_order_removes_its_groups(ray_session):
+    ray = ray_session
+    from rayapp.actors.pool import PlacementPoolService
+
+    service = PlacementPoolService(LAYOUT, pg_ready_timeout_s=10.0)  # in this process, as Serve's replica holds it
+    assert [name for name, state in live_groups(ray).values() if state == "CREATED"] == [GROUP]
+    del service  # Serve calls __del__ when it stops a replica
+    assert live_groups(ray) == {}

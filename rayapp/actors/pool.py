@@ -1,12 +1,36 @@
-"""The PlacementPool on Ray: the core pool, with one real placement group per admitted batch.
+"""The PlacementPool on Ray: the core pool over long-lived placement groups, one per layout node.
 
-The core pool decides (all-or-nothing, best-fit, FIFO, spec §3); its reservation hook here makes Ray
-reserve exactly what it decided: one bundle per token, ``{"CPU", "memory", "GPU": fraction}``,
-pinned to the ledger's node with a ``ray.io/node-id`` bundle label selector. If Ray cannot make the
-group ready within a bound (its view differs from the ledger's: another tenant, a dead node), the
-group is removed and the reservation refused: the core rolls the ledger back and the batch retries
-at the head of the queue. The group is named after the rollout, batch and task type, so
-``ray list placement-groups`` and the dashboard show who holds what.
+The core pool decides (all-or-nothing, best-fit, FIFO, spec §3). Ray cannot grow or shrink a
+placement group, and making one per batch costs a Ray round trip plus, now and then, a ~1 s wait for
+resources a removed group gives back; so the service reserves the whole layout once, at start-up,
+all-or-nothing, and the ledger sub-allocates it. Each layout node gets one group, named
+``rayapp/node/<node>`` and pinned to its Ray node with a ``ray.io/node-id`` bundle label selector:
+
+* bundle ``p`` for each of the node's GPUs, ``{"GPU": 1}``: the layout's GPU at position ``p``;
+* a last bundle with the node's CPU and memory, ``{"CPU", "memory"}``.
+
+The ledger counts GPU shares per GPU and CPU/memory per node, so these shapes mirror it exactly: any
+set of tokens the ledger can hold at once fits Ray's bundles at once. A token maps to one bundle (its
+first GPU's, or the CPU/memory bundle when it holds no GPU): ``reserve`` is a dictionary look-up and
+``release`` does nothing in Ray. Work runs in the token's bundle asking for the token's share
+(``work_options``), so Ray still refuses more than the ledger granted where it can see it:
+
+* a token with GPUs asks for its GPU share in its GPU's bundle; its CPU and memory are reserved in the
+  node's CPU/memory bundle, but Ray does not check them per task (a task uses one bundle);
+* a token of ``k > 1`` whole GPUs asks for the first of them (``num_gpus=1``); the ledger keeps the
+  other ``k - 1`` free for it, and ``token.gpu_ids`` names them, but Ray shows the task one GPU;
+* a token without GPUs asks for its CPU and memory in the CPU/memory bundle.
+
+Ray counts GPU in steps of 1e-4: finer GPU shares than that are not supported.
+
+A node that dies loses its group's bundles: work running there fails (``SandboxError`` through
+``rayapp.actors.remote``), and work sent there later fails at once instead of waiting; the other
+nodes' groups carry on. The ledger keeps the dead node's capacity (the layout is the contract), so
+samples placed there keep aborting as infra faults until the service restarts on a layout without it;
+``placement()`` lists such nodes under ``lost_nodes``. At start-up the service removes every group
+named with the ``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
+design), then makes its own. Ray ties a group to the job that made it, not to the actor, so a crashed
+service's groups live on until the next one starts; a service stopped in order removes its own.
 
 Layout node names resolve to Ray nodes by the ``rayapp.io/node`` label, the node id, or the node's
 IP, in that order; a name that matches no live node, or several, is an error at start-up.
@@ -16,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 import msgspec
@@ -27,14 +52,16 @@ from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.termination import AgentTimeout, SandboxError
+from rayapp.core.units import CPU_UNIT, MEM_UNIT, to_units
 from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 
 log = logging.getLogger(__name__)
 
 NODE_LABEL = "rayapp.io/node"  # optional node label naming a node in the cluster layout
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it; bundles are pinned with it
-GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/<batch label>/<grant number>
-MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a token that needs nothing still gets one
+GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>
+MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
+RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
 
 
 class NodeResolutionError(ValueError):
@@ -94,20 +121,125 @@ def resolve_nodes(names: list[str], ray_nodes: list[dict[str, Any]]) -> dict[str
     return out
 
 
-def bundle_for(token: Token) -> dict[str, float]:
-    bundle = {"CPU": token.cpu, "memory": int(token.memory_gb * 2**30),
-              "GPU": token.gpu * len(token.gpu_ids)}
-    bundle = {k: v for k, v in bundle.items() if v > 0}
-    return bundle or {"CPU": MIN_BUNDLE_CPU}
+class PlacementError(RuntimeError):
+    """The layout's reservations could not be made in Ray at start-up."""
+
+
+def node_bundles(spec: NodeSpec) -> list[dict[str, float]]:
+    """A node's group: one ``{"GPU": 1}`` bundle per layout GPU, then the node's CPU and memory, in
+    the ledger's own units (milli-cores, MiB), so that whatever the ledger holds at once fits."""
+    rest = {"CPU": _cpu(spec.cpu), "memory": _memory(spec.memory_gb)}
+    rest = {k: v for k, v in rest.items() if v > 0} or {"CPU": MIN_BUNDLE_CPU}
+    return [{"GPU": 1.0} for _ in spec.gpus] + [rest]
+
+
+def _cpu(cores: float) -> float:
+    return to_units(cores, CPU_UNIT) / CPU_UNIT
+
+
+def _memory(gb: float) -> int:
+    return to_units(gb, MEM_UNIT) * 2**20
+
+
+def _gpu(share: float) -> float:
+    """A GPU share as Ray counts it: rounded down to its step (never more than the ledger granted),
+    but never 0, which would hide the GPU from the task."""
+    return max(1, math.floor(min(share, 1.0) * RAY_STEP)) / RAY_STEP
+
+
+def remove_leftovers() -> list[str]:
+    """Remove every live group named with the rayapp prefix (a previous service's); their names."""
+    gone = []
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("name", "").startswith(GROUP_PREFIX) and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+            gone.append(info["name"])
+    if gone:
+        log.warning("removed %d placement groups a previous pool service left: %s", len(gone), gone)
+    return gone
+
+
+class NodeGroups:
+    """The core pool's reservation hook on Ray: one long-lived group per layout node, made all or
+    nothing by ``start``; ``reserve`` maps each token to its bundle (its first GPU's, or the node's
+    CPU/memory bundle) and ``release`` has nothing to give back to Ray."""
+
+    def __init__(self, layout: dict[str, NodeSpec], node_ids: dict[str, str]):
+        self.layout, self.node_ids = layout, node_ids
+        self.names = {node: f"{GROUP_PREFIX}node/{node}" for node in layout}
+        self._gpu_pos = {node: {g: p for p, g in enumerate(spec.gpus)} for node, spec in layout.items()}
+        self.groups: dict[str, PlacementGroup] = {}
+
+    def start(self, timeout_s: float) -> None:
+        """Remove leftovers, then reserve every node's group; unless all are ready within
+        ``timeout_s``, remove them and raise PlacementError naming the nodes Ray could not place."""
+        remove_leftovers()
+        for node, spec in self.layout.items():
+            bundles = node_bundles(spec)
+            self.groups[node] = placement_group(
+                bundles, strategy="PACK", name=self.names[node],
+                bundle_label_selector=[{NODE_ID_LABEL: self.node_ids[node]}] * len(bundles))
+        pending = {pg.ready(): node for node, pg in self.groups.items()}
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+        missing = sorted(set(pending.values()) - {pending[r] for r in ready})
+        if missing:
+            self.close()
+            shapes = {n: node_bundles(self.layout[n]) for n in missing[:3]}
+            raise PlacementError(f"Ray could not reserve the layout of {len(missing)} nodes within {timeout_s}s "
+                                 f"(Ray has less than the layout says, or another tenant holds it): {shapes}")
+
+    def bundle_of(self, token: Token) -> int:
+        return self._gpu_pos[token.node][token.gpu_ids[0]] if token.gpu_ids else len(self._gpu_pos[token.node])
+
+    async def reserve(self, name: str, tokens: list[Token]) -> list[Token]:
+        return [msgspec.structs.replace(t, placement_group=self.names[t.node], bundle_index=self.bundle_of(t))
+                for t in tokens]
+
+    async def release(self, tokens: list[Token]) -> None:
+        """The bundles stay reserved for the next tokens; the ledger alone frees capacity."""
+
+    def states(self) -> dict[str, str]:
+        """Each node's group state as Ray reports it (CREATED; RESCHEDULING once its node died)."""
+        table = ray.util.placement_group_table()
+        return {node: table.get(pg.id.hex(), {}).get("state", "REMOVED") for node, pg in self.groups.items()}
+
+    def close(self) -> None:
+        for pg in self.groups.values():
+            remove_placement_group(pg)
+        self.groups = {}
 
 
 def bundle_strategy(token: Token) -> PlacementGroupSchedulingStrategy:
-    """Schedule work (a sandbox, a verifier) into the sample's own bundle."""
+    """Schedule work (a sandbox, a verifier) into the sample's own bundle. SandboxError when the
+    bundle is gone (its node died, or the pool service restarted): work sent there would wait forever."""
     if not token.placement_group:
         raise ValueError(f"token {token.token_id} holds no placement group")
-    pg = ray.util.get_placement_group(token.placement_group)
+    where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
+    try:
+        pg = ray.util.get_placement_group(token.placement_group)
+        state = ray.util.placement_group_table(pg).get("state")
+    except ValueError as e:  # no group by that name any more
+        raise SandboxError(f"{where} is gone: {e}") from e
+    if state != "CREATED":
+        raise SandboxError(f"{where} is lost: its placement group is {state} (its node died?)")
     return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=token.bundle_index,
                                             placement_group_capture_child_tasks=True)
+
+
+def token_share(token: Token) -> dict[str, Any]:
+    """What one piece of a token's work asks of its bundle: its GPU share in a GPU bundle; its CPU
+    and memory in the CPU/memory bundle."""
+    if token.gpu_ids:
+        return {"num_cpus": 0, "num_gpus": _gpu(token.gpu)}
+    share: dict[str, Any] = {"num_cpus": _cpu(token.cpu)}
+    if token.memory_gb > 0:
+        share["memory"] = _memory(token.memory_gb)
+    return share
+
+
+def work_options(token: Token) -> dict[str, Any]:
+    """Ray options for one piece of a sample's work: its bundle, and the token's share there."""
+    return {"scheduling_strategy": bundle_strategy(token), **token_share(token)}
 
 
 @ray.remote(max_retries=0)
@@ -116,54 +248,23 @@ def _call(fn: Any, *args: Any) -> Any:
 
 
 async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: float = 300.0) -> Any:
-    """Run ``fn(*args)`` as a Ray task inside the token's bundle, so Ray really holds what the ledger
-    granted. A lost worker or node is a sandbox fault; a timeout kills the task."""
+    """Run ``fn(*args)`` as a Ray task inside the token's bundle, asking for the token's share, so Ray
+    holds it to what the ledger granted. A lost worker, node or bundle is a sandbox fault; a timeout
+    kills the task."""
     if token is None or not token.placement_group:
         return await asyncio.to_thread(fn, *args)
-    ref = _call.options(scheduling_strategy=bundle_strategy(token), num_cpus=token.cpu).remote(fn, *args)
+    ref = _call.options(**work_options(token)).remote(fn, *args)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
     return await bounded(ref, timeout_s, force=True,
                          late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),
                          lost=lambda e: SandboxError(f"work in {where} was lost: {e}"))
 
 
-class PlacementGroups:
-    """The core pool's reservation hook on Ray: one placement group per reservation, one bundle per
-    token, each pinned to the token's node; a group goes when the last of its tokens is released. A
-    group Ray cannot make ready within ``ready_timeout_s`` is removed and the reservation refused."""
-
-    def __init__(self, node_ids: dict[str, str], ready_timeout_s: float):
-        self.node_ids, self.ready_timeout_s = node_ids, ready_timeout_s
-        self._groups: dict[str, tuple[PlacementGroup, set[int]]] = {}  # name -> (group, its tokens held)
-
-    async def reserve(self, name: str, tokens: list[Token]) -> list[Token] | None:
-        group = f"{GROUP_PREFIX}{name}"
-        pg = placement_group([bundle_for(t) for t in tokens], strategy="PACK", name=group,
-                             bundle_label_selector=[{NODE_ID_LABEL: self.node_ids[t.node]} for t in tokens])
-        try:
-            await bounded(pg.ready(), self.ready_timeout_s)
-        except BaseException as e:  # not ready in time, cancelled, a Ray error: hold nothing
-            remove_placement_group(pg)
-            if isinstance(e, TimeoutError):
-                log.warning("placement group %s not ready within %.1fs; removed", group, self.ready_timeout_s)
-                return None
-            raise
-        self._groups[group] = (pg, {t.token_id for t in tokens})
-        return [msgspec.structs.replace(t, placement_group=group, bundle_index=i) for i, t in enumerate(tokens)]
-
-    async def release(self, tokens: list[Token]) -> None:
-        for t in tokens:
-            pg, held = self._groups[t.placement_group]
-            held.discard(t.token_id)
-            if not held:
-                del self._groups[t.placement_group]
-                remove_placement_group(pg)
-
-
 class PlacementPoolService:
-    """Hosted as one Serve replica (or a plain Ray actor in tests): the core pool with Ray placement
-    groups as its reservations. Every method is ``async``: Serve runs a plain ``def`` in a worker
-    thread, and the pool and its waiting acquires belong to the replica's event loop."""
+    """Hosted as one Serve replica (or a plain Ray actor in tests): the core pool over one placement
+    group per layout node, reserved when it starts (``pg_ready_timeout_s`` bounds that; a layout Ray
+    cannot hold is a PlacementError then). Every method is ``async``: Serve runs a plain ``def`` in a
+    worker thread, and the pool and its waiting acquires belong to the replica's event loop."""
 
     def __init__(self, cluster_layout: Any = None, num_cpus: float | None = None, memory_gb: float | None = None,
                  pg_ready_timeout_s: float = 10.0):
@@ -173,11 +274,27 @@ class PlacementPoolService:
             layout = layout_from_cluster(nodes, num_cpus, memory_gb)
         self.layout = layout
         self.node_ids = resolve_nodes(list(layout), nodes)
-        self.pool = PlacementPool(layout, PlacementGroups(self.node_ids, pg_ready_timeout_s))
+        self.groups = NodeGroups(layout, self.node_ids)
+        self.groups.start(pg_ready_timeout_s)
+        self.pool = PlacementPool(layout, self.groups)
         log.info("placement pool over %d nodes: %s", len(layout), layout)
+
+    def __del__(self) -> None:
+        # Ray removes a group when the job that made it ends, not when this actor dies: a replica
+        # stopped in order (Serve calls __del__) gives its groups back now; a crashed one's are
+        # removed by the next service at start-up.
+        groups = getattr(self, "groups", None)
+        if groups is not None:
+            try:
+                groups.close()
+            except Exception as e:  # Ray already gone (interpreter shutdown): nothing left to free
+                log.debug("removing the pool's placement groups failed: %s", e)
 
     async def acquire_batch(self, request: BatchRequest) -> list[Token]:
         return await self.pool.acquire_batch(request)
+
+    async def release_tokens(self, tokens: list[Token]) -> None:
+        await self.pool.release_tokens(tokens)
 
     async def release_batch(self, tokens: list[Token]) -> None:
         await self.pool.release_batch(tokens)
@@ -194,12 +311,17 @@ class PlacementPoolService:
 
     async def placement(self) -> dict[str, Any]:
         """Who holds what: each held batch's tokens (node, GPU ids, fraction, placement group and
-        bundle), and the ledger's free view."""
+        bundle), each node's group and its state, the nodes whose group Ray lost, and the ledger's
+        free view."""
+        states = self.groups.states()
         return {
             "batches": {b.name: {"owner": b.owner, "tokens": [
                 {"node": t.node, "node_id": self.node_ids[t.node], "gpu_ids": list(t.gpu_ids), "gpu": t.gpu,
                  "cpu": t.cpu, "memory_gb": t.memory_gb, "placement_group": t.placement_group,
                  "bundle_index": t.bundle_index} for t in b.tokens]} for b in self.pool.batches()},
+            "groups": {n: {"placement_group": self.groups.names[n], "node_id": self.node_ids[n], "state": states[n],
+                           "bundles": node_bundles(spec)} for n, spec in self.layout.items()},
+            "lost_nodes": sorted(n for n, state in states.items() if state != "CREATED"),
             "free": {n: msgspec.structs.asdict(r) for n, r in self.pool.free().items()},
             "held_tokens": self.pool.held,
             "waiting": self.pool.waiting,

@@ -1,10 +1,14 @@
 """Sandboxes placed in the sample's placement-group bundle.
 
-A sample's sandbox lives in a small Ray actor scheduled into the bundle its token names, so the
-sandbox's processes run on the node, and under the reservation, that the ledger granted. The agent
-talks to it through ``BundleSandbox``, which has the ``Sandbox`` interface: every call is bounded,
-and a lost actor (killed, its node gone) is a ``SandboxError`` (``infra_sandbox``). Without a
-placement group (an ungated recipe, a unit test) the sandbox runs in the calling process.
+A sample's sandbox lives in a small Ray actor scheduled into the bundle its token names (its GPU's
+bundle, or its node's CPU/memory bundle: see ``rayapp.actors.pool``), so the sandbox's processes run
+on the node, and under the reservation, that the ledger granted. The host asks for nothing itself:
+the token's share is asked for by the sample's function calls (``run_in_bundle``), and a sandbox that
+asked too would make an agent that keeps its sandbox open while it calls one wait on itself. The
+agent talks to it through ``BundleSandbox``, which has the ``Sandbox`` interface: every call is
+bounded, and a lost actor or bundle (killed, its node gone) is a ``SandboxError``
+(``infra_sandbox``). Without a placement group (an ungated recipe, a unit test) the sandbox runs in
+the calling process.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ MARGIN_S = 30.0  # on top of a command's own wall clock, for the call across pro
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16)
 class SandboxHost:
-    """Hosts one sandbox inside a bundle; its reservation is the bundle's, so it asks for nothing."""
+    """Hosts one sandbox inside a bundle; the token's share is its function calls' to ask for."""
 
     async def start(self, kind: str, limits: SandboxLimits, kw: dict[str, Any]) -> dict[str, Any]:
         self.sandbox = await make_sandbox(kind, limits, **kw)

@@ -74,8 +74,8 @@ class PoolConfig(_Strict):
                                                        "overrides each live node's CPUs")] = None
     memory_gb: Annotated[Amount | None, Meta(description="memory (GB) of a layout node that names none; with no "
                                                         "layout, overrides each live node's memory")] = None
-    pg_ready_timeout_s: Annotated[Seconds, Meta(description="seconds a batch's placement group may take to become "
-                                                          "ready; then the grant is rolled back and retried")] = 10.0
+    pg_ready_timeout_s: Annotated[Seconds, Meta(description="seconds the pool's placement groups (one per node) may "
+                                                          "take to become ready at start-up; then it fails")] = 10.0
 
 
 class SandboxConfig(_Strict):

@@ -1,0 +1,166 @@
+"""Admission through Ray: acquire + release of one batch through the PlacementPoolService actor.
+
+The manager's path: ``PoolClient`` over an actor handle, one 8-token batch (gpu 0.125, cpu 0.1,
+memory 0.01 GB each) acquired and released whole, sequentially and from 8 concurrent callers. Prints
+p50 and p99 per batch (ms) and batches/s, on one node (``ray.init`` with 8 logical GPUs) and on a
+4-node ``ray.cluster_utils.Cluster``, for the pool's design (one long-lived placement group per node,
+the ledger sub-allocating it) and, unless ``--smoke``, for the former design kept here as a bench-only
+mode (one placement group made and removed per batch). Figures only; nothing here asserts on time.
+Ray listens on 127.0.0.1 only, with local auth off.
+
+Run from the repo root: ``.venv/bin/python bench/ray_pool.py [--smoke] [--batches N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import msgspec
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from rayapp.actors.pool import NODE_ID_LABEL, PlacementPoolService, remove_leftovers, resolve_nodes
+from rayapp.actors.pool_client import PoolClient
+from rayapp.actors.remote import bounded
+from rayapp.core.layout import parse_cluster_layout
+from rayapp.core.pool import PlacementPool
+from rayapp.types import BatchRequest, Resource, Token
+
+BATCH = 8
+PER_SAMPLE = Resource(gpu=0.125, cpu=0.1, memory_gb=0.01)
+REQUEST = BatchRequest(Resource(gpu=BATCH * 0.125, concurrency=BATCH, cpu=BATCH * 0.1, memory_gb=BATCH * 0.01),
+                       PER_SAMPLE, BATCH, label="bench", timeout_s=120)
+CONCURRENCY = 8
+# Room for all 8 concurrent batches on one node: latency is admission, not waiting for capacity.
+NODE = {"gpus": list(range(8)), "cpu": 8, "memory_gb": 1}
+
+
+class PerBatchGroups:
+    """The former reservation hook, for comparison: one placement group per batch, one bundle per
+    token pinned to its node, removed when the batch is released whole."""
+
+    def __init__(self, node_ids: dict[str, str]):
+        self.node_ids, self.groups = node_ids, {}
+
+    async def reserve(self, name: str, tokens: list[Token]) -> list[Token] | None:
+        bundles = [{k: v for k, v in {"CPU": t.cpu, "memory": int(t.memory_gb * 2**30), "GPU": t.gpu}.items() if v}
+                   for t in tokens]
+        pg = placement_group(bundles, strategy="PACK", name=f"rayapp/{name}",
+                             bundle_label_selector=[{NODE_ID_LABEL: self.node_ids[t.node]} for t in tokens])
+        try:
+            await bounded(pg.ready(), 30.0)
+        except BaseException:
+            remove_placement_group(pg)
+            raise
+        self.groups[name] = pg
+        return [msgspec.structs.replace(t, placement_group=name, bundle_index=i) for i, t in enumerate(tokens)]
+
+    async def release(self, tokens: list[Token]) -> None:
+        remove_placement_group(self.groups.pop(tokens[0].placement_group))
+
+
+class PerBatchService:
+    """The pool service as it was: the core pool with one placement group per batch."""
+
+    def __init__(self, layout: str):
+        parsed = parse_cluster_layout(layout)
+        self.pool = PlacementPool(parsed, PerBatchGroups(resolve_nodes(list(parsed), ray.nodes())))
+
+    async def acquire_batch(self, request: BatchRequest) -> list[Token]:
+        return await self.pool.acquire_batch(request)
+
+    async def release_batch(self, tokens: list[Token]) -> None:
+        await self.pool.release_batch(tokens)
+
+
+async def one_batch(client: PoolClient) -> float:
+    start = time.perf_counter()
+    tokens = await client.acquire_batch(REQUEST)
+    await client.release_batch(tokens)
+    return time.perf_counter() - start
+
+
+async def run(client: PoolClient, batches: int, concurrency: int) -> tuple[list[float], float]:
+    """Per-batch seconds and the wall time of ``batches`` batches from ``concurrency`` callers."""
+    times: list[float] = []
+
+    async def caller(n: int) -> None:
+        for _ in range(n):
+            times.append(await one_batch(client))
+
+    start = time.perf_counter()
+    share = [batches // concurrency + (i < batches % concurrency) for i in range(concurrency)]
+    await asyncio.gather(*(caller(n) for n in share))
+    return times, time.perf_counter() - start
+
+
+def row(setup: str, design: str, mode: str, times: list[float], wall: float) -> str:
+    ms = sorted(t * 1000 for t in times)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return (f"{setup:<8} {design:<16} {mode:<12} {len(ms):>7} {statistics.median(ms):>8.2f} {p99:>8.2f} "
+            f"{len(ms) / wall:>10.1f}")
+
+
+def measure(setup: str, layout: dict[str, Any], batches: int, designs: list[str]) -> list[str]:
+    rows = []
+    for design in designs:
+        cls = PlacementPoolService if design == "group per node" else PerBatchService
+        actor = ray.remote(cls).options(num_cpus=0).remote(json.dumps(layout))
+        client = PoolClient(actor, "bench")
+        n = batches if design == "group per node" else max(8, batches // 20)  # the old design is slow
+        asyncio.run(run(client, 4, 1))  # warm up the actor and the client's path
+        for mode, concurrency in (("sequential", 1), (f"concurrent {CONCURRENCY}", CONCURRENCY)):
+            times, wall = asyncio.run(run(client, n, concurrency))
+            rows.append(row(setup, design, mode, times, wall))
+            print(rows[-1], flush=True)
+        ray.kill(actor)
+        remove_leftovers()  # a killed service's groups outlive it (Ray ties them to the job)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="few batches, the pool's design only")
+    ap.add_argument("--batches", type=int, default=1000, help="batches per measurement (default 1000)")
+    args = ap.parse_args()
+    batches = 40 if args.smoke else args.batches
+    designs = ["group per node"] if args.smoke else ["group per node", "group per batch"]
+    print(f"acquire+release of one {BATCH}-token batch through PlacementPoolService (PoolClient over an actor)")
+    print(f"{'setup':<8} {'design':<16} {'mode':<12} {'batches':>7} {'p50 ms':>8} {'p99 ms':>8} {'batches/s':>10}")
+
+    ray.init(address="local", num_cpus=10, num_gpus=8, include_dashboard=False, logging_level="warning",
+             log_to_driver=False)
+    try:
+        measure("1 node", {"127.0.0.1": NODE}, batches, designs)
+    finally:
+        ray.shutdown()
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    try:
+        for i in range(4):
+            cluster.add_node(num_cpus=8, num_gpus=8, labels={"rayapp.io/node": f"node-{i}"},
+                             node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+        measure("4 nodes", {f"node-{i}": NODE for i in range(4)}, batches, designs)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

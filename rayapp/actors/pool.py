@@ -299,9 +299,6 @@ class PlacementPoolService:
     async def release_batch(self, tokens: list[Token]) -> None:
         await self.pool.release_batch(tokens)
 
-    async def release_tokens(self, tokens: list[Token]) -> None:
-        await self.pool.release_tokens(tokens)
-
     async def release_owner(self, owner: str) -> int:
         """Free what a restarted manager's predecessor held, and cancel its waiting acquires."""
         return await self.pool.release_owner(owner)

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 class Reservations(Protocol):
-    """Realises what the ledger granted outside it (the Ray shell: one placement group per batch).
+    """Realises what the ledger granted outside it (the Ray shell: each token mapped to a bundle of
+    its node's long-lived placement group).
 
     ``reserve(name, tokens)`` gets one batch's tokens as the ledger issued them (``name`` is unique
     per call and starts with the request's label) and returns them realised: same order, same ledger

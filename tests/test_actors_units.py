@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from rayapp.cli import ROOT
-from rayapp.recipe import RecipeError, parse_recipe
+from rayapp.recipe import RecipeError, check_live_gpus, parse_recipe
 
 LOCAL = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())["applications"][0]["args"]
 
@@ -13,14 +13,14 @@ LOCAL = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text()
 def test_serve_run_without_gpus_gets_a_clear_error_before_anything_deploys(monkeypatch):
     import ray
 
-    from rayapp.actors.app import check_live_gpus
+    from rayapp.actors.app import build_app
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     with pytest.raises(RecipeError, match=r"hold GPU fractions, but this Ray cluster has no GPUs.*--num-gpus"):
-        check_live_gpus(parse_recipe(LOCAL), "rollout.yaml")
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 4.0})
-    check_live_gpus(parse_recipe(LOCAL), "rollout.yaml")
+        build_app(LOCAL)
+    check_live_gpus(parse_recipe(LOCAL), 4.0)  # GPUs there: nothing to say
+    check_live_gpus(parse_recipe(LOCAL), None)  # no cluster to read yet: nothing to say
 
 
 def test_the_demo_finds_and_stops_exactly_its_own_cluster_processes(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from ray.serve import Application
 from rayapp.actors.engine import InferenceEngine
 from rayapp.actors.manager import SchedulerRolloutManager
 from rayapp.actors.pool import PlacementPoolService
-from rayapp.recipe import RecipeConfig, RecipeError, parse_recipe
+from rayapp.recipe import check_live_gpus, parse_recipe
 
 # Waiting acquires are long-lived requests: the pool must take many at once.
 POOL_MAX_ONGOING = 100_000
@@ -30,22 +30,9 @@ POOL_MAX_ONGOING = 100_000
 HEAD = "node:__internal_head__"
 
 
-def check_live_gpus(cfg: RecipeConfig, source: str) -> None:
-    """A layout read off the live cluster needs GPUs there when samples ask for them: say so at
-    `serve run` time, not as a deadlock at the first step."""
-    wanted = [e.evaluator_id for e in cfg.evaluators if e.run_resource.gpu > 0 or e.eval_resource.gpu > 0]
-    if not (cfg.pool.gate and cfg.pool.cluster_layout is None and wanted and ray.is_initialized()):
-        return
-    if ray.cluster_resources().get("GPU", 0) <= 0:
-        raise RecipeError(
-            source, "$.evaluators", f"{wanted} hold GPU fractions, but this Ray cluster has no GPUs. On one "
-            f"machine start Ray with logical GPUs first (ray start --head --num-gpus=4 "
-            f"--node-ip-address=127.0.0.1), or give pool.cluster_layout / gpu: 0")
-
-
 def build_app(args: dict[str, Any]) -> Application:
     cfg = parse_recipe(args)
-    check_live_gpus(cfg, "rollout.yaml")
+    check_live_gpus(cfg, ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else None)
     engines = {}
     for name, e in cfg.engines.items():
         options: dict[str, Any] = {

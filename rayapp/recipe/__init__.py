@@ -14,6 +14,7 @@ from rayapp.recipe.config import (
     SandboxConfig,
     SchedulerSection,
     apply_env,
+    check_live_gpus,
     check_recipe,
     parse_recipe,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "build_evaluator_specs",
     "build_scheduler",
     "build_step_runner",
+    "check_live_gpus",
     "check_recipe",
     "parse_recipe",
 ]

@@ -264,6 +264,19 @@ ENV_KNOBS: dict[str, tuple[str, str]] = {
 }
 
 
+def check_live_gpus(recipe: RecipeConfig, cluster_gpus: float | None, source: str = "rollout.yaml") -> None:
+    """A layout read off the live cluster (``cluster_gpus``: its GPUs; None: no cluster to read) needs
+    GPUs there when samples ask for them: say so at `serve run` time, not as a deadlock at the first
+    step."""
+    wanted = [e.evaluator_id for e in recipe.evaluators if e.run_resource.gpu > 0 or e.eval_resource.gpu > 0]
+    if recipe.pool.gate and recipe.pool.cluster_layout is None and wanted and cluster_gpus is not None \
+            and cluster_gpus <= 0:
+        raise RecipeError(
+            source, "$.evaluators", f"{wanted} hold GPU fractions, but this Ray cluster has no GPUs. On one "
+            f"machine start Ray with logical GPUs first (ray start --head --num-gpus=4 "
+            f"--node-ip-address=127.0.0.1), or give pool.cluster_layout / gpu: 0")
+
+
 def apply_env(recipe: RecipeConfig, environ: Mapping[str, str], source: str = "rollout.yaml") -> RecipeConfig:
     """The recipe with the launch-time variables of ``ENV_KNOBS`` applied (read in the manager's
     process: set them in the Serve config's ``runtime_env.env_vars`` or the shell of ``serve run``)."""

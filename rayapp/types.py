@@ -217,7 +217,9 @@ class Placement(msgspec.Struct):
 class TurnRecord(msgspec.Struct, omit_defaults=True):
     """One model turn: which engine answered, how long the call took (``engine_s``, seconds on the
     episode's event-loop clock) and where the episode's token sat (``node`` and ``gpu_ids`` are unset
-    without a token); ``actor`` only in a DAgger roll-in."""
+    without a token); ``actor`` only in a DAgger roll-in. ``weight_version`` names the weights that
+    produced the turn (the engine's report; a partial rollout stamps the step's index where it gave
+    none), so a trainer sees how stale a turn carried across steps is."""
 
     turn: int
     engine: str
@@ -225,6 +227,17 @@ class TurnRecord(msgspec.Struct, omit_defaults=True):
     gpu_ids: list[int] | None = None
     actor: Actor | None = None
     engine_s: float | None = None
+    weight_version: str | None = None
+
+
+class CarriedGroup(msgspec.Struct, forbid_unknown_fields=True):
+    """A group a partial rollout step left unfinished, carried into a later step (and into the
+    rollout checkpoint, so that it survives a restart): its task, the step its current attempt
+    began in, and its samples as they were left (empty: it starts afresh)."""
+
+    task: Task
+    since: int  # the rollout step this attempt of the group began in
+    samples: list[Sample] = []
 
 
 class DaggerLabel(msgspec.Struct):
@@ -324,12 +337,13 @@ class EpisodeContext(msgspec.Struct):
     _exits: AsyncExitStack | None = None  # made by the first keep: most episodes keep nothing
 
     def record_turn(self, turn: int, engine: str, actor: Actor | None = None, *,
-                    engine_s: float | None = None) -> None:
-        """Count model turn ``turn`` as done and record who answered it, where, and how long the
-        engine took (``engine_s``)."""
+                    engine_s: float | None = None, weight_version: str | None = None) -> None:
+        """Count model turn ``turn`` as done and record who answered it, where, how long the engine
+        took (``engine_s``) and with which weights (``weight_version``, as the engine names them)."""
         self.record.turns = turn
         where = (self.token.node, list(self.token.gpu_ids)) if self.token is not None else (None, None)
-        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s))
+        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s,
+                                                   weight_version=weight_version or None))
 
     def keep(self, name: str, resource: R, close: Callable[[], Awaitable[Any]]) -> R:
         """Hold ``resource`` under ``name`` until the episode ends; ``close()`` is awaited then."""

@@ -14,7 +14,7 @@ Invariants it keeps:
   back in the local pool when ``run`` returns (the spec's hold-until-the-batch-ends);
 - one EpisodeContext spans both phases: what the agent kept in it is closed when the episode ends,
   cancellation included, and its EpisodeRecord becomes the sample's episode metadata keys in
-  every outcome but cancellation;
+  every outcome (a cancelled sample stays PENDING with the record of the turns it did);
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
   ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
 - ``on_task_done`` fires once per task, as soon as that task's group is finished; one that raises
@@ -274,6 +274,9 @@ class Evaluator:
             _populate_token_data(sample, result)
             sample.reward = {k: float(v) for k, v in reward.items()}
             sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
+        except asyncio.CancelledError:  # the step went on without it (complete_after): how far it got stays
+            sample.metadata.update(ctx.record.to_metadata())
+            raise
         except Exception as e:
             self._abort(sample, ctx, e, phase, started)
         sample.metadata.update(ctx.record.to_metadata())

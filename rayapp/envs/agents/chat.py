@@ -75,7 +75,7 @@ class ChatAgent(BaseAgent):
         out = await self.engine.generate(GenerateRequest(prompt_ids, sampling, stop_token_ids=[tok.eos_token_id]))
         if out.finish_reason is FinishReason.ABORT:
             raise EngineConnectionError(f"engine aborted request {out.request_id}")
-        ctx.record_turn(1, out.engine, engine_s=loop_time() - started)
+        ctx.record_turn(1, out.engine, engine_s=loop_time() - started, weight_version=out.weight_version)
         truncated = out.finish_reason is FinishReason.LENGTH
         return AgentResult(
             tokens=prompt_ids + list(out.output_ids), response_length=len(out.output_ids),

@@ -146,7 +146,7 @@ class ToolAgent(ChatAgent):
         """One model turn: the engine's output and the loss weight of its tokens (1: train on them)."""
         started = loop_time()
         out = await self.engine.generate(req)
-        ctx.record_turn(turn, out.engine, engine_s=loop_time() - started)
+        ctx.record_turn(turn, out.engine, engine_s=loop_time() - started, weight_version=out.weight_version)
         return out, 1
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:

@@ -3,6 +3,7 @@ groups, restart, staleness, metrics, the checkpoint). Everything runs in virtual
 (``core.clock.run_virtual``): episodes last hours and the loop's times are exact."""
 
 import asyncio
+import itertools
 import math
 import random
 from collections import Counter
@@ -141,10 +142,10 @@ def test_every_task_comes_back_exactly_once_across_steps(make_pool):
     assert len(returned) == len(set(returned))  # no group returned twice
     fetched = [f"t{i}" for i in range(source.cursor)]
     assert sorted(returned + carried) == sorted(fetched)  # none lost, none duplicated
-    assert source.asked[0] == 6 and all(n == 6 - c for n, c in zip(source.asked[1:], (
-        r.metrics["rollout/partial/carried"] for r in results)))
+    carried_on = [r.metrics["rollout/partial/carried"] for r in results]
+    assert source.asked == [6] + [6 - c for c in carried_on[:-1]]  # only enough new tasks to start 6 groups
     assert sum(r.metrics["rollout/partial/carried"] for r in results) > 0, "the long tail left groups unfinished"
-    for prev, r in zip(results, results[1:]):  # carried groups come first, then the new ones
+    for prev, r in itertools.pairwise(results):  # carried groups come first, then the new ones
         assert r.metrics["rollout/partial/restarted"] == prev.metrics["rollout/partial/carried"]
         assert r.metrics["rollout/partial/resumed"] == 0
     assert all(r.metrics["rollout/partial/staleness_max"] <= 1 for r in results)
@@ -213,3 +214,27 @@ def test_carried_groups_survive_the_checkpoints_encoding(tmp_path):
     [back] = RolloutCheckpoint(tmp_path).carried(0)
     assert msgspec.to_builtins(back) == msgspec.to_builtins(CarriedGroup(task, 0))
     assert RolloutCheckpoint(tmp_path).carried(1) is None
+
+
+def test_the_recipe_turns_partial_rollouts_on_and_refuses_a_bad_setting(tmp_path):
+    import yaml
+
+    from rayapp.cli import ROOT
+    from rayapp.recipe import RecipeError, build_step_runner, parse_recipe
+
+    args = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())["applications"][0]["args"]
+    assert parse_recipe(args).scheduler.partial is None
+    args["scheduler"] = {**args.get("scheduler", {}), "partial": {"over_provision": 1.5, "max_staleness": 2},
+                         "checkpoint_dir": str(tmp_path)}
+    cfg = parse_recipe(args)
+    assert cfg.scheduler.partial == PartialConfig(over_provision=1.5, max_staleness=2, policy="restart")
+
+    async def not_called(*a, **kw):
+        raise AssertionError("the wiring must not run or open anything")
+
+    runner = build_step_runner(cfg, {"student": object()}, None, executor=not_called, open_sandbox=not_called)
+    assert isinstance(runner._rollouts, PartialRollouts) and runner._rollouts.config == cfg.scheduler.partial
+    for bad in ({"over_provision": 0.5}, {"policy": "later"}, {"max_staleness": -1}, {"overprovision": 2}):
+        args["scheduler"]["partial"] = bad
+        with pytest.raises(RecipeError, match=r"\$\.scheduler\.partial"):
+            parse_recipe(args)

@@ -126,7 +126,8 @@ class TaskScheduler:
             raise ValueError(f"complete_after must be an int >= 1, got {complete_after!r}")
         # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
         state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
-        tasks = list(await (fetch() if fetch is not None else self.data_source.get_tasks(self.config.rollout_batch_size)))
+        fetched = fetch() if fetch is not None else self.data_source.get_tasks(self.config.rollout_batch_size)
+        tasks = list(await fetched)
         groups = self._distribute(rollout_id, tasks)
         finished = dict(await step_log.finished(tasks)) if step_log is not None else {}
         if not set(finished) <= set(range(len(tasks))):

@@ -39,9 +39,9 @@ PartialPolicy = Literal["restart"]
 
 
 class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    over_provision: Annotated[float, Meta(ge=1, le=16, description="groups a step starts, as a multiple of "
-                                                                   "rollout_batch_size (rounded up); the step "
-                                                                   "returns once rollout_batch_size are complete")] = 1.25
+    over_provision: Annotated[float, Meta(ge=1, le=16, description=(
+        "groups a step starts, as a multiple of rollout_batch_size (rounded up); the step returns once "
+        "rollout_batch_size are complete"))] = 1.25
     max_staleness: Annotated[int, Meta(ge=0, description="steps a carried group may go on from before it starts "
                                                          "afresh, whatever the policy")] = 1
     policy: Annotated[PartialPolicy, Meta(description="what an unfinished group does in the next step: restart "

@@ -230,14 +230,30 @@ class TurnRecord(msgspec.Struct, omit_defaults=True):
     weight_version: str | None = None
 
 
-class CarriedGroup(msgspec.Struct, forbid_unknown_fields=True):
-    """A group a partial rollout step left unfinished, carried into a later step (and into the
-    rollout checkpoint, so that it survives a restart): its task, the step its current attempt
-    began in, and its samples as they were left (empty: it starts afresh)."""
+class ToolReplay(msgspec.Struct, forbid_unknown_fields=True):
+    """A tool call an episode made, to replay in a fresh sandbox when the episode resumes."""
 
-    task: Task
-    since: int  # the rollout step this attempt of the group began in
-    samples: list[Sample] = []
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+RESUME_POINTS = "_resume_points"  # task metadata: each sample's ResumePoint (plain data) or None, by index
+
+
+class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
+    """Where a cut-short episode can go on from (partial rollouts, ``policy: resume``): its token
+    data after its last complete turn (the observation that followed included) and what rebuilds
+    its environment. A resumed episode keeps these tokens, log-probs, mask and turn records as they
+    are and generates its next turn again; an agent that cannot rebuild its state ignores it and
+    starts afresh."""
+
+    turns: int  # model turns done
+    tokens: list[int]  # prompt + response so far
+    prompt_len: int
+    loss_mask: list[int]  # over the response so far
+    rollout_log_probs: list[float]
+    turn_records: list[TurnRecord] = []
+    tool_calls: list[ToolReplay] = []  # the sandbox tool calls made, in order
 
 
 class DaggerLabel(msgspec.Struct):
@@ -274,6 +290,7 @@ class EpisodeKey(enum.StrEnum):
     TURN_ACTOR = "_turn_actor"
     DAGGER_LABELS = "_dagger_labels"
     ABORT = "_abort"
+    RESUME = "_resume"  # a cut-short sample's ResumePoint (partial rollouts), and a resumed one's start
 
 
 class EpisodeRecord(msgspec.Struct):
@@ -287,6 +304,7 @@ class EpisodeRecord(msgspec.Struct):
     turn_records: list[TurnRecord] = []
     dagger_labels: list[DaggerLabel] = []
     abort: AbortRecord | None = None
+    resume: ResumePoint | None = None  # a resumable agent's state after its last complete turn
 
     def to_metadata(self) -> dict[str, Any]:
         """The spec's metadata keys of this record (``EpisodeKey``), plain data, set ones only."""

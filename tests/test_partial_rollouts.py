@@ -15,11 +15,10 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.training.checkpoint import RolloutCheckpoint
+from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
 from rayapp.training.partial import PartialConfig, PartialRollouts, staleness
 from rayapp.types import (
     AgentResult,
-    CarriedGroup,
     EpisodeKey,
     EvaluatorSpec,
     Resource,

@@ -41,7 +41,7 @@ from rayapp.core.contracts import Fetch, OnTaskDone, RolloutResult
 from rayapp.core.convert import InputError, decode
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.files import atomic_write, fsync_dir
-from rayapp.types import CarriedGroup, Sample, Task
+from rayapp.types import Sample, Task
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,16 @@ RolloutId = Annotated[int, Meta(ge=0)]
 _STATE, _DONE = "state.msgpack", "FINISHED"
 _GROUP_RE = re.compile(r"^group_(\d{6,})\.msgpack$")
 _ROLLOUT_RE = re.compile(r"^rollout_(\d{6,})$")
+
+
+class CarriedGroup(msgspec.Struct, forbid_unknown_fields=True):
+    """A group a partial rollout step left unfinished, carried into a later step (and into the
+    rollout checkpoint, so that it survives a restart): its task, the step its current attempt
+    began in, and its samples as they were left (empty: it starts afresh)."""
+
+    task: Task
+    since: int  # the rollout step this attempt of the group began in
+    samples: list[Sample] = []
 
 
 class CheckpointState(msgspec.Struct, tag_field="format", tag="rayapp.rollout_checkpoint.state",

@@ -9,8 +9,13 @@ handed back as unfinished). Each step:
 - the carried groups come first, oldest first, then only as many new tasks as it takes to start
   ``ceil(rollout_batch_size x over_provision)`` groups;
 - the step completes after ``rollout_batch_size`` groups; the others are carried on: under
-  ``policy: restart`` each starts afresh in the next step (what it did is discarded). A carried
-  group restarts whatever the policy once its attempt is older than ``max_staleness`` steps;
+  ``policy: restart`` each starts afresh in the next step (what it did is discarded); under
+  ``policy: resume`` each cut-short sample goes on from its last complete turn (its ``ResumePoint``,
+  handed to the agent in the task's ``RESUME_POINTS``: kept tokens, log-probs, mask and turn records
+  as they are; the cut turn is generated again), while a sample that ended, or one cut before a
+  point was kept, runs again; an agent that cannot rebuild its state (``resumable`` false: the
+  single-turn chat agent, the DAgger roll-in) starts afresh. A carried group restarts whatever the
+  policy once its attempt is older than ``max_staleness`` steps;
 - nothing is lost or duplicated: every fetched task comes back exactly once, complete, or is still
   carried. With a checkpoint the carried groups are saved with the step's end (the FINISHED record),
   so a restarted manager takes them up again;
@@ -32,10 +37,10 @@ from msgspec import Meta
 
 from rayapp.core.contracts import OnTaskDone, RolloutResult, UnfinishedGroup
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
-from rayapp.types import CarriedGroup, EpisodeKey, Sample, Task
+from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint
+from rayapp.types import RESUME_POINTS, EpisodeKey, Sample, Task
 
-PartialPolicy = Literal["restart"]
+PartialPolicy = Literal["restart", "resume"]
 
 
 class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,8 +49,9 @@ class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "rollout_batch_size are complete"))] = 1.25
     max_staleness: Annotated[int, Meta(ge=0, description="steps a carried group may go on from before it starts "
                                                          "afresh, whatever the policy")] = 1
-    policy: Annotated[PartialPolicy, Meta(description="what an unfinished group does in the next step: restart "
-                                                      "(run afresh, what it did is discarded)")] = "restart"
+    policy: Annotated[PartialPolicy, Meta(description=(
+        "what an unfinished group does in the next step: restart (run afresh, what it did is discarded) or "
+        "resume (each cut-short episode goes on from its last complete turn, where its agent can)"))] = "restart"
 
 
 def _turns(sample: Sample) -> list[dict]:
@@ -53,9 +59,12 @@ def _turns(sample: Sample) -> list[dict]:
 
 
 def stamp_versions(samples: list[Sample], rollout_id: int) -> None:
-    """Name the step's weights on every turn the engine left without a version."""
+    """Name the step's weights on every turn the engine left without a version (its resume point's
+    records too), and drop the resume points the step was handed: they are no part of the result."""
     for s in samples:
-        for t in _turns(s):
+        s.metadata.pop(RESUME_POINTS, None)
+        point = s.metadata.get(EpisodeKey.RESUME.value) or {}
+        for t in [*_turns(s), *point.get("turn_records", [])]:
             if not t.get("weight_version"):
                 t["weight_version"] = str(rollout_id)
 
@@ -67,6 +76,18 @@ def staleness(sample: Sample, rollout_id: int) -> int:
         v = str(t.get("weight_version") or "")
         steps.append(int(v) if v.lstrip("-").isdigit() else rollout_id)
     return max(0, rollout_id - min(steps)) if steps else 0
+
+
+def _resumed(group: CarriedGroup) -> Task:
+    """The group's task, handing each cut-short sample its resume point (``RESUME_POINTS``, by
+    sample index); the task itself when none has one: the group starts afresh."""
+    points: list = [None] * group.task.config.n_samples
+    for s in group.samples:
+        if 0 <= s.index < len(points):
+            points[s.index] = s.metadata.get(EpisodeKey.RESUME.value)
+    if not any(points):
+        return group.task
+    return msgspec.structs.replace(group.task, metadata={**group.task.metadata, RESUME_POINTS: points})
 
 
 class PartialRollouts:
@@ -95,7 +116,7 @@ class PartialRollouts:
 
         async def fetch() -> list[Task]:
             fetched[:] = await self.scheduler.data_source.get_tasks(max(0, start - len(carried)))
-            return [g.task for g in carried] + list(fetched)
+            return [_resumed(g) for g in carried] + list(fetched)
 
         def carry(result: RolloutResult) -> list[CarriedGroup]:
             return [self._carried(u, carried, rollout_id) for u in result.unfinished]
@@ -112,7 +133,8 @@ class PartialRollouts:
             stamp_versions(g, rollout_id)
         ages = [staleness(s, rollout_id) for g in result.groups for s in g]
         metrics = {"carried": len(going_on), "fetched": len(fetched),
-                   "restarted": sum(not g.samples for g in carried), "resumed": sum(bool(g.samples) for g in carried),
+                   "restarted": sum(_resumed(g) is g.task for g in carried),
+                   "resumed": sum(_resumed(g) is not g.task for g in carried),
                    "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0)}
         result.metrics |= {f"rollout/partial/{k}": float(v) for k, v in metrics.items()}
         return msgspec.structs.replace(result, unfinished=[])

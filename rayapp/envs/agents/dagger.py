@@ -61,6 +61,10 @@ class DAggerRollIn:
 class DAggerAgent(DAggerRollIn, ToolAgent):
     """A ToolAgent whose turns follow the DAgger roll-in."""
 
+    # The teacher's labels of kept turns and the roll-in's seeded choices are not in a ResumePoint:
+    # a roll-in cut short runs again from its start.
+    resumable = False
+
     def __init__(self, student: Engine, teacher: Engine, verify: Any, *, seed: int = 0, **kw: Any):
         super().__init__(student, verify, **kw)
         self.teacher, self.seed = teacher, seed

@@ -18,10 +18,12 @@ from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
 from rayapp.training.partial import PartialConfig, PartialRollouts, staleness
 from rayapp.types import (
+    RESUME_POINTS,
     AgentResult,
     EpisodeKey,
     EvaluatorSpec,
     Resource,
+    ResumePoint,
     Status,
     Task,
     TaskConfig,
@@ -172,6 +174,71 @@ def test_carried_groups_are_the_unfinished_ones_and_restart_discards_their_turns
         turns = s.metadata[EpisodeKey.TURN_PLACEMENT.value]
         assert [t["turn"] for t in turns] == list(range(1, TURNS + 1))
         assert {t["weight_version"] for t in turns} == {"1"}  # all of this step's attempt
+
+
+class Resumable(LongTail):
+    """A LongTail agent that resumes: turn k's token is 100 x attempt + k, so a kept turn shows the
+    attempt that made it; it keeps a ResumePoint after each turn, as a resumable agent does."""
+
+    async def run(self, sample, ctx):
+        key = (sample.task_id, sample.index)
+        self.started[key] += 1
+        points = sample.metadata.pop(RESUME_POINTS, None)
+        point = msgspec.convert(points[sample.index], ResumePoint) if points and points[sample.index] else None
+        tokens = list(point.tokens) if point else [0]
+        if point:
+            ctx.record.turns, ctx.record.turn_records, ctx.record.resume = point.turns, list(point.turn_records), point
+        hours = min(self.rng.lognormvariate(0, 1.1), 40.0)
+        for turn in range((point.turns if point else 0) + 1, TURNS + 1):
+            await asyncio.sleep(hours * H / TURNS)
+            tokens.append(100 * self.started[key] + turn)
+            ctx.record_turn(turn, "e")
+            ctx.record.resume = ResumePoint(turn, list(tokens), 1, [1] * (len(tokens) - 1),
+                                            [0.0] * (len(tokens) - 1), list(ctx.record.turn_records))
+        self.ended[key] += 1
+        return AgentResult(tokens=tokens, response_length=len(tokens) - 1)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_resume_keeps_completed_turns_and_staleness_stays_bounded(make_pool, max_staleness):
+    agent, source = Resumable(seed=21), Stream()
+    sched, _ = make(make_pool, agent, source, batch=4)
+    partial = PartialRollouts(sched, PartialConfig(over_provision=1.5, max_staleness=max_staleness, policy="resume"))
+    cut: dict[tuple[str, int], list[int]] = {}  # the tokens each cut-short sample had kept
+
+    async def steps():
+        out = []
+        for i in range(6):
+            out.append(await partial.execute_rollout(i))
+            for g in partial.carried():
+                for s in g.samples:
+                    if s.metadata.get(EpisodeKey.RESUME.value):
+                        cut[(s.task_id, s.index)] = s.metadata[EpisodeKey.RESUME.value]["tokens"]
+        return out
+
+    results = run_virtual(steps())
+    returned = [t for r in results for t in ids(r.groups)]
+    assert len(returned) == len(set(returned))
+    fetched = [f"t{i}" for i in range(source.cursor)]
+    assert sorted(returned + [g.task.task_id for g in partial.carried()]) == sorted(fetched)
+    assert all(r.metrics["rollout/partial/staleness_max"] <= max_staleness for r in results)
+    # kept turns count as stale: some returned sample went on from an earlier step's turns
+    assert (max(r.metrics["rollout/partial/staleness_max"] for r in results) > 0) == (max_staleness > 0)
+    n_resumed = sum(r.metrics["rollout/partial/resumed"] for r in results)
+    if max_staleness == 0:  # nothing may go on from an earlier step: every carried group restarts
+        assert n_resumed == 0 and not cut.keys() & {(s.task_id, s.index) for r in results for g in r.groups
+                                                    for s in g if s.tokens[1:2] and s.tokens[1] < 200}
+        return
+    assert n_resumed > 0
+    resumed = 0
+    for r in results:
+        for g in r.groups:
+            for s in g:
+                kept = cut.get((s.task_id, s.index))
+                if kept and agent.started[(s.task_id, s.index)] >= 2 and s.tokens[:len(kept)] == kept:
+                    resumed += 1
+                assert RESUME_POINTS not in s.metadata
+    assert resumed > 0, "some returned sample went on from the turns it had kept"
 
 
 def test_staleness_is_measured_from_the_engines_weight_versions(make_pool):

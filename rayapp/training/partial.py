@@ -158,6 +158,8 @@ class PartialRollouts:
     def _carried(self, group: UnfinishedGroup, carried: list[CarriedGroup], rollout_id: int) -> CarriedGroup:
         """An unfinished group of step ``rollout_id`` as the next step takes it up (its attempt
         began when it was first carried in, or now)."""
-        since = carried[group.index].since if group.index < len(carried) else rollout_id
+        # a carried group keeps its own task: the one it ran as held the resume points it was handed
+        task, since = (carried[group.index].task, carried[group.index].since) if group.index < len(carried) \
+            else (group.task, rollout_id)
         stamp_versions(group.samples, rollout_id)
-        return CarriedGroup(group.task, since, [] if self.config.policy == "restart" else group.samples)
+        return CarriedGroup(task, since, [] if self.config.policy == "restart" else group.samples)

@@ -304,3 +304,35 @@ def test_the_recipe_turns_partial_rollouts_on_and_refuses_a_bad_setting(tmp_path
         args["scheduler"]["partial"] = bad
         with pytest.raises(RecipeError, match=r"\$\.scheduler\.partial"):
             parse_recipe(args)
+
+
+def test_a_partial_step_cut_short_resumes_with_the_same_carried_and_new_tasks(make_pool, tmp_path):
+    cfg = PartialConfig(over_provision=2.0)
+    sched, _ = make(make_pool, LongTail(seed=31), Stream(), batch=3)
+    first = run_virtual(PartialRollouts(sched, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+    carried = {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
+
+    async def killed_mid_step():  # the manager dies once step 1 has finished some of its groups
+        sched1, _ = make(make_pool, LongTail(seed=32), Stream(), batch=3)
+        done = []
+
+        async def on_done(task, samples):
+            done.append(task.task_id)
+
+        wrapper = PartialRollouts(sched1, cfg, RolloutCheckpoint(tmp_path))
+        step = asyncio.create_task(wrapper.execute_rollout(1, on_done))
+        while not done:
+            await asyncio.sleep(60)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        return done
+
+    done_before = run_virtual(killed_mid_step())
+    sched2, _ = make(make_pool, LongTail(seed=33), Stream(), batch=3)
+    again = PartialRollouts(sched2, cfg, RolloutCheckpoint(tmp_path))
+    second = run_virtual(again.execute_rollout(1))
+    assert second.metrics["rollout/resumed_groups"] == len(done_before)  # not run again
+    assert set(done_before) <= set(ids(second.groups))
+    returned = ids(first.groups) + ids(second.groups) + [g.task.task_id for g in again.carried()]
+    assert sorted(returned) == sorted(f"t{i}" for i in range(9)) and carried <= set(returned)

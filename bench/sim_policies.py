@@ -1,13 +1,19 @@
 """Policies run through the real core: ``TaskScheduler`` + ``Evaluator`` + ``PlacementPool`` in
 virtual time, with agents that sleep their trace's turns and verify.
 
-A policy is a row of ``POLICIES``: the ``SchedulerConfig`` fields it sets and its batching
-strategy. A field this scheduler does not have is dropped (so a policy that only restates today's
-default still runs), unless the policy ``needs`` it; then the policy is skipped and the table says so.
+A policy is a row of ``POLICIES``: the ``SchedulerConfig`` fields it sets, its batching strategy,
+and for partial rollouts the ``PartialConfig`` its steps run under (``training.partial``). A field
+this scheduler does not have is dropped (so a policy that only restates today's default still
+runs), unless the policy ``needs`` it; then the policy is skipped and the table says so.
+
+Partial rollouts carry long episodes into later steps, where they overlap: the per-step lower
+bound (summed) does not bound them, and their "÷ LB" can be under 1; the whole run taken as one
+step (total demand, the longest episode) still bounds them.
 
 What the pool really held is measured, not assumed: ``MeteredPool`` wraps it and integrates the
 GPU share of the tokens held over virtual time; the agents integrate the share of the samples that
-are working. Their ratio is the share of reserved capacity that did work.
+are working. Their ratio is the share of reserved capacity that did work; work a partial step cut
+short and restarted later is counted as wasted, not as work.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from rayapp.core.clock import loop_time, run_virtual
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.types import AgentResult, BatchRequest, EvaluatorSpec, Resource, Status, Task, TaskConfig, Token
 
 
@@ -35,12 +42,15 @@ class Policy:
     config: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig fields it sets
     batching: BatchingStrategy = fifo_batching
     needs: tuple[str, ...] = ()  # SchedulerConfig fields without which it cannot run
+    partial: dict[str, Any] | None = None  # PartialConfig fields: its steps are partial rollouts
 
 
 POLICIES: tuple[Policy, ...] = (
     Policy("hold FIFO", {"release": "batch_end"}),
     Policy("early FIFO", {"release": "early"}, needs=("release",)),
     Policy("longest-first, noisy", {"release": "early"}, longest_first_batching),
+    Policy("partial (restart)", {"release": "early"}, needs=("release",),
+           partial={"over_provision": 1.25, "max_staleness": 1, "policy": "restart"}),
 )
 
 
@@ -61,7 +71,7 @@ class Run:
     policy: str
     release: str
     makespan: float  # the steps' makespans, summed (each step waits for its last group)
-    work_gpu_s: float  # GPU share x seconds that samples spent running or verifying
+    work_gpu_s: float  # GPU share x seconds that samples spent running or verifying (wasted work included)
     held_gpu_s: float  # GPU share x seconds reserved for the policy
     capacity_gpu: float
     samples: int
@@ -69,10 +79,11 @@ class Run:
     returned_once: bool = True  # every sample came back exactly once
     pool_restored: bool = True  # the pool ended as it started
     timeline: list[tuple[float, float, float]] | None = None  # (t, held GPUs, working GPUs)
+    wasted_gpu_s: float = 0.0  # of work_gpu_s, what episodes cut short (partial rollouts) did for nothing
 
     @property
     def reserved_busy(self) -> float:
-        return self.work_gpu_s / self.held_gpu_s if self.held_gpu_s else 0.0
+        return (self.work_gpu_s - self.wasted_gpu_s) / self.held_gpu_s if self.held_gpu_s else 0.0
 
     @property
     def cluster_busy(self) -> float:
@@ -87,7 +98,7 @@ class Meter:
     """Integrates held and working GPU share over the loop's (virtual) clock."""
 
     def __init__(self, record: bool = False) -> None:
-        self.held = self.busy = self.held_area = self.busy_area = 0.0
+        self.held = self.busy = self.held_area = self.busy_area = self.wasted = 0.0
         self.last = 0.0
         self.timeline: list[tuple[float, float, float]] | None = [] if record else None
 
@@ -149,15 +160,27 @@ def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Co
         runs[key] += 1
         starts[key] = loop_time()
         meter.change(busy=share)
-        for turn, (engine_s, tool_s) in enumerate(trace.turns, 1):
-            await asyncio.sleep(engine_s)
-            ctx.record_turn(turn, "sim", engine_s=engine_s)
-            if tool_s:
-                await asyncio.sleep(tool_s)
+        try:
+            for turn, (engine_s, tool_s) in enumerate(trace.turns, 1):
+                await asyncio.sleep(engine_s)
+                ctx.record_turn(turn, "sim", engine_s=engine_s)
+                if tool_s:
+                    await asyncio.sleep(tool_s)
+        except asyncio.CancelledError:
+            cut_short(key)
+            raise
         return AgentResult(tokens=[1, 2], response_length=1, turns=len(trace.turns))
 
+    def cut_short(key: tuple[str, int]) -> None:  # a partial step went on without it: its work is wasted
+        meter.change(busy=-share)
+        meter.wasted += share * (loop_time() - starts[key])
+
     async def verify_fn(sample, result) -> dict[str, float]:
-        await asyncio.sleep(traces[sample.task_id].samples[sample.index].verify_s)
+        try:
+            await asyncio.sleep(traces[sample.task_id].samples[sample.index].verify_s)
+        except asyncio.CancelledError:
+            cut_short((sample.task_id, sample.index))
+            raise
         meter.change(busy=-share)
         return {"score": 1.0}
 
@@ -167,12 +190,15 @@ def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Co
                          run_resource=PER_SAMPLE)
 
 
-def check_returned_once(steps: list[list[TaskTrace]], groups: list[list[list[Any]]], runs: Counter) -> bool:
-    """Every sample of every step ran once and came back once, completed."""
+def check_returned_once(steps: list[list[TaskTrace]], groups: list[list[list[Any]]], runs: Counter, *,
+                        restarts: bool = False) -> bool:
+    """Every sample of every step ran once (at least once with ``restarts``: a partial step cut it
+    short) and came back once, completed."""
     want = Counter((t.task_id, i) for step in steps for t in step for i in range(len(t.samples)))
     got = Counter((s.task_id, s.index) for step in groups for g in step for s in g)
     completed = all(s.status is Status.COMPLETED for step in groups for g in step for s in g)
-    return completed and got == want and runs == want
+    ran = set(runs) == set(want) if restarts else runs == want
+    return completed and got == want and ran
 
 
 def run_policy(policy: Policy, steps: list[list[TaskTrace]], nodes: int, batch_tasks: int, *,
@@ -186,20 +212,23 @@ def run_policy(policy: Policy, steps: list[list[TaskTrace]], nodes: int, batch_t
     fields = SchedulerConfig.__struct_fields__
     config = SchedulerConfig(rollout_batch_size=len(steps[0]), progress=False,
                              **{k: v for k, v in policy.config.items() if k in fields})
-    queue = list(steps)
+    stream = [t for step in steps for t in step]  # the steps' tasks, in order; each step takes what it asks for
 
     class Source:
         async def get_tasks(self, n: int) -> list[Task]:
+            taken, stream[:n] = stream[:n], []
             return [Task(t.task_id, "", TaskConfig("sim", n_samples=len(t.samples), expected_len=t.expected_len))
-                    for t in queue.pop(0)]
+                    for t in taken]
 
     sched = TaskScheduler([_spec(batch_tasks, traces, meter, runs)], Source(), MeteredPool(pool, meter), config,
                           batching_strategy=policy.batching)
+    # partial steps start more groups than they return; the last one drains what is left (the stream ends)
+    rollouts = PartialRollouts(sched, PartialConfig(**policy.partial)) if policy.partial else sched
 
     async def main() -> list[list[list[Any]]]:
         out = []
         for i in range(len(steps)):
-            out.append((await sched.execute_rollout(i)).groups)
+            out.append((await rollouts.execute_rollout(i)).groups)
         meter.change()
         return out
 
@@ -208,5 +237,6 @@ def run_policy(policy: Policy, steps: list[list[TaskTrace]], nodes: int, batch_t
     wall = time.perf_counter() - wall
     return Run(policy.name, release_mode(policy), meter.last, meter.busy_area, meter.held_area,
                nodes * float(GPUS_PER_NODE), sum(len(t.samples) for t in traces.values()), wall,
-               returned_once=check_returned_once(steps, groups, runs),
-               pool_restored=pool.snapshot() == before and not pool.batches(), timeline=meter.timeline)
+               returned_once=check_returned_once(steps, groups, runs, restarts=policy.partial is not None),
+               pool_restored=pool.snapshot() == before and not pool.batches(), timeline=meter.timeline,
+               wasted_gpu_s=meter.wasted)

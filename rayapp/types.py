@@ -217,7 +217,9 @@ class Placement(msgspec.Struct):
 class TurnRecord(msgspec.Struct, omit_defaults=True):
     """One model turn: which engine answered, how long the call took (``engine_s``, seconds on the
     episode's event-loop clock) and where the episode's token sat (``node`` and ``gpu_ids`` are unset
-    without a token); ``actor`` only in a DAgger roll-in."""
+    without a token); ``actor`` only in a DAgger roll-in. ``weight_version`` names the weights that
+    produced the turn (the engine's report; a partial rollout stamps the step's index where it gave
+    none), so a trainer sees how stale a turn carried across steps is."""
 
     turn: int
     engine: str
@@ -225,6 +227,33 @@ class TurnRecord(msgspec.Struct, omit_defaults=True):
     gpu_ids: list[int] | None = None
     actor: Actor | None = None
     engine_s: float | None = None
+    weight_version: str | None = None
+
+
+class ToolReplay(msgspec.Struct, forbid_unknown_fields=True):
+    """A tool call an episode made, to replay in a fresh sandbox when the episode resumes."""
+
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+RESUME_POINTS = "_resume_points"  # task metadata: each sample's ResumePoint (plain data) or None, by index
+
+
+class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
+    """Where a cut-short episode can go on from (partial rollouts, ``policy: resume``): its token
+    data after its last complete turn (the observation that followed included) and what rebuilds
+    its environment. A resumed episode keeps these tokens, log-probs, mask and turn records as they
+    are and generates its next turn again; an agent that cannot rebuild its state ignores it and
+    starts afresh."""
+
+    turns: int  # model turns done
+    tokens: list[int]  # prompt + response so far
+    prompt_len: int
+    loss_mask: list[int]  # over the response so far
+    rollout_log_probs: list[float]
+    turn_records: list[TurnRecord] = []
+    tool_calls: list[ToolReplay] = []  # the sandbox tool calls made, in order
 
 
 class DaggerLabel(msgspec.Struct):
@@ -273,6 +302,7 @@ class EpisodeKey(enum.StrEnum):
     TURN_ACTOR = "_turn_actor"
     DAGGER_LABELS = "_dagger_labels"
     ABORT = "_abort"
+    RESUME = "_resume"  # a cut-short sample's ResumePoint (partial rollouts), and a resumed one's start
 
 
 class EpisodeRecord(msgspec.Struct):
@@ -286,6 +316,7 @@ class EpisodeRecord(msgspec.Struct):
     turn_records: list[TurnRecord] = []
     dagger_labels: list[DaggerLabel] = []
     abort: AbortRecord | None = None
+    resume: ResumePoint | None = None  # a resumable agent's state after its last complete turn
 
     def to_metadata(self) -> dict[str, Any]:
         """The spec's metadata keys of this record (``EpisodeKey``), plain data, set ones only."""
@@ -336,12 +367,13 @@ class EpisodeContext(msgspec.Struct):
     _exits: AsyncExitStack | None = None  # made by the first keep: most episodes keep nothing
 
     def record_turn(self, turn: int, engine: str, actor: Actor | None = None, *,
-                    engine_s: float | None = None) -> None:
-        """Count model turn ``turn`` as done and record who answered it, where, and how long the
-        engine took (``engine_s``)."""
+                    engine_s: float | None = None, weight_version: str | None = None) -> None:
+        """Count model turn ``turn`` as done and record who answered it, where, how long the engine
+        took (``engine_s``) and with which weights (``weight_version``, as the engine names them)."""
         self.record.turns = turn
         where = (self.token.node, list(self.token.gpu_ids)) if self.token is not None else (None, None)
-        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s))
+        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s,
+                                                   weight_version=weight_version or None))
 
     def keep(self, name: str, resource: R, close: Callable[[], Awaitable[Any]]) -> R:
         """Hold ``resource`` under ``name`` until the episode ends; ``close()`` is awaited then."""

@@ -139,6 +139,26 @@ def test_abort_one_request_returns_partial_output(backend, prompt):
     assert len(out.logprobs) == len(out.output_ids) and all(lp <= 0 for lp in out.logprobs)
 
 
+def test_a_cancelled_request_is_dropped_and_frees_its_slot(model_dir, prompt):
+    # a partial rollout step cancels an episode's pending generate: the engine stops decoding it
+    one_slot = HFBackend(str(model_dir), max_concurrency=1)
+
+    async def main():
+        victim = asyncio.create_task(one_slot.generate(long_request(prompt, rid="victim")))
+        await wait_for_tokens(one_slot, "victim")
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        assert (await one_slot.health())["running"] == 0 and "victim" not in one_slot._requests
+        out = await asyncio.wait_for(one_slot.generate(long_request(prompt, n=4, rid="next")), 120)
+        return out, await one_slot.health()
+
+    out, health = run(main())
+    assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 4  # the slot came back
+    assert (health["in_flight"], health["running"], health["waiting"]) == (0, 0, 0)
+    one_slot.shutdown()
+
+
 def test_abort_all_reaches_running_and_waiting_requests(model_dir, prompt):
     one_slot = HFBackend(str(model_dir), max_concurrency=1)
 

@@ -165,6 +165,14 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
         aborted = await task
         assert aborted.finish_reason is FinishReason.ABORT and 0 < len(aborted.output_ids) < 50
 
+        cancelled = asyncio.create_task(backend.generate(GenerateRequest([1], SamplingParams(max_new_tokens=50),
+                                                                         request_id="c")))
+        await asyncio.sleep(0.02)
+        cancelled.cancel()  # the caller stops waiting: the request is aborted in the engine
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert engine.tokenizer_manager.aborts[-1] == ("c", False) and (await backend.health())["in_flight"] == 0
+
         tasks = [asyncio.create_task(backend.generate(GenerateRequest([1], SamplingParams(max_new_tokens=50))))
                  for _ in range(3)]
         await asyncio.sleep(0.02)

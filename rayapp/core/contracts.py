@@ -16,6 +16,7 @@ from msgspec import Meta
 from rayapp.types import BatchRequest, Resource, Sample, SamplingParams, StepKind, StoppingCriteria, Task, Token
 
 OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None]]
+Fetch = Callable[[], Awaitable[list[Task]]]  # a step's tasks in fetch order, in place of the data source's
 Release = Literal["early", "batch_end"]
 
 
@@ -112,12 +113,23 @@ class StepStatus(msgspec.Struct):
         return {"phase": self.phase, **msgspec.to_builtins(self)}
 
 
+class UnfinishedGroup(msgspec.Struct):
+    """A group a step cut short (``complete_after``): its task, its fetch index, and its samples as
+    they were left. A sample that ended keeps its result; one that was cancelled is PENDING with
+    its episode record so far in its metadata (the turns it did, ``EpisodeKey.TURN_PLACEMENT``)."""
+
+    index: int
+    task: Task
+    samples: list[Sample]
+
+
 class RolloutResult(msgspec.Struct):
     rollout_id: int
-    groups: list[list[Sample]]  # one group per task, in fetch order
+    groups: list[list[Sample]]  # one group per task, in fetch order (with complete_after: the complete ones)
     metrics: dict[str, float] = {}
     iteration: dict[str, Any] = {}  # what the IterationSource published for this step
     artifacts: dict[str, str] = {}  # files the step wrote or read, by kind (set by the host, e.g. the manager)
+    unfinished: list[UnfinishedGroup] = []  # with complete_after: the groups cut short, in fetch order
 
 
 class EvalResult(msgspec.Struct):

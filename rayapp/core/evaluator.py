@@ -14,7 +14,8 @@ Invariants it keeps:
   back in the local pool when ``run`` returns (the spec's hold-until-the-batch-ends);
 - one EpisodeContext spans both phases: what the agent kept in it is closed when the episode ends,
   cancellation included, and its EpisodeRecord becomes the sample's episode metadata keys in
-  every outcome but cancellation;
+  every outcome (a cancelled sample stays PENDING with the record of the turns it did, and the
+  agent's ``ResumePoint`` when it kept one);
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
   ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
 - ``run``'s ``done(k)`` is awaited once per group, as soon as group ``k`` is finished; one that
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+import msgspec
+
 from rayapp.core.clock import loop_time
 from rayapp.core.convert import check
 from rayapp.core.deadlines import Deadlines
@@ -38,6 +41,7 @@ from rayapp.types import (
     AbortRecord,
     AgentResult,
     EpisodeContext,
+    EpisodeKey,
     EpisodePhase,
     EvaluatorSpec,
     Placement,
@@ -263,6 +267,11 @@ class Evaluator:
             _populate_token_data(sample, result)
             sample.reward = {k: float(v) for k, v in reward.items()}
             sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
+        except asyncio.CancelledError:  # the step went on without it (complete_after): how far it got stays
+            sample.metadata.update(ctx.record.to_metadata())
+            if ctx.record.resume is not None:  # where a resumable agent can go on from
+                sample.metadata[EpisodeKey.RESUME.value] = msgspec.to_builtins(ctx.record.resume)
+            raise
         except Exception as e:
             self._abort(sample, ctx, e, phase, started)
         sample.metadata.update(ctx.record.to_metadata())

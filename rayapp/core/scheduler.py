@@ -33,6 +33,7 @@ from rayapp.core.clock import loop_time
 from rayapp.core.contracts import (
     DataSource,
     EvalResult,
+    Fetch,
     IterationSource,
     OnTaskDone,
     Pool,
@@ -41,6 +42,7 @@ from rayapp.core.contracts import (
     StepLog,
     StepState,
     StepStatus,
+    UnfinishedGroup,
 )
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.metrics import eval_metrics, failure_summary
@@ -107,22 +109,32 @@ class TaskScheduler:
     # -- the four moves ----------------------------------------------------------------------
 
     async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None, *,
-                              step_log: StepLog | None = None) -> RolloutResult:
+                              step_log: StepLog | None = None, fetch: Fetch | None = None,
+                              complete_after: int | None = None) -> RolloutResult:
         """One rollout step. With a ``step_log``, the groups it names as finished are not run again
         (``on_task_done`` does not fire for them) and come back in place; every group finished now
-        is handed to it before ``on_task_done``."""
-        if self.data_source is None:
+        is handed to it before ``on_task_done``. ``fetch`` gives the step's tasks in place of
+        ``rollout_batch_size`` of the data source's.
+
+        ``complete_after=n``: the step completes once ``n`` groups are (a step log's finished ones
+        count): the batches still running are cancelled, their episodes torn down and their tokens
+        back in the pool before it returns; ``groups`` holds the ``n`` complete groups in fetch order
+        and ``unfinished`` every other group with its samples as they were left. A group whose last
+        sample ends after the n-th was handed on is unfinished too: no group is handed on twice."""
+        if fetch is None and self.data_source is None:
             raise ValueError("execute_rollout needs a data_source")
+        if complete_after is not None and (type(complete_after) is not int or complete_after < 1):
+            raise ValueError(f"complete_after must be an int >= 1, got {complete_after!r}")
         # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
         state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
-        tasks = list(await self.data_source.get_tasks(self.config.rollout_batch_size))  # fetch
+        fetched = fetch() if fetch is not None else self.data_source.get_tasks(self.config.rollout_batch_size)
+        tasks = list(await fetched)
         groups = self._distribute(rollout_id, tasks)
         finished = dict(await step_log.finished(tasks)) if step_log is not None else {}
         if not set(finished) <= set(range(len(tasks))):
             raise ValueError(f"rollout {rollout_id}: the step log names finished groups "
                              f"{sorted(set(finished) - set(range(len(tasks))))} beyond the {len(tasks)} fetched")
         todo = [i for i in range(len(tasks)) if i not in finished]
-        plan = self._batch(tasks, todo)  # batch
         callback = on_task_done or self.on_task_done
 
         async def group_done(i: int) -> None:
@@ -130,11 +142,18 @@ class TaskScheduler:
                 await step_log.group_done(i, groups[i].samples)
             if callback is not None:
                 await callback(groups[i].task, groups[i].samples)
+            finished[i] = groups[i].samples
 
-        await self.run_all(StepKind.ROLLOUT, rollout_id, plan, groups, group_done, state)  # run
-        samples = [finished[i] if i in finished else groups[i].samples for i in range(len(tasks))]
+        left = None if complete_after is None else complete_after - len(finished)
+        if left is None or left > 0:
+            await self.run_all(StepKind.ROLLOUT, rollout_id, self._batch(tasks, todo), groups, group_done, state,
+                               complete_after=left)  # batch, run
+        complete = sorted(finished)[:complete_after]  # a step log may name more than asked for
+        samples = [finished[i] for i in complete]
+        unfinished = [UnfinishedGroup(i, tasks[i], groups[i].samples if i not in finished else finished[i])
+                      for i in range(len(tasks)) if i not in complete]
         metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
-        return RolloutResult(rollout_id, samples, metrics, state)
+        return RolloutResult(rollout_id, samples, metrics, state, unfinished=unfinished)
 
     async def execute_eval(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> EvalResult:
         """Every (prompt x copy) sample, interleaved round-robin across datasets, in one run_all."""
@@ -254,9 +273,12 @@ class TaskScheduler:
 
     async def run_all(self, kind: StepKind, rollout_id: int, plan: list[tuple[Batch, list[int]]],
                       groups: list[TaskRun], group_done: Callable[[int], Awaitable[None]],
-                      iteration: dict[str, Any] | None = None) -> None:
+                      iteration: dict[str, Any] | None = None, *, complete_after: int | None = None) -> None:
         """Run every batch of ``plan`` (batches with their groups' indices); ``group_done(i)`` after
-        group ``i`` finished. One failing batch or callback cancels the rest and fails the step."""
+        group ``i`` finished. One failing batch or callback cancels the rest and fails the step.
+        ``complete_after=n``: once ``n`` groups were handed on, the batches still running are
+        cancelled (the step is done); a group finishing after the n-th began its hand-on is not
+        handed on, so none is in flight when they are."""
         if self.pool is not None:
             await self._check_deadlock([b for b, _ in plan])
         n_tasks = sum(len(indices) for _, indices in plan)
@@ -264,18 +286,28 @@ class TaskScheduler:
                                        batches_waiting=len(plan), tasks=n_tasks, started_at=loop_time())
         bar = tqdm(total=n_tasks, desc=f"{kind.value} {rollout_id}", unit="task", disable=not self.config.progress)
 
+        batches: list[asyncio.Task] = []
+        handing = 0  # groups whose hand-on began
+
         async def finished(i: int) -> None:
+            nonlocal handing
+            if complete_after is not None and handing >= complete_after:
+                return  # the step is complete without it
+            handing += 1
             await group_done(i)
             st.tasks_done += 1  # counted once handed on: a callback that raised did not finish its task
             st.samples_done += len(groups[i].samples)
             bar.update(1)
+            if st.tasks_done == complete_after:
+                for t in batches:  # a cancelled batch does not fail the TaskGroup: its tokens go back
+                    t.cancel()
 
         try:
             async with asyncio.TaskGroup() as tg:  # one failing batch cancels the rest
                 for n, (b, indices) in enumerate(plan):
                     label = f"{kind.value}{rollout_id}/b{n}/{b.task_type}"
-                    tg.create_task(self._run_batch(kind, rollout_id, b, [groups[i] for i in indices], indices,
-                                                   finished, label, iteration))
+                    batches.append(tg.create_task(self._run_batch(
+                        kind, rollout_id, b, [groups[i] for i in indices], indices, finished, label, iteration)))
         except asyncio.CancelledError:
             st.state = StepState.CANCELLED
             raise
@@ -294,8 +326,13 @@ class TaskScheduler:
         st = self._status
         tokens: list[Token] | None = None
         if self.pool is not None:
-            tokens = await self.pool.acquire_batch(BatchRequest(spec.resource, spec.sample_resource, batch.n_samples,
-                                                                label=label, timeout_s=self.config.acquire_timeout_s))
+            try:
+                tokens = await self.pool.acquire_batch(BatchRequest(
+                    spec.resource, spec.sample_resource, batch.n_samples, label=label,
+                    timeout_s=self.config.acquire_timeout_s))
+            except asyncio.CancelledError:  # a step complete without it (complete_after), or cancelled
+                st.batches_waiting -= 1
+                raise
         st.batches_waiting -= 1
         st.batches_running += 1
         try:

@@ -173,6 +173,9 @@ class SGLangBackend:
         except TimeoutError:
             self._tm.abort_request(rid=rid)
             raise TimeoutError(f"sglang request {rid!r} took over {self.request_timeout_s}s; aborted") from None
+        except asyncio.CancelledError:  # the caller went on without it (a partial step): free its place at once
+            self._tm.abort_request(rid=rid)
+            raise
         except Exception as e:  # the engine is down or overloaded: classify as an infra failure
             if getattr(e, "status_code", None) in (500, 503):
                 raise EngineConnectionError(f"sglang engine failed request {rid!r}: {e}") from e

@@ -22,6 +22,7 @@ from rayapp.core.convert import InputError, convert
 from rayapp.envs.registry import ENVS
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
+from rayapp.training.partial import PartialConfig
 from rayapp.types import Resource, SamplingParams, StoppingCriteria
 
 Count = Annotated[int, Meta(ge=1)]
@@ -166,6 +167,10 @@ class SchedulerSection(_Strict, dict=True):
     checkpoint_dir: Annotated[str | None, Meta(description="folder for mid-rollout checkpoints (source state + each "
                                                            "finished group): a restarted manager resumes the step "
                                                            "without re-running finished groups; unset: none")] = None
+    partial: Annotated[PartialConfig | None, Meta(description="partial rollouts: a step starts more groups than "
+                                                              "rollout_batch_size, returns once that many are "
+                                                              "complete and carries the rest into the next step "
+                                                              "(kept in checkpoint_dir when set); unset: off")] = None
 
     @functools.cached_property
     def strategy(self) -> BatchingStrategy:

@@ -89,4 +89,4 @@ def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Po
     return StepRunner(scheduler, filters=cfg.filters.chain(), abort_cap=cfg.filters.abort_cap,
                       trajectory_dir=s.trajectory_dir, checkpoint=checkpoint,
                       details=EvalDetailsWriter(s.save_eval_details) if s.save_eval_details else None,
-                      release_previous=release_previous)
+                      release_previous=release_previous, partial=s.partial)

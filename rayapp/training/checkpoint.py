@@ -8,6 +8,7 @@
                                                   rollouts began
     {dir}/rollout_{id:06d}/FINISHED               finish() was called: never resumed; holds the
                                                   source state after the fetch (next_source_state)
+                                                  and the groups a partial step carries on (carried)
 
 Each file is msgpack of one typed Struct whose tag (``format``) and ``version`` say what it is; it
 is decoded straight into that type (``core.convert.decode``), so a damaged or foreign file is one
@@ -28,7 +29,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -36,7 +37,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from rayapp.core.contracts import OnTaskDone, RolloutResult
+from rayapp.core.contracts import Fetch, OnTaskDone, RolloutResult
 from rayapp.core.convert import InputError, decode
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.files import atomic_write, fsync_dir
@@ -50,6 +51,16 @@ RolloutId = Annotated[int, Meta(ge=0)]
 _STATE, _DONE = "state.msgpack", "FINISHED"
 _GROUP_RE = re.compile(r"^group_(\d{6,})\.msgpack$")
 _ROLLOUT_RE = re.compile(r"^rollout_(\d{6,})$")
+
+
+class CarriedGroup(msgspec.Struct, forbid_unknown_fields=True):
+    """A group a partial rollout step left unfinished, carried into a later step (and into the
+    rollout checkpoint, so that it survives a restart): its task, the step its current attempt
+    began in, and its samples as they were left (empty: it starts afresh)."""
+
+    task: Task
+    since: int  # the rollout step this attempt of the group began in
+    samples: list[Sample] = []
 
 
 class CheckpointState(msgspec.Struct, tag_field="format", tag="rayapp.rollout_checkpoint.state",
@@ -74,6 +85,7 @@ class CheckpointFinished(msgspec.Struct, tag_field="format", tag="rayapp.rollout
     version: Literal[1]
     rollout_id: RolloutId
     next_source_state: dict[str, Any] | None
+    carried: list[CarriedGroup] = []  # partial rollouts: the unfinished groups the next step takes first
 
 
 def _write(path: Path, record: msgspec.Struct) -> None:
@@ -158,13 +170,16 @@ class RolloutCheckpoint:
                CheckpointGroup(VERSION, rollout_id, self._run[rollout_id], index, list(group)))
         self._done[rollout_id].add(index)
 
-    def finish(self, rollout_id: int, next_source_state: dict | None = None) -> None:
+    def finish(self, rollout_id: int, next_source_state: dict | None = None,
+               carried: list[CarriedGroup] | None = None) -> None:
         """Mark ``rollout_id`` complete: ``resume`` returns None for it from now on. The source's
-        state after the step's fetch lets a restarted manager continue the stream (``next_source_state``)."""
+        state after the step's fetch lets a restarted manager continue the stream (``next_source_state``);
+        ``carried`` (partial rollouts) are the groups the step leaves to the next, in the same write,
+        so that no crash can keep one without the other."""
         folder = self.folder(rollout_id)
         if not (folder / _STATE).exists():
             raise ValueError(f"rollout {rollout_id}: finish() without begin()")
-        _write(folder / _DONE, CheckpointFinished(VERSION, rollout_id, next_source_state))
+        _write(folder / _DONE, CheckpointFinished(VERSION, rollout_id, next_source_state, list(carried or [])))
         self._forget(rollout_id)
 
     def next_source_state(self, rollout_id: int) -> dict | None:
@@ -175,6 +190,14 @@ class RolloutCheckpoint:
         if not marker.exists():
             return None
         return _read(marker, CheckpointFinished).next_source_state
+
+    def carried(self, rollout_id: int) -> list[CarriedGroup] | None:
+        """The groups finished rollout ``rollout_id`` carried on (partial rollouts); None when it did
+        not finish. A damaged marker is an InputError: going on without them would lose tasks."""
+        marker = self.folder(rollout_id) / _DONE
+        if not marker.exists():
+            return None
+        return _read(marker, CheckpointFinished).carried
 
     def resume(self, rollout_id: int) -> ResumeState | None:
         """The saved source state and finished groups of an unfinished ``rollout_id``; None when it
@@ -262,20 +285,30 @@ class ResumableRollouts:
             raise ValueError("a checkpoint needs a data_source with state_dict() and load_state_dict()")
         self.scheduler, self.checkpoint = scheduler, checkpoint
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None, *,
+                              fetch: Fetch | None = None, complete_after: int | None = None,
+                              carry: Callable[[RolloutResult], list[CarriedGroup]] | None = None) -> RolloutResult:
         """``scheduler.execute_rollout``; a step that was cut short (the process killed) resumes: the
         same tasks are fetched again from the saved source state, and only the groups not recorded as
-        finished run (``on_task_done`` fires for those only)."""
+        finished run (``on_task_done`` fires for those only). ``fetch`` and ``complete_after`` go to
+        the scheduler; ``carry(result)`` names the groups the finished step carries on, saved with
+        its end (``carried``)."""
         source = self.scheduler.data_source
         restored = await self._open(rollout_id)
         step_log = _Recorder(self.checkpoint, rollout_id, restored)
-        result = await self.scheduler.execute_rollout(rollout_id, on_task_done, step_log=step_log)
+        result = await self.scheduler.execute_rollout(rollout_id, on_task_done, step_log=step_log, fetch=fetch,
+                                                      complete_after=complete_after)
         result.metrics["rollout/resumed_groups"] = float(len(restored))
+        carried = carry(result) if carry is not None else []
         try:
-            await _in_thread(self.checkpoint.finish, rollout_id, source.state_dict())
+            await _in_thread(self.checkpoint.finish, rollout_id, source.state_dict(), carried)
         except Exception:  # the step is done: a lost marker costs the next restart its seek, not the samples
             log.exception("rollout %d: could not mark its checkpoint finished", rollout_id)
         return result
+
+    async def carried(self, rollout_id: int) -> list[CarriedGroup] | None:
+        """What finished rollout ``rollout_id`` carried on (``RolloutCheckpoint.carried``)."""
+        return await _in_thread(self.checkpoint.carried, rollout_id)
 
     async def _open(self, rollout_id: int) -> dict[int, list[Sample]]:
         """Resume ``rollout_id`` (its source state back, its finished groups), or begin it where the

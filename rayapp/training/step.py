@@ -30,6 +30,7 @@ from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.training.dagger import roll_in_metrics
 from rayapp.training.filters import AbortCap, Filter, apply_filters
+from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
 from rayapp.types import Sample
 
@@ -62,12 +63,18 @@ class StepRunner:
     def __init__(self, scheduler: TaskScheduler, *, filters: Sequence[Filter] = (), abort_cap: AbortCap | None = None,
                  trajectory_dir: str | os.PathLike | None = None, checkpoint: RolloutCheckpoint | None = None,
                  details: EvalDetailsWriter | None = None,
-                 release_previous: Callable[[], Awaitable[int]] | None = None, reuse: ReusePolicy | None = None):
+                 release_previous: Callable[[], Awaitable[int]] | None = None, reuse: ReusePolicy | None = None,
+                 partial: PartialConfig | None = None):
         self.scheduler, self.filters, self.abort_cap = scheduler, list(filters), abort_cap
         self.trajectory_dir, self.checkpoint, self.details = trajectory_dir, checkpoint, details
         self.release_previous, self.reuse = release_previous, reuse
-        # With a checkpoint folder, a rollout cut short resumes where it stopped.
-        self._rollouts = ResumableRollouts(scheduler, checkpoint) if checkpoint is not None else scheduler
+        # With a checkpoint folder, a rollout cut short resumes where it stopped; with ``partial``,
+        # steps are partial rollouts (training.partial), their carried groups in that folder too.
+        self._rollouts: TaskScheduler | ResumableRollouts | PartialRollouts = scheduler
+        if partial is not None:
+            self._rollouts = PartialRollouts(scheduler, partial, checkpoint)
+        elif checkpoint is not None:
+            self._rollouts = ResumableRollouts(scheduler, checkpoint)
         self._lock = asyncio.Lock()
 
     @property

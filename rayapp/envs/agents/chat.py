@@ -18,7 +18,7 @@ from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
 from rayapp.envs.agents.base import BaseAgent
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
-from rayapp.types import AgentResult, EpisodeContext, Sample, TerminationReason, Token
+from rayapp.types import RESUME_POINTS, AgentResult, EpisodeContext, ResumePoint, Sample, TerminationReason, Token
 
 Verifier = Callable[[Sample, AgentResult], dict[str, float]]
 # executor(token, fn, *args) runs fn(*args) where the token's resources are reserved
@@ -37,6 +37,9 @@ async def run_inline(token: Token | None, fn: Callable[..., Any], *args: Any) ->
 
 
 class ChatAgent(BaseAgent):
+    # A single turn has nothing to keep: a sample cut short runs its one turn again (partial rollouts).
+    resumable = False
+
     def __init__(self, engine: Engine, verify: Verifier, executor: Executor = run_inline,
                  system_prompt: str | None = None):
         self.engine, self.verify, self.executor = engine, verify, executor
@@ -51,6 +54,14 @@ class ChatAgent(BaseAgent):
             self._tokenizer = await asyncio.to_thread(
                 AutoTokenizer.from_pretrained, info["tokenizer_path"], local_files_only=True)
         return self._tokenizer
+
+    def resume_point(self, sample: Sample) -> ResumePoint | None:
+        """Where ``sample`` goes on from (``RESUME_POINTS``, set by partial rollouts), taken out of
+        its metadata; None when it starts afresh or this agent cannot resume (``resumable``)."""
+        points = sample.metadata.pop(RESUME_POINTS, None)
+        if not self.resumable or not points or sample.index >= len(points) or points[sample.index] is None:
+            return None
+        return msgspec.convert(points[sample.index], ResumePoint)
 
     def messages(self, sample: Sample) -> list[dict[str, Any]]:
         if isinstance(sample.prompt, list):
@@ -75,7 +86,7 @@ class ChatAgent(BaseAgent):
         out = await self.engine.generate(GenerateRequest(prompt_ids, sampling, stop_token_ids=[tok.eos_token_id]))
         if out.finish_reason is FinishReason.ABORT:
             raise EngineConnectionError(f"engine aborted request {out.request_id}")
-        ctx.record_turn(1, out.engine, engine_s=loop_time() - started)
+        ctx.record_turn(1, out.engine, engine_s=loop_time() - started, weight_version=out.weight_version)
         truncated = out.finish_reason is FinishReason.LENGTH
         return AgentResult(
             tokens=prompt_ids + list(out.output_ids), response_length=len(out.output_ids),

@@ -46,19 +46,24 @@ class DAggerRollIn:
         started = loop_time()
         if self._teacher_acts(turn, sample, ctx):
             out = await self.teacher.generate(req)
-            ctx.record_turn(turn, out.engine, Actor.TEACHER, engine_s=loop_time() - started)
+            ctx.record_turn(turn, out.engine, Actor.TEACHER, engine_s=loop_time() - started,
+                             weight_version=out.weight_version)
             return out, 1
         out = await self.engine.generate(req)
         engine_s = loop_time() - started  # the student's own call: the label below is the teacher's time
         if ctx.step != StepKind.EVAL:  # labels are training data: an eval step would pay the teacher for nothing
             label = await self.teacher.generate(req)  # the expert's action in the state the student reached
             ctx.record.dagger_labels.append(DaggerLabel(turn, len(req.input_ids), list(label.output_ids), label.text))
-        ctx.record_turn(turn, out.engine, Actor.STUDENT, engine_s=engine_s)
+        ctx.record_turn(turn, out.engine, Actor.STUDENT, engine_s=engine_s, weight_version=out.weight_version)
         return out, 0
 
 
 class DAggerAgent(DAggerRollIn, ToolAgent):
     """A ToolAgent whose turns follow the DAgger roll-in."""
+
+    # The teacher's labels of kept turns and the roll-in's seeded choices are not in a ResumePoint:
+    # a roll-in cut short runs again from its start.
+    resumable = False
 
     def __init__(self, student: Engine, teacher: Engine, verify: Any, *, seed: int = 0, **kw: Any):
         super().__init__(student, verify, **kw)

@@ -11,6 +11,12 @@ Token data it guarantees, whatever happens in the episode:
 - a model turn ends at its tool call: every request carries the tool-call stop strings (after the
   sampling's own), so no token the model would write past a call is in the response.
 
+Resume (partial rollouts): after each complete turn (its observation included) the agent keeps a
+``ResumePoint`` in the episode record: the token data so far, the turn records, and the sandbox tool
+calls made. A sample handed one (``RESUME_POINTS`` in its metadata) keeps those tokens, log-probs,
+mask and turns as they are, rebuilds its sandbox by replaying the calls in a fresh one, and goes on
+with the turn that was cut short, generated again.
+
 Environment tokens come from the model's own chat template: the text the template adds for a tool
 message (plus the next generation prompt) after a closed assistant turn. This assumes a template
 that renders each message on its own, as chat templates do.
@@ -36,7 +42,7 @@ from rayapp.envs.agents.tools import (
     with_tool_stops,
 )
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
-from rayapp.types import AgentResult, EpisodeContext, Sample, TerminationReason
+from rayapp.types import AgentResult, EpisodeContext, ResumePoint, Sample, TerminationReason, ToolReplay
 
 # sandbox_factory(sample, ctx) -> an open Sandbox (closed after the run phase, or with keep_sandbox
 # when the episode context closes)
@@ -45,6 +51,8 @@ _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"
 
 
 class ToolAgent(ChatAgent):
+    resumable = True  # its state is its token data and its sandbox, which replaying its calls rebuilds
+
     def __init__(self, engine: Engine, verify: Verifier | None, *, tools: list[str] | None = None,
                  executor: Executor = run_inline, sandbox_factory: SandboxFactory | None = None,
                  system_prompt: str | None = None, keep_sandbox: bool = False):
@@ -70,11 +78,15 @@ class ToolAgent(ChatAgent):
 
     async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
         tok = await self.tokenizer()
-        prompt = list(tok.apply_chat_template(self.messages(sample), add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+        point = self.resume_point(sample)
+        prompt = point.tokens[:point.prompt_len] if point is not None else list(tok.apply_chat_template(
+            self.messages(sample), add_generation_prompt=True, tokenize=True, return_dict=False))
         sandbox = await self._open_sandbox(sample, ctx)
         try:
-            return await self._episode(tok, prompt, sample, ctx, sandbox)
+            if point is not None and sandbox is not None:
+                for call in point.tool_calls:  # the environment as the kept turns left it
+                    await self._call_tool(call, sandbox)
+            return await self._episode(tok, prompt, sample, ctx, sandbox, point)
         finally:
             if sandbox is not None and not self.keep_sandbox:
                 await sandbox.close()
@@ -88,13 +100,18 @@ class ToolAgent(ChatAgent):
         return sandbox
 
     async def _episode(self, tok: Any, prompt: list[int], sample: Sample, ctx: EpisodeContext,
-                       sandbox: Any) -> AgentResult:
-        data = _TokenData(list(prompt))
+                       sandbox: Any, point: ResumePoint | None = None) -> AgentResult:
+        data, calls = _TokenData(list(prompt)), []
+        if point is not None:  # the kept turns, as they were
+            data.ids, data.mask = list(point.tokens), list(point.loss_mask)
+            data.logprobs = list(point.rollout_log_probs)
+            ctx.record.turns, ctx.record.turn_records = point.turns, list(point.turn_records)
+            calls, ctx.record.resume = list(point.tool_calls), point  # cut short again at once: still from here
         limit, max_turns = ctx.stopping.max_context_len, ctx.stopping.max_turns or 1
         # generation pauses after a tool call: what the model would write past it is not its own
         sampling = msgspec.structs.replace(ctx.sampling, stop=with_tool_stops(ctx.sampling.stop))
         reason, final_text = TerminationReason.MAX_TURNS, ""
-        for turn in range(1, max_turns + 1):
+        for turn in range(point.turns + 1 if point is not None else 1, max_turns + 1):
             room = None if limit is None else limit - len(data.ids)
             if room is not None and room < 1:
                 reason = TerminationReason.MAX_CONTEXT_LEN
@@ -125,6 +142,10 @@ class ToolAgent(ChatAgent):
             if cut:
                 reason = TerminationReason.MAX_CONTEXT_LEN
                 break
+            if parsed.call is not None and parsed.call.name in SANDBOX_TOOLS:
+                calls.append(ToolReplay(parsed.call.name, dict(parsed.call.arguments)))
+            ctx.record.resume = ResumePoint(turn, list(data.ids), len(prompt), list(data.mask), list(data.logprobs),
+                                            list(ctx.record.turn_records), list(calls))
         return AgentResult(tokens=data.ids, response_length=len(data.ids) - len(prompt), response=final_text,
                            rollout_log_probs=data.logprobs, loss_mask=data.mask, turns=ctx.record.turns or 0,
                            termination_reason=reason, truncated=reason is not TerminationReason.STOP)
@@ -146,7 +167,7 @@ class ToolAgent(ChatAgent):
         """One model turn: the engine's output and the loss weight of its tokens (1: train on them)."""
         started = loop_time()
         out = await self.engine.generate(req)
-        ctx.record_turn(turn, out.engine, engine_s=loop_time() - started)
+        ctx.record_turn(turn, out.engine, engine_s=loop_time() - started, weight_version=out.weight_version)
         return out, 1
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:

@@ -39,6 +39,7 @@ from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLim
 from rayapp.training.artifacts import read_jsonl
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
+from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.types import (
     AgentResult,
     Batch,
@@ -98,6 +99,8 @@ __all__ = [
     "LocalProcessSandbox",
     "MultiDataSource",
     "NodeSpec",
+    "PartialConfig",
+    "PartialRollouts",
     "PlacementPool",
     "PoolError",
     "RejectionFilter",

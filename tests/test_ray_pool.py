@@ -292,3 +292,16 @@ def test_a_service_stopped_in_order_removes_its_groups(ray_session):
     assert [name for name, state in live_groups(ray).values() if state == "CREATED"] == [GROUP]
     del service  # Serve calls __del__ when it stops a replica
     assert live_groups(ray) == {}
+
+
+def test_a_node_group_read_off_the_live_cluster_never_asks_for_more_than_the_node_has():
+    from rayapp.actors.pool import layout_from_cluster, node_bundles
+
+    # Ray detects odd amounts (bytes of memory free at start, CPU in steps of 1e-4): rounding them to
+    # the ledger's units must go down, or Ray can never make the node's group and the pool cannot start.
+    for memory, cpu in ((17180917759, 7.9996), (16 * 2**30 + 2**19, 6.0005), (3 * 2**30 - 1, 1.0)):
+        node = {"Alive": True, "NodeID": "aa", "NodeManagerAddress": "127.0.0.1", "Labels": {},
+                "Resources": {"CPU": cpu, "GPU": 4.0, "memory": memory}}
+        (spec,) = layout_from_cluster([node]).values()
+        rest = node_bundles(spec)[-1]
+        assert rest.get("memory", 0) <= memory and rest.get("CPU", 0) <= cpu + 1e-12, (rest, memory, cpu)

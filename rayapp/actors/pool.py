@@ -94,8 +94,8 @@ def layout_from_cluster(ray_nodes: list[dict[str, Any]], num_cpus: float | None 
             continue
         layout[_node_name(n, ip_count)] = NodeSpec(
             gpus=tuple(range(int(res.get("GPU", 0)))),
-            cpu=float(num_cpus if num_cpus is not None else res.get("CPU", 0)),
-            memory_gb=float(memory_gb if memory_gb is not None else res.get("memory", 0) / 2**30),
+            cpu=float(num_cpus if num_cpus is not None else _down(res.get("CPU", 0), CPU_UNIT)),
+            memory_gb=float(memory_gb if memory_gb is not None else _down(res.get("memory", 0) / 2**30, MEM_UNIT)),
         )
     if not layout:
         raise NodeResolutionError("the live Ray cluster has no node with GPUs, CPUs or memory")
@@ -131,6 +131,12 @@ def node_bundles(spec: NodeSpec) -> list[dict[str, float]]:
     rest = {"CPU": _cpu(spec.cpu), "memory": _memory(spec.memory_gb)}
     rest = {k: v for k, v in rest.items() if v > 0} or {"CPU": MIN_BUNDLE_CPU}
     return [{"GPU": 1.0} for _ in spec.gpus] + [rest]
+
+
+def _down(value: float, scale: int) -> float:
+    """A live node's amount rounded DOWN to the ledger's unit: its node group (in those units) must
+    never ask Ray for more than the node has, whatever odd byte count Ray detected."""
+    return math.floor(value * scale) / scale
 
 
 def _cpu(cores: float) -> float:

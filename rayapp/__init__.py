@@ -36,6 +36,7 @@ from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
+from rayapp.episode import EpisodeContext, EpisodeRecord
 from rayapp.training.artifacts import read_jsonl
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
@@ -44,9 +45,7 @@ from rayapp.types import (
     AgentResult,
     Batch,
     BatchRequest,
-    EpisodeContext,
     EpisodePhase,
-    EpisodeRecord,
     EvaluatorSpec,
     NodeSpec,
     Resource,

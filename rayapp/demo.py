@@ -16,7 +16,8 @@ from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
-from rayapp.types import EpisodeKey, Sample, StoppingCriteria, Task
+from rayapp.episode import EpisodeKey
+from rayapp.types import Sample, StoppingCriteria, Task
 
 DEMO_LAYOUT = '{"node-a": [0, 1], "node-b": {"gpus": [0, 1], "cpu": 8, "memory_gb": 32}}'
 

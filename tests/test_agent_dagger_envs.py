@@ -15,8 +15,9 @@ from rayapp.envs.agents.dagger import DAggerAgent
 from rayapp.envs.datasets.swe import load_repos, load_swe_tasks
 from rayapp.envs.registry import AgentDeps, DAggerSweAgent, SweAgent
 from rayapp.envs.sandboxes import make_sandbox
+from rayapp.episode import EpisodeContext
 from rayapp.inference.tiny_model import load_tokenizer
-from rayapp.types import EpisodeContext, Sample, SamplingParams, StepKind, StoppingCriteria
+from rayapp.types import Sample, SamplingParams, StepKind, StoppingCriteria
 
 DONE = "I fixed the bug."
 

@@ -13,9 +13,10 @@ from rayapp.core.clock import run_virtual
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.agents.tools import calculator, parse_tool_call
 from rayapp.envs.arithmetic import verify
+from rayapp.episode import EpisodeContext
 from rayapp.inference.client import FinishReason, GenerateOutput
 from rayapp.inference.tiny_model import load_tokenizer
-from rayapp.types import AgentResult, EpisodeContext, Sample, SamplingParams, StoppingCriteria, Token
+from rayapp.types import AgentResult, Sample, SamplingParams, StoppingCriteria, Token
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +343,7 @@ def test_a_cut_short_episode_resumes_from_its_last_complete_turn(tok, model_dir)
     # bash call, and turn 3 is generated again from the same context
     import msgspec
 
-    from rayapp.types import RESUME_POINTS, EpisodeKey
+    from rayapp.episode import RESUME_POINTS, EpisodeKey
 
     boxes = []
 
@@ -394,7 +395,7 @@ def test_a_cut_short_episode_resumes_from_its_last_complete_turn(tok, model_dir)
 
 def test_an_agent_that_cannot_resume_starts_afresh(tok, model_dir):
     from rayapp.envs.agents.chat import ChatAgent
-    from rayapp.types import RESUME_POINTS
+    from rayapp.episode import RESUME_POINTS
 
     s = sample()
     s.metadata[RESUME_POINTS] = [{"turns": 1, "tokens": [1, 2], "prompt_len": 1, "loss_mask": [1],

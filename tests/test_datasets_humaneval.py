@@ -22,8 +22,9 @@ from rayapp.envs.datasets.humaneval import (
 from rayapp.envs.registry import AgentDeps, get_env, make_dataset
 from rayapp.envs.sandboxes.base import SandboxLimits
 from rayapp.envs.sandboxes.local import LocalProcessSandbox
+from rayapp.episode import EpisodeContext
 from rayapp.recipe import DatasetConfig
-from rayapp.types import AgentResult, EpisodeContext, Sample, SamplingParams, StoppingCriteria
+from rayapp.types import AgentResult, Sample, SamplingParams, StoppingCriteria
 
 
 def make_sandbox():

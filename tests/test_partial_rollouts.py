@@ -15,19 +15,10 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.episode import RESUME_POINTS, EpisodeKey, ResumePoint
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
 from rayapp.training.partial import PartialConfig, PartialRollouts, staleness
-from rayapp.types import (
-    RESUME_POINTS,
-    AgentResult,
-    EpisodeKey,
-    EvaluatorSpec,
-    Resource,
-    ResumePoint,
-    Status,
-    Task,
-    TaskConfig,
-)
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
 
 H = 3600.0
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 64, "memory_gb": 256}}'  # 8 samples of gpu 0.25 at once

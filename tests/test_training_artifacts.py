@@ -7,20 +7,9 @@ import pytest
 import rayapp.training.artifacts as art
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.metrics import failure_summary
+from rayapp.episode import AbortRecord, EpisodeRecord, Placement, TurnRecord
 from rayapp.training.artifacts import EvalDetailsWriter, JsonlAppender, read_jsonl
-from rayapp.types import (
-    AbortReason,
-    AbortRecord,
-    EpisodePhase,
-    EpisodeRecord,
-    Placement,
-    Sample,
-    Status,
-    Task,
-    TaskConfig,
-    TerminationReason,
-    TurnRecord,
-)
+from rayapp.types import AbortReason, EpisodePhase, Sample, Status, Task, TaskConfig, TerminationReason
 
 
 def _placed(turn, node="10.0.0.2", gpus=(0,), engine="student"):

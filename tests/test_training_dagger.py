@@ -227,8 +227,9 @@ def test_bad_values_through_the_other_paths():
 
 
 def test_roll_in_metrics_count_who_acted_and_the_labels():
+    from rayapp.episode import DaggerLabel, EpisodeRecord, TurnRecord
     from rayapp.training.dagger import roll_in_metrics
-    from rayapp.types import Actor, DaggerLabel, EpisodeRecord, Sample, TurnRecord
+    from rayapp.types import Actor, Sample
 
     def s(actors, labels=0):  # the metadata an evaluator derives from the episode's record
         record = EpisodeRecord(turn_records=[TurnRecord(i, "e", actor=Actor(a)) for i, a in enumerate(actors, 1)],

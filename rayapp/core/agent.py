@@ -13,7 +13,8 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
-from rayapp.types import AgentResult, EpisodeContext, Sample
+from rayapp.episode import EpisodeContext
+from rayapp.types import AgentResult, Sample
 
 
 @runtime_checkable

@@ -37,14 +37,11 @@ from rayapp.core.clock import loop_time
 from rayapp.core.convert import check
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentTimeout, classify_abort
+from rayapp.episode import AbortRecord, EpisodeContext, EpisodeKey, Placement
 from rayapp.types import (
-    AbortRecord,
     AgentResult,
-    EpisodeContext,
-    EpisodeKey,
     EpisodePhase,
     EvaluatorSpec,
-    Placement,
     Sample,
     SamplingParams,
     Status,

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from math import comb
 
 from rayapp.core.termination import FailureClass, classify_termination
-from rayapp.types import EpisodeKey, Sample
+from rayapp.episode import EpisodeKey
+from rayapp.types import Sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

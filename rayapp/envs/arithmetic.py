@@ -14,16 +14,8 @@ import random
 import re
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.types import (
-    AgentResult,
-    EpisodeContext,
-    EvaluatorSpec,
-    Resource,
-    Sample,
-    Task,
-    TaskConfig,
-    TerminationReason,
-)
+from rayapp.episode import EpisodeContext
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Task, TaskConfig, TerminationReason
 
 BOS, EOS, OFFSET = 1, 2, 3  # byte b is token b + OFFSET
 

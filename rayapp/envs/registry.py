@@ -25,7 +25,8 @@ from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import humaneval, math, swe
 from rayapp.envs.datasets.source import DatasetSpec
-from rayapp.types import AgentResult, EpisodeContext, Sample, Token
+from rayapp.episode import EpisodeContext
+from rayapp.types import AgentResult, Sample, Token
 
 # open_sandbox(token) -> an open Sandbox where the token's resources are reserved
 OpenSandbox = Callable[[Token | None], Awaitable[Any]]

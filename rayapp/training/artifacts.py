@@ -40,8 +40,9 @@ import msgspec
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.metrics import failure_summary
 from rayapp.core.termination import classify_termination
+from rayapp.episode import EpisodeKey
 from rayapp.training.files import atomic_write
-from rayapp.types import EpisodeKey, Sample, Task, TaskKey
+from rayapp.types import Sample, Task, TaskKey
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from rayapp.types import Actor, EpisodeKey
+from rayapp.episode import EpisodeKey
+from rayapp.types import Actor
 
 BetaSchedule = Literal["linear", "cosine", "exponential", "step"]
 BETA_SCHEDULES: tuple[str, ...] = ("linear", "cosine", "exponential", "step")

@@ -32,7 +32,8 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 from msgspec import Meta
 
-from rayapp.types import EpisodeKey, Sample, Status, TerminationReason
+from rayapp.episode import EpisodeKey
+from rayapp.types import Sample, Status, TerminationReason
 
 log = logging.getLogger(__name__)
 

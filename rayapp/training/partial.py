@@ -37,8 +37,9 @@ from msgspec import Meta
 
 from rayapp.core.contracts import OnTaskDone, RolloutResult, UnfinishedGroup
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.episode import RESUME_POINTS, EpisodeKey
 from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint
-from rayapp.types import RESUME_POINTS, EpisodeKey, Sample, Task
+from rayapp.types import Sample, Task
 
 PartialPolicy = Literal["restart", "resume"]
 

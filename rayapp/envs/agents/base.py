@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from rayapp.types import AgentResult, EpisodeContext, Sample
+from rayapp.episode import EpisodeContext
+from rayapp.types import AgentResult, Sample
 
 
 class BaseAgent(ABC):

@@ -17,8 +17,9 @@ import msgspec
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
 from rayapp.envs.agents.base import BaseAgent
+from rayapp.episode import RESUME_POINTS, EpisodeContext, ResumePoint
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
-from rayapp.types import RESUME_POINTS, AgentResult, EpisodeContext, ResumePoint, Sample, TerminationReason, Token
+from rayapp.types import AgentResult, Sample, TerminationReason, Token
 
 Verifier = Callable[[Sample, AgentResult], dict[str, float]]
 # executor(token, fn, *args) runs fn(*args) where the token's resources are reserved

@@ -20,8 +20,9 @@ from typing import Any
 from rayapp.core.clock import loop_time
 from rayapp.envs.agents.chat import Engine
 from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.episode import DaggerLabel, EpisodeContext
 from rayapp.inference.client import GenerateOutput, GenerateRequest
-from rayapp.types import Actor, DaggerLabel, EpisodeContext, Sample, StepKind
+from rayapp.types import Actor, Sample, StepKind
 
 
 class DAggerRollIn:

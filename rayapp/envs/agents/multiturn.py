@@ -41,8 +41,9 @@ from rayapp.envs.agents.tools import (
     tool_result_message,
     with_tool_stops,
 )
+from rayapp.episode import EpisodeContext, ResumePoint, ToolReplay
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
-from rayapp.types import AgentResult, EpisodeContext, ResumePoint, Sample, TerminationReason, ToolReplay
+from rayapp.types import AgentResult, Sample, TerminationReason
 
 # sandbox_factory(sample, ctx) -> an open Sandbox (closed after the run phase, or with keep_sandbox
 # when the episode context closes)

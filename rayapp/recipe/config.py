@@ -264,8 +264,8 @@ def _check_evaluator(at: str, ev: EvaluatorConfig, engines: Mapping[str, EngineC
 ENV_CONCURRENCY = "STACX_DAGGER_ENV_CONCURRENCY"
 ENV_KNOBS: dict[str, tuple[str, str]] = {
     ENV_CONCURRENCY: ("(unset)", "user-set: when set, the per-evaluator concurrency (resource.concurrency, the "
-                                 "ceiling of samples at once) of every SWE DAgger evaluator (env swe with a teacher); the "
-                                 "spec's SWE recipe default is 4"),
+                                 "ceiling of samples at once) of every SWE DAgger evaluator (env swe with a "
+                                 "teacher); the spec's SWE recipe default is 4"),
 }
 
 

@@ -74,3 +74,11 @@ def model_dir(cache_dir) -> Path:
         from rayapp.inference.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tok(model_dir):
+    """The tiny model's tokenizer (the real one the hf engine serves)."""
+    from rayapp.inference.tiny_model import load_tokenizer
+
+    return load_tokenizer(model_dir)

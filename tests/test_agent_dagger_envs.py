@@ -4,7 +4,6 @@ from a recipe to the agents."""
 
 import json
 
-import pytest
 import yaml
 from conftest import run
 from test_agent_multiturn import ScriptedEngine
@@ -16,15 +15,9 @@ from rayapp.envs.datasets.swe import load_repos, load_swe_tasks
 from rayapp.envs.registry import AgentDeps, DAggerSweAgent, SweAgent
 from rayapp.envs.sandboxes import make_sandbox
 from rayapp.episode import EpisodeContext
-from rayapp.inference.tiny_model import load_tokenizer
 from rayapp.types import Sample, SamplingParams, StepKind, StoppingCriteria
 
 DONE = "I fixed the bug."
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return load_tokenizer(model_dir)
 
 
 def gold_write(repo):

@@ -5,6 +5,7 @@ the real hf engine."""
 import asyncio
 
 import pytest
+from agent_helpers import CALL, ScriptedEngine, ctx, recording, sample
 from conftest import run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,54 +15,8 @@ from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.agents.tools import calculator, parse_tool_call
 from rayapp.envs.arithmetic import verify
 from rayapp.episode import EpisodeContext
-from rayapp.inference.client import FinishReason, GenerateOutput
-from rayapp.inference.tiny_model import load_tokenizer
-from rayapp.types import AgentResult, Sample, SamplingParams, StoppingCriteria, Token
+from rayapp.types import AgentResult, SamplingParams, StoppingCriteria, Token
 
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return load_tokenizer(model_dir)
-
-
-class ScriptedEngine:
-    """Answers each turn with the next scripted text, tokenized by the real tokenizer (so ids,
-    text and eos are exactly what an engine would return); honours max_new_tokens and stop
-    strings as the backends do (the ids end with the match, the text stops before it)."""
-
-    def __init__(self, tok, model_dir, script):
-        self.tok, self.model_dir, self.script, self.requests = tok, str(model_dir), list(script), []
-
-    async def info(self):
-        return {"tokenizer_path": self.model_dir}
-
-    async def generate(self, req, timeout_s=None):
-        self.requests.append(req)
-        text = self.script.pop(0) if self.script else "The answer is 4."
-        ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
-        matches = [(text.index(s), s) for s in req.sampling.stop or [] if s in text]
-        stop_at = None
-        if matches:
-            stop_at, found = min(matches)
-            ids = self.tok.encode(text[: stop_at + len(found)], add_special_tokens=False)
-        finish = FinishReason.STOP
-        if req.sampling.max_new_tokens is not None and len(ids) > req.sampling.max_new_tokens:
-            ids, finish, stop_at = ids[: req.sampling.max_new_tokens], FinishReason.LENGTH, None
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        return GenerateOutput("r", ids, [-0.5] * len(ids), finish, text if stop_at is None else text[:stop_at],
-                              engine="scripted")
-
-
-def ctx(max_turns=4, max_context_len=None, token=None, stop=None):
-    return EpisodeContext(0, token, StoppingCriteria(max_turns=max_turns, max_context_len=max_context_len),
-                          SamplingParams(max_new_tokens=64, stop=stop))
-
-
-def sample():
-    return Sample("t", 0, "What is 2 + 2?", "4")
-
-
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 2"}}</tool_call>'
 TURNS = st.sampled_from([CALL, "<tool_call>{not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>',
                          "The answer is 4.", "Let me think. " * 3])
 
@@ -87,22 +42,6 @@ def check_invariants(tok, result: AgentResult, engine: ScriptedEngine, limit):
         # a prompt longer than the context gets no response at all; otherwise the context holds
         assert (n == 0 and result.termination_reason == "max_context_len") if prompt_len >= limit \
             else len(result.tokens) <= limit
-
-
-def recording(engine):
-    engine.outputs, engine.texts, engine.logprobs, engine.sent = [], [], [], []
-    real = engine.generate
-
-    async def generate(req, timeout_s=None):
-        engine.sent.append(req)
-        out = await real(req, timeout_s)
-        engine.outputs.append(out.output_ids)
-        engine.texts.append(out.text)
-        engine.logprobs.append(out.logprobs)
-        return out
-
-    engine.generate = generate
-    return engine
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -315,90 +254,3 @@ def test_a_kept_sandbox_is_closed_when_the_step_is_cancelled_between_run_and_ver
 
     assert not [k for k, v in vars(agent).items() if holds(v)]  # the agent keeps nothing of the episode
     assert ev._local.qsize() == 1  # and the token came back
-
-
-class ExecSandbox:
-    """Records the commands run in it (a fresh one per episode)."""
-
-    def __init__(self):
-        self.commands, self.closed = [], 0
-
-    async def exec(self, command, timeout_s=None):
-        import types as _types
-
-        self.commands.append(command)
-        return _types.SimpleNamespace(exit_code=0, stdout=f"ran {command}\n", stderr="", timed_out=False)
-
-    async def close(self):
-        self.closed += 1
-
-
-def bash_call(command):
-    return '<tool_call>{"name": "bash", "arguments": {"command": "' + command + '"}}</tool_call>'
-
-
-def test_a_cut_short_episode_resumes_from_its_last_complete_turn(tok, model_dir):
-    # partial rollouts: turns 1-2 complete (a bash call, a calculator call), turn 3 is cut short;
-    # resumed, the kept token data is exactly as it was, the sandbox is rebuilt by replaying the
-    # bash call, and turn 3 is generated again from the same context
-    import msgspec
-
-    from rayapp.episode import RESUME_POINTS, EpisodeKey
-
-    boxes = []
-
-    async def factory(sample, c):
-        boxes.append(ExecSandbox())
-        return boxes[-1]
-
-    first = recording(ScriptedEngine(tok, model_dir, [bash_call("touch a"), CALL]))
-    hang = asyncio.Event()
-    real = first.generate
-
-    async def generate(req, timeout_s=None):
-        if len(first.sent) == 2:
-            await hang.wait()  # the third turn never ends: the step goes on without it
-        return await real(req, timeout_s)
-
-    first.generate = generate
-    c1 = ctx(max_turns=5)
-
-    async def cut():
-        task = asyncio.create_task(ToolAgent(first, verify, tools=["calculator", "bash"], sandbox_factory=factory)
-                                   .run(sample(), c1))
-        while len(first.sent) < 2 or c1.record.turns != 2:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    run(cut())
-    point = c1.record.resume
-    assert point is not None and point.turns == 2 and [r.turn for r in point.turn_records] == [1, 2]
-    assert [(t.name, t.arguments) for t in point.tool_calls] == [("bash", {"command": "touch a"})]
-
-    again = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."]))
-    s = sample()
-    s.metadata[RESUME_POINTS] = [msgspec.to_builtins(point)]
-    c2 = ctx(max_turns=5)
-    result = run(ToolAgent(again, verify, tools=["calculator", "bash"], sandbox_factory=factory).run(s, c2))
-    assert RESUME_POINTS not in s.metadata  # taken out: no part of the trainer's sample
-    assert again.sent[0].input_ids == point.tokens  # the cut turn, generated again from the same context
-    assert result.tokens[:len(point.tokens)] == point.tokens  # the kept turns, exactly
-    kept = len(point.tokens) - point.prompt_len
-    assert result.loss_mask[:kept] == point.loss_mask and result.rollout_log_probs[:kept] == point.rollout_log_probs
-    assert result.turns == 3 and [r.turn for r in c2.record.turn_records] == [1, 2, 3]
-    assert boxes[1].commands == ["touch a"]  # replayed in the new episode's fresh sandbox
-    assert EpisodeKey.RESUME.value == "_resume"
-
-
-def test_an_agent_that_cannot_resume_starts_afresh(tok, model_dir):
-    from rayapp.envs.agents.chat import ChatAgent
-    from rayapp.episode import RESUME_POINTS
-
-    s = sample()
-    s.metadata[RESUME_POINTS] = [{"turns": 1, "tokens": [1, 2], "prompt_len": 1, "loss_mask": [1],
-                                  "rollout_log_probs": [0.0]}]
-    assert ChatAgent(ScriptedEngine(tok, model_dir, []), verify).resume_point(s) is None
-    assert RESUME_POINTS not in s.metadata

@@ -1,0 +1,95 @@
+"""Partial rollouts at the agent: a cut-short multi-turn episode resumes from its last complete turn
+(kept token data exact, its sandbox rebuilt by replaying tool calls); an agent that cannot resume
+starts afresh."""
+
+import asyncio
+
+import msgspec
+import pytest
+from agent_helpers import CALL, ScriptedEngine, ctx, recording, sample
+from conftest import run
+
+from rayapp.envs.agents.chat import ChatAgent
+from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.envs.arithmetic import verify
+from rayapp.episode import RESUME_POINTS, EpisodeKey
+
+
+class ExecSandbox:
+    """Records the commands run in it (a fresh one per episode)."""
+
+    def __init__(self):
+        self.commands, self.closed = [], 0
+
+    async def exec(self, command, timeout_s=None):
+        import types as _types
+
+        self.commands.append(command)
+        return _types.SimpleNamespace(exit_code=0, stdout=f"ran {command}\n", stderr="", timed_out=False)
+
+    async def close(self):
+        self.closed += 1
+
+
+def bash_call(command):
+    return '<tool_call>{"name": "bash", "arguments": {"command": "' + command + '"}}</tool_call>'
+
+
+def test_a_cut_short_episode_resumes_from_its_last_complete_turn(tok, model_dir):
+    # partial rollouts: turns 1-2 complete (a bash call, a calculator call), turn 3 is cut short;
+    # resumed, the kept token data is exactly as it was, the sandbox is rebuilt by replaying the
+    # bash call, and turn 3 is generated again from the same context
+    boxes = []
+
+    async def factory(sample, c):
+        boxes.append(ExecSandbox())
+        return boxes[-1]
+
+    first = recording(ScriptedEngine(tok, model_dir, [bash_call("touch a"), CALL]))
+    hang = asyncio.Event()
+    real = first.generate
+
+    async def generate(req, timeout_s=None):
+        if len(first.sent) == 2:
+            await hang.wait()  # the third turn never ends: the step goes on without it
+        return await real(req, timeout_s)
+
+    first.generate = generate
+    c1 = ctx(max_turns=5)
+
+    async def cut():
+        task = asyncio.create_task(ToolAgent(first, verify, tools=["calculator", "bash"], sandbox_factory=factory)
+                                   .run(sample(), c1))
+        while len(first.sent) < 2 or c1.record.turns != 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cut())
+    point = c1.record.resume
+    assert point is not None and point.turns == 2 and [r.turn for r in point.turn_records] == [1, 2]
+    assert [(t.name, t.arguments) for t in point.tool_calls] == [("bash", {"command": "touch a"})]
+
+    again = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."]))
+    s = sample()
+    s.metadata[RESUME_POINTS] = [msgspec.to_builtins(point)]
+    c2 = ctx(max_turns=5)
+    result = run(ToolAgent(again, verify, tools=["calculator", "bash"], sandbox_factory=factory).run(s, c2))
+    assert RESUME_POINTS not in s.metadata  # taken out: no part of the trainer's sample
+    assert again.sent[0].input_ids == point.tokens  # the cut turn, generated again from the same context
+    assert result.tokens[:len(point.tokens)] == point.tokens  # the kept turns, exactly
+    kept = len(point.tokens) - point.prompt_len
+    assert result.loss_mask[:kept] == point.loss_mask and result.rollout_log_probs[:kept] == point.rollout_log_probs
+    assert result.turns == 3 and [r.turn for r in c2.record.turn_records] == [1, 2, 3]
+    assert boxes[1].commands == ["touch a"]  # replayed in the new episode's fresh sandbox
+    assert EpisodeKey.RESUME.value == "_resume"
+
+
+def test_an_agent_that_cannot_resume_starts_afresh(tok, model_dir):
+    s = sample()
+    s.metadata[RESUME_POINTS] = [{"turns": 1, "tokens": [1, 2], "prompt_len": 1, "loss_mask": [1],
+                                  "rollout_log_probs": [0.0]}]
+    assert ChatAgent(ScriptedEngine(tok, model_dir, []), verify).resume_point(s) is None
+    assert RESUME_POINTS not in s.metadata

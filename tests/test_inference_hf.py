@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from rayapp.core.convert import convert
 from rayapp.inference import FinishReason, GenerateRequest, InferenceBackend, make_backend
-from rayapp.inference.hf import HFBackend, sample_next
+from rayapp.inference.hf import HFBackend
+from rayapp.inference.sampling import sample_next
 from rayapp.inference.tiny_model import (
     MANIFEST,
     build_tokenizer,

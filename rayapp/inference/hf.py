@@ -6,9 +6,8 @@ of every chosen token. What it guarantees, beyond the client invariants:
 - one worker thread owns the model: every forward pass and every weight load runs there, in FIFO
   order, so no two ever overlap; concurrent requests advance in turns of ``steps_per_call`` tokens;
 - at most ``max_concurrency`` requests decode at once; the rest wait in arrival order (abortable);
-- log-probs: ``log_softmax(logits / temperature)`` over the full vocabulary for temperature > 0
-  (before top-k/top-p filtering, as a trainer recomputes them); for greedy (temperature 0) the
-  ``log_softmax`` of the raw logits;
+- log-probs as ``rayapp.inference.sampling.sample_next`` reports them (over the full vocabulary,
+  before top-k/top-p filtering, as a trainer recomputes them);
 - a request never sees two weight versions: ``update_weights_from_disk`` waits until the requests
   in flight finish, holds new ones back, loads, then lets them run (a writer-preferring gate);
 - nothing touches the network: the model folder must be local (default: ``ensure_tiny_model()``).
@@ -38,34 +37,10 @@ from rayapp.inference.client import (
     GenerateRequest,
     validate_request,
 )
+from rayapp.inference.sampling import sample_next
 from rayapp.inference.tiny_model import ensure_tiny_model, load_tokenizer, quiet_progress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-                generator: torch.Generator | None) -> tuple[int, float]:
-    """One token from a 1-D logits row, and its log-prob (see the module docstring for which)."""
-    logits = logits.float()
-    if temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, min(0.0, float(torch.log_softmax(logits, -1)[token]))
-    logp = torch.log_softmax(logits / temperature, -1)
-    probs = logp.exp()
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if 0 < top_k < probs.numel():
-        keep = torch.zeros_like(keep)
-        keep[torch.topk(probs, top_k).indices] = True
-    if top_p < 1.0:
-        masked = torch.where(keep, probs, 0.0)
-        sorted_p, order = torch.sort(masked, descending=True)
-        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of the tokens ranked above each one
-        in_nucleus = before < top_p * sorted_p.sum()
-        in_nucleus[0] = True
-        keep = torch.zeros_like(keep)
-        keep[order[in_nucleus]] = True
-    token = int(torch.multinomial(torch.where(keep, probs, 0.0), 1, generator=generator))
-    return token, min(0.0, float(logp[token]))
 
 
 class _Gate:

@@ -2,6 +2,7 @@
 FunctionAgent, driven through StepRunner as the Serve manager drives it."""
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,10 @@ from conftest import run
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import RolloutResult, SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
+from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.recipe import FiltersConfig
 from rayapp.training.artifacts import EvalDetailsWriter, read_jsonl
+from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.filters import FinishOnlyFilter, RejectionFilter
 from rayapp.training.reuse import MAIN_FILE, ReusePolicy
 from rayapp.training.step import StepRunner, filter_step
@@ -158,3 +161,176 @@ def test_one_step_at_a_time_and_work_between_steps_waits_for_the_running_one(mak
         assert not runner.status()["busy"]
 
     run(scenario())
+
+
+# ---- idempotent steps ---------------------------------------------------------------------------
+
+def _counting(make_pool, log, *, checkpointable=False, gate=None):
+    """Like ``_scheduler``, but each sample's response is the number of samples run before it, so a
+    re-run is told apart from a served result; ``checkpointable``: a data source that saves its state."""
+
+    async def run_fn(sample, ctx):
+        if gate is not None:
+            await gate.wait()
+        log.append((ctx.rollout_id, sample.task_id, sample.index))
+        return AgentResult(tokens=[1, 2], response_length=1, response=str(len(log)), termination_reason="stop")
+
+    spec = arithmetic_spec(batch_size=4)
+    spec.handler = FunctionAgent(run_fn, lambda s, r: {"score": float(s.index)})
+    source = (MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=1).take(40), n_samples_per_prompt=2)], seed=3)
+              if checkpointable else ArithmeticSource(seed=3, n_samples=2))
+    return TaskScheduler([spec], source, make_pool(ONE_NODE), SchedulerConfig(rollout_batch_size=4, progress=False),
+                         eval_datasets={"arith": ArithmeticSource(seed=9).take(2)})
+
+
+def _samples(result):
+    groups = result.groups if isinstance(result, RolloutResult) else list(result.samples.values())
+    return [(s.task_id, s.index, s.response, s.status) for g in groups for s in g]
+
+
+def test_concurrent_and_repeated_requests_for_a_step_run_it_once(make_pool):
+    async def scenario():
+        gate, log = asyncio.Event(), []
+        runner = StepRunner(_counting(make_pool, log, gate=gate))
+        calls = [asyncio.create_task(runner.rollout(5)) for _ in range(3)]
+        calls += [asyncio.create_task(runner.evaluate(5)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        r1, r2, r3, e1, e2 = await asyncio.gather(*calls)
+        assert r1 is r2 is r3 and e1 is e2
+        assert len(log) == 8 + 2  # one rollout (4 tasks x 2) and one eval (2 tasks x 1) ran
+        assert await runner.rollout(5) is r1 and await runner.evaluate(5) is e1  # later: served, not run
+        assert len(log) == 10 and len({x[2] for x in _samples(r1)}) == 8
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, 10**20, True, 1.0, "5", None])
+def test_a_step_id_outside_the_range_is_one_error_and_runs_nothing(make_pool, bad):
+    log = []
+    runner = StepRunner(_counting(make_pool, log))
+    for call in (runner.rollout, runner.evaluate):
+        with pytest.raises(ValueError, match=r"rollout_id must be an int in 0 \.\. 2147483647"):
+            run(call(bad))
+    assert log == [] and not runner.busy
+    assert len(run(runner.rollout(2**31 - 1)).groups) == 4  # the bounds themselves are steps
+
+
+def test_a_failed_step_fails_every_request_waiting_on_it_and_a_retry_runs_it(make_pool):
+    log, tries = [], []
+
+    async def release_previous():
+        tries.append(1)
+        if len(tries) == 1:
+            raise TimeoutError("the pool did not answer")
+        return 0
+
+    async def twice():
+        return await asyncio.gather(runner.rollout(0), runner.rollout(0), return_exceptions=True)
+
+    runner = StepRunner(_counting(make_pool, log), release_previous=release_previous)
+    assert [type(e) for e in run(twice())] == [TimeoutError, TimeoutError] and tries == [1]
+    assert log == []
+    assert len(run(runner.rollout(0)).groups) == 4 and len(log) == 8
+
+
+def test_a_cancelled_request_leaves_the_step_to_the_others_and_the_last_one_cancels_it(make_pool):
+    async def scenario():
+        gate, log = asyncio.Event(), []
+        runner = StepRunner(_counting(make_pool, log, gate=gate))
+        first, second = (asyncio.create_task(runner.rollout(1)) for _ in range(2))
+        while not runner.busy:
+            await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.sleep(0.01)
+        assert runner.busy and not second.done()  # the step goes on for the other request
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert not runner.busy  # the step was cancelled, and had ended, before the last request raised
+        gate.set()
+        result = await runner.rollout(1)  # nothing was kept: it runs afresh
+        assert len(result.groups) == 4 and len(log) == 8
+
+    run(scenario())
+
+
+def test_an_old_step_no_longer_kept_runs_afresh(make_pool):
+    log = []
+    runner = StepRunner(_counting(make_pool, log))
+    first = run(runner.rollout(0))
+    for r in (1, 2):
+        run(runner.rollout(r))
+    assert len(log) == 24
+    again = run(runner.rollout(0))  # the two latest (1, 2) are kept; 0 is not
+    assert len(log) == 32 and _samples(again) != _samples(first)
+    assert run(runner.rollout(2)) is not None and len(log) == 32
+
+
+def test_after_a_restart_a_finished_step_comes_back_from_the_checkpoint_folder(make_pool, tmp_path):
+    log = []
+
+    def runner():
+        return StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path))
+
+    first = runner()
+    r0, e0 = run(first.rollout(0)), run(first.evaluate(0))
+    r1 = run(first.rollout(1))
+    assert len(log) == 8 + 2 + 8
+    restarted = runner()  # a new process on the same folder
+    again = run(restarted.rollout(1))
+    assert _samples(again) == _samples(r1) and again.metrics == r1.metrics and again.artifacts == r1.artifacts
+    assert _samples(run(restarted.evaluate(0))) == _samples(e0)
+    assert _samples(run(restarted.rollout(0))) == _samples(r0)
+    assert len(log) == 18  # nothing ran again
+    assert sorted(p.name for p in (tmp_path / "step_results").iterdir()) == [
+        "eval_000000.msgpack", "rollout_000000.msgpack", "rollout_000001.msgpack"]
+
+
+def test_a_damaged_result_file_is_skipped_and_the_step_runs(make_pool, tmp_path, caplog):
+    log = []
+    first = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path))
+    run(first.rollout(0))
+    (tmp_path / "step_results" / "rollout_000000.msgpack").write_bytes(b"\x93garbage")
+    restarted = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path))
+    assert len(run(restarted.rollout(0)).groups) == 4 and len(log) == 16
+    assert "ignoring its saved result" in caplog.text
+
+
+def test_the_train_summary_counts_every_sample_before_the_filters(make_pool, tmp_path):
+    runner = StepRunner(_scheduler(make_pool), filters=[RejectionFilter()], details=EvalDetailsWriter(tmp_path))
+    result = run(runner.rollout(0))
+    summary = json.loads(Path(result.artifacts["train_summary"]).read_text())
+    assert sum(len(g) for g in result.groups) == 4  # what the trainer gets
+    assert (summary["n_groups"], summary["n_samples"], sum(summary["failure_classes"].values())) == (4, 8, 8)
+    f = summary["filters"]
+    assert (f["input_samples"], f["kept_groups"], f["kept_samples"]) == (8, 2, 4)
+    assert f["dropped_groups"]["rejection"] == {"all_correct": 2} and f["dropped"]["rejection"] == {"all_correct": 4}
+    assert summary["metrics"] == result.metrics
+
+
+def test_a_failed_eval_closes_its_details_and_a_retry_rewrites_them(make_pool, tmp_path):
+    details = EvalDetailsWriter(tmp_path)
+    runner = StepRunner(_scheduler(make_pool), details=details)
+    real = runner.scheduler.execute_eval
+
+    async def failing(rollout_id, on_task_done=None):
+        async def done(task, samples):
+            await on_task_done(task, samples)  # streamed, then the step fails
+            raise RuntimeError("a callback failed")
+        return await real(rollout_id, done)
+
+    runner.scheduler.execute_eval = failing
+    rows = tmp_path / "eval_details" / "0.jsonl"
+    for _ in range(2):
+        with pytest.raises((RuntimeError, ExceptionGroup)):  # the scheduler's task groups may wrap it
+            run(runner.evaluate(0))
+        # closed, with what finished before the failure: the second failed run's rows, not both runs'
+        streamed = [(r["task_id"], r["index"]) for r in read_jsonl(rows)]
+        assert details.open_streams == [] and streamed and len(set(streamed)) == len(streamed)
+    runner.scheduler.execute_eval = real
+    result = run(runner.evaluate(0))
+    lines = read_jsonl(rows)
+    assert sorted((r["task_id"], r["index"]) for r in lines) == sorted(
+        (s.task_id, s.index) for ss in result.samples.values() for s in ss)  # each sample once
+    assert (tmp_path / "eval_details" / "0.summary.json").exists() and details.open_streams == []

@@ -12,7 +12,10 @@ Files under ``{root}/eval_details/``, one set per iteration ``id``:
 - ``{id}.summary.json``: ``rollout_id, kind="eval", n_samples, failure_classes`` (the eight of
   ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, and ``metrics``.
 - ``train_{id}.summary.json``: the same for a rollout step, ``kind="train"``, plus ``n_groups`` and
-  ``n_removed``; datasets from ``metadata["_dataset_name"]`` ("unknown" when absent).
+  ``n_removed``; datasets from ``metadata["_dataset_name"]`` ("unknown" when absent). It counts every
+  sample of the step as it ran, before the survivorship filters, and ``filters`` says what they did
+  (``FilterReport.summary``: input and kept counts, ``dropped`` and ``dropped_groups`` by filter and
+  reason, the abort share); ``metrics`` are the step's as returned.
 
 Crash safety, the guarantee every file here keeps: a file never holds half a line.
 - Streamed JSONL (``append_sample``) is written one record per write, flushed per record, fsynced
@@ -110,9 +113,12 @@ class JsonlAppender:
         self._size = start + len(line)
 
     def close(self) -> None:
-        if not self._f.closed:
+        if self._f.closed:
+            return
+        try:
             self._f.flush()
             os.fsync(self._f.fileno())
+        finally:  # a failed fsync still closes the file
             self._f.close()
 
 
@@ -177,14 +183,15 @@ def eval_summary(rollout_id: int, result: EvalResult) -> dict:
             "metrics": dict(result.metrics)}
 
 
-def rollout_summary(rollout_id: int, result: RolloutResult) -> dict:
+def rollout_summary(rollout_id: int, result: RolloutResult, filters: dict | None = None) -> dict:
+    """The summary of ``result``, the step before its filters; ``filters`` is their report's summary."""
     every = [s for g in result.groups for s in g]
     by_name: dict[str, list[Sample]] = defaultdict(list)
     for s in every:
         by_name[dataset_of(s)].append(s)
     return {"rollout_id": rollout_id, "kind": "train", "n_groups": len(result.groups), "n_samples": len(every),
             "n_removed": sum(s.remove_sample for s in every), "failure_classes": failure_summary(every),
-            "datasets": _per_dataset(dict(by_name)), "metrics": dict(result.metrics)}
+            "datasets": _per_dataset(dict(by_name)), "filters": filters, "metrics": dict(result.metrics)}
 
 
 def _write_lines(records: Iterable[dict]) -> Callable[[BinaryIO], None]:
@@ -238,9 +245,28 @@ class EvalDetailsWriter:
                 self.append_sample(rollout_id, s, dataset_of(s, name))
         return done
 
+    def start_eval(self, rollout_id: int) -> None:
+        """Begin a run of eval ``rollout_id`` afresh: any stream of an earlier run is closed and its
+        files removed (a retry after a failed eval rewrites them rather than append duplicates), and
+        so is its summary, whose presence would say the details are complete."""
+        self.close_stream(rollout_id)
+        for path in self.paths(rollout_id).values():
+            path.unlink(missing_ok=True)
+
+    @property
+    def open_streams(self) -> list[int]:
+        """The ids whose streamed files are open for appending."""
+        return sorted(self._streams)
+
     def close_stream(self, rollout_id: int) -> None:
-        for stream in self._streams.pop(rollout_id, ()):
-            stream.close()
+        """Close ``rollout_id``'s streamed files (both, even when the first fails; then that error)."""
+        samples, placement = self._streams.pop(rollout_id, (None, None))
+        try:
+            if samples is not None:
+                samples.close()
+        finally:
+            if placement is not None:
+                placement.close()
 
     def write_eval(self, rollout_id: int, result: EvalResult) -> dict[str, Path]:
         """Write iteration ``rollout_id``'s three files whole, replacing any streamed ones."""
@@ -252,10 +278,12 @@ class EvalDetailsWriter:
         atomic_write(p["summary"], _json(eval_summary(rollout_id, result)))
         return p
 
-    def write_rollout_summary(self, rollout_id: int, result: RolloutResult) -> Path:
-        """Write ``train_{id}.summary.json`` for a rollout step."""
+    def write_rollout_summary(self, rollout_id: int, result: RolloutResult, filters: dict | None = None) -> Path:
+        """Write ``train_{id}.summary.json`` for a rollout step: ``result`` is the step before its
+        filters, ``filters`` their report's summary (``FilterReport.summary``)."""
         self.paths(rollout_id)  # validates the id
-        return atomic_write(self.dir / f"train_{rollout_id}.summary.json", _json(rollout_summary(rollout_id, result)))
+        return atomic_write(self.dir / f"train_{rollout_id}.summary.json",
+                            _json(rollout_summary(rollout_id, result, filters)))
 
     def close(self) -> None:
         """Flush, fsync and close every open stream."""

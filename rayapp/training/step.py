@@ -4,8 +4,14 @@
   (``reuse.py``); then the roll-in metrics, counted before any filter drops a sample (every roll-in
   the teacher paid for counts); then the survivorship filters (rejection, then finish-only; the
   abort cap warns); then the artifacts: the trajectory files by kind, the checkpoint folder, the
-  train summary.
-- eval: a run whose finished groups stream into ``eval_details/``, then the complete files.
+  train summary (of every sample before the filters, with the filters' drops by reason).
+- eval: a run whose finished groups stream into ``eval_details/``, then the complete files; a
+  failed eval closes its streamed files, and a later run of the same id rewrites them.
+
+Steps are idempotent (``step_results.py``): a repeated or concurrent request for a rollout or eval
+id gets that step's result, waiting for the one in flight, and never runs it twice at once; with a
+checkpoint folder the latest results also survive a restart. Ids outside 0 .. 2**31-1 are a
+ValueError before anything runs.
 
 One step runs at a time: a second call waits its turn, and so does work that must fall between
 steps (``between_steps``: loading new weights). Before the first step, ``release_previous`` frees
@@ -29,9 +35,10 @@ from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.training.dagger import roll_in_metrics
-from rayapp.training.filters import AbortCap, Filter, apply_filters
+from rayapp.training.filters import AbortCap, Filter, FilterReport, apply_filters
 from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
+from rayapp.training.step_results import StepResults
 from rayapp.types import Sample
 
 log = logging.getLogger(__name__)
@@ -42,7 +49,11 @@ def filter_step(result: RolloutResult, filters: Sequence[Filter], abort_cap: Abo
     is counted by filter and reason in the step's metrics."""
     if not filters and abort_cap is None:
         return result
-    report = apply_filters(result.groups, list(filters), abort_cap=abort_cap, rollout_id=result.rollout_id)
+    return _filtered(result, apply_filters(result.groups, list(filters), abort_cap=abort_cap,
+                                           rollout_id=result.rollout_id))
+
+
+def _filtered(result: RolloutResult, report: FilterReport) -> RolloutResult:
     metrics = dict(result.metrics)
     for kind, counts in (("dropped", report.dropped), ("dropped_groups", report.dropped_groups)):
         for name, reasons in counts.items():
@@ -76,6 +87,7 @@ class StepRunner:
         elif checkpoint is not None:
             self._rollouts = ResumableRollouts(scheduler, checkpoint)
         self._lock = asyncio.Lock()
+        self.results = StepResults(checkpoint.dir if checkpoint is not None else None)
 
     @property
     def busy(self) -> bool:
@@ -98,17 +110,29 @@ class StepRunner:
             self.release_previous = None  # once; a failed release is tried again before the next step
 
     async def rollout(self, rollout_id: int) -> RolloutResult:
+        """Rollout step ``rollout_id``'s result: run once, then served again (module docstring)."""
+        return await self.results.once("rollout", rollout_id, self._rollout)
+
+    async def evaluate(self, rollout_id: int) -> EvalResult:
+        """Eval step ``rollout_id``'s result: run once, then served again (module docstring)."""
+        return await self.results.once("eval", rollout_id, self._evaluate)
+
+    async def _rollout(self, rollout_id: int) -> RolloutResult:
         async with self._lock:
             await self._begin()
-            result = await self._run_or_reuse(rollout_id)
-            result.metrics.update(roll_in_metrics(result.groups))  # before the filters: every roll-in counts
-            result = filter_step(result, self.filters, self.abort_cap)
+            ran = await self._run_or_reuse(rollout_id)
+            ran.metrics.update(roll_in_metrics(ran.groups))  # before the filters: every roll-in counts
+            # reported even without filters, so that the summary's account has one shape
+            report = apply_filters(ran.groups, self.filters, abort_cap=self.abort_cap, rollout_id=rollout_id)
+            result = _filtered(ran, report) if self.filters or self.abort_cap is not None else ran
             artifacts = dict(result.artifacts)
             folder = self.checkpoint.folder(rollout_id) if self.checkpoint is not None else None
             if folder is not None and folder.exists():  # not when the step was reused
                 artifacts["checkpoint"] = str(folder)
-            if self.details is not None:
-                path = await asyncio.to_thread(self.details.write_rollout_summary, rollout_id, result)
+            if self.details is not None:  # every sample the step ran, with the final metrics
+                path = await asyncio.to_thread(self.details.write_rollout_summary, rollout_id,
+                                               msgspec.structs.replace(ran, metrics=result.metrics),
+                                               report.summary())
                 artifacts["train_summary"] = str(path)
             return msgspec.structs.replace(result, artifacts=artifacts)
 
@@ -129,13 +153,18 @@ class StepRunner:
         log.info("rollout %d reuses %s (%s)", rollout_id, decision.load_path, decision.mode)
         return RolloutResult(rollout_id, groups, {"rollout/reused": 1.0}, artifacts={"reused": str(decision.load_path)})
 
-    async def evaluate(self, rollout_id: int) -> EvalResult:
+    async def _evaluate(self, rollout_id: int) -> EvalResult:
         async with self._lock:
             await self._begin()
             if self.details is None:
                 return await self.scheduler.execute_eval(rollout_id)
-            # samples stream into eval_details/{id}.jsonl as they finish; the complete files and
-            # the summary replace them at the end
-            result = await self.scheduler.execute_eval(rollout_id, self.details.on_task_done(rollout_id))
+            # samples stream into eval_details/{id}.jsonl as they finish (an earlier run's files
+            # removed first); the complete files and the summary replace them at the end
+            await asyncio.to_thread(self.details.start_eval, rollout_id)
+            try:
+                result = await self.scheduler.execute_eval(rollout_id, self.details.on_task_done(rollout_id))
+            except BaseException:
+                self.details.close_stream(rollout_id)  # here, not in a thread: it must happen if cancelled
+                raise
             paths = await asyncio.to_thread(self.details.write_eval, rollout_id, result)
             return msgspec.structs.replace(result, artifacts={k: str(p) for k, p in paths.items()})

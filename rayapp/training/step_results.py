@@ -1,0 +1,171 @@
+"""Idempotent steps: a rollout or eval id runs at most once at a time, and a finished step's result
+is served again rather than run again.
+
+- A step id is an int in ``0 .. MAX_STEP_ID`` (2**31 - 1); anything else is a ValueError naming
+  it, raised before anything runs (the HTTP surface answers 422 for the same range).
+- A request for an id whose step is in flight waits for that step and gets its result: two
+  concurrent requests for rollout 5 run rollout 5 once and both get the same ``RolloutResult``
+  (the same object in one process: treat it as read-only).
+- A finished step's result is kept for the ``keep`` highest ids of each kind (rollout, eval): in
+  memory, and with a folder (the recipe's ``scheduler.checkpoint_dir``) on disk, as
+  ``{folder}/step_results/{kind}_{id:06d}.msgpack`` (written atomically: msgpack of an envelope
+  tagged ``format: rayapp.step_result`` with ``version``, ``kind``, ``rollout_id`` and ``result``;
+  decoded straight into the result's type, nothing is unpickled), so a manager restarted after a step finished
+  returns that step's samples again instead of running it anew.
+- An old id, one whose result is no longer kept, runs afresh (still never twice at once): a
+  trainer that went back to an earlier step gets new samples for it; with a checkpoint the
+  rollout fetches the same tasks as before (``ResumableRollouts``). A repeat of one of the latest
+  steps, the retry after a lost answer or a restart, is always served.
+- A step that failed or was cancelled leaves nothing behind: the next request runs it afresh. A
+  damaged or foreign result file is skipped with a warning, and the step runs.
+- A cancelled request leaves the step running for the other requests waiting on it; the last one
+  cancelled cancels the step and waits for its teardown before its own cancellation goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.core.convert import InputError, decode
+from rayapp.training.files import atomic_write
+
+log = logging.getLogger(__name__)
+
+MAX_STEP_ID = 2**31 - 1
+StepKindName = Literal["rollout", "eval"]
+_FILE_RE = re.compile(r"^(rollout|eval)_(\d{6,})\.msgpack$")
+R = TypeVar("R")
+
+
+def check_step_id(rollout_id: Any) -> int:
+    """``rollout_id`` itself when it is an int in 0 .. MAX_STEP_ID, else one ValueError naming it."""
+    if type(rollout_id) is not int or not 0 <= rollout_id <= MAX_STEP_ID:
+        shown = rollout_id if type(rollout_id) is not int or rollout_id.bit_length() <= 64 else "a very large int"
+        raise ValueError(f"rollout_id must be an int in 0 .. {MAX_STEP_ID}, got {shown!r}")
+    return rollout_id
+
+
+class _Stored(msgspec.Struct, tag_field="format", tag="rayapp.step_result", forbid_unknown_fields=True):
+    version: Literal[1]
+    kind: StepKindName
+    rollout_id: Annotated[int, Meta(ge=0, le=MAX_STEP_ID)]
+
+
+# One file type per kind: the two result types are untagged Structs, which cannot share a union field.
+class StoredRollout(_Stored, tag="rayapp.step_result"):
+    result: RolloutResult
+
+
+class StoredEval(_Stored, tag="rayapp.step_result"):
+    result: EvalResult
+
+
+_ENVELOPES: dict[str, type[StoredRollout] | type[StoredEval]] = {"rollout": StoredRollout, "eval": StoredEval}
+
+
+class StepResults:
+    """The single-flight memo of a StepRunner's steps (module docstring). ``folder`` None: results
+    are kept in memory only, and a restarted process runs every step anew."""
+
+    def __init__(self, folder: str | os.PathLike | None = None, *, keep: int = 2):
+        if type(keep) is not int or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        self.dir = Path(folder) / "step_results" if folder is not None else None
+        self.keep = keep
+        self._memo: dict[str, dict[int, Any]] = {kind: {} for kind in _ENVELOPES}
+        self._flight: dict[tuple[str, int], asyncio.Task] = {}
+        self._waiters: dict[tuple[str, int], int] = {}
+
+    def path(self, kind: StepKindName, rollout_id: int) -> Path | None:
+        return self.dir / f"{kind}_{check_step_id(rollout_id):06d}.msgpack" if self.dir is not None else None
+
+    async def once(self, kind: StepKindName, rollout_id: int, run: Callable[[int], Awaitable[R]]) -> R:
+        """Step ``kind``/``rollout_id``'s result: the kept one, the one in flight, else ``run(rollout_id)``."""
+        if kind not in _ENVELOPES:
+            raise ValueError(f"kind must be one of {sorted(_ENVELOPES)}, got {kind!r}")
+        check_step_id(rollout_id)
+        key = (kind, rollout_id)
+        while (task := self._flight.get(key)) is not None and task.cancelling():
+            await asyncio.wait([task])  # a step its last requester gave up: let it end, then run afresh
+        if rollout_id in self._memo[kind]:
+            return self._memo[kind][rollout_id]
+        if task is None:
+            task = asyncio.ensure_future(self._load_or_run(kind, rollout_id, run))
+            self._flight[key] = task
+        return await self._wait(key, task)
+
+    async def _wait(self, key: tuple[str, int], task: asyncio.Task) -> Any:
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._waiters[key] == 1 and not task.done():
+                task.cancel()
+                while not task.done():  # its teardown ends before this caller's cancellation goes on
+                    try:
+                        await asyncio.wait([task])
+                    except asyncio.CancelledError:
+                        continue
+            raise
+        finally:
+            self._waiters[key] -= 1
+            if not self._waiters[key]:
+                del self._waiters[key]
+
+    async def _load_or_run(self, kind: str, rollout_id: int, run: Callable[[int], Awaitable[Any]]) -> Any:
+        try:
+            result = await asyncio.to_thread(self._load, kind, rollout_id) if self.dir is not None else None
+            if result is None:
+                result = await run(rollout_id)
+                await asyncio.to_thread(self._store, kind, rollout_id, result)
+            else:
+                log.info("%s %d: served from %s, not run again", kind, rollout_id, self.path(kind, rollout_id))
+            self._remember(kind, rollout_id, result)
+            return result
+        finally:
+            self._flight.pop((kind, rollout_id), None)
+
+    def _remember(self, kind: str, rollout_id: int, result: Any) -> None:
+        memo = self._memo[kind]
+        memo[rollout_id] = result
+        for old in sorted(memo)[:-self.keep]:
+            del memo[old]
+
+    def _load(self, kind: str, rollout_id: int) -> Any:
+        path = self.path(kind, rollout_id)  # type: ignore[arg-type]
+        if path is None or not path.exists():
+            return None
+        try:
+            stored = decode(path.read_bytes(), _ENVELOPES[kind], str(path), fmt="msgpack")
+            if stored.rollout_id != rollout_id or stored.result.rollout_id != rollout_id:
+                raise InputError(str(path), "$.rollout_id", f"expected {rollout_id}, got {stored.rollout_id}")
+        except (OSError, InputError) as e:
+            log.warning("%s %d: ignoring its saved result, the step runs again: %s", kind, rollout_id, e)
+            return None
+        return stored.result
+
+    def _store(self, kind: str, rollout_id: int, result: Any) -> None:
+        """Save the result, then drop the files of all but the ``keep`` highest ids of this kind. A
+        failed write costs the result's survival of a restart, not the step: logged, not raised."""
+        path = self.path(kind, rollout_id)  # type: ignore[arg-type]
+        if path is None:
+            return
+        try:
+            data = msgspec.msgpack.encode(_ENVELOPES[kind](1, kind, rollout_id, result))
+            atomic_write(path, lambda f: f.write(data))
+            kept = sorted((int(m.group(2)), p) for p in self.dir.iterdir()  # type: ignore[union-attr]
+                          if (m := _FILE_RE.match(p.name)) and m.group(1) == kind)
+            for _, old in kept[:-self.keep]:
+                old.unlink(missing_ok=True)
+        except (OSError, TypeError, ValueError):
+            log.exception("%s %d: could not save its result; a restart would run it again", kind, rollout_id)

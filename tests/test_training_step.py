@@ -201,6 +201,8 @@ def test_concurrent_and_repeated_requests_for_a_step_run_it_once(make_pool):
         assert len(log) == 8 + 2  # one rollout (4 tasks x 2) and one eval (2 tasks x 1) ran
         assert await runner.rollout(5) is r1 and await runner.evaluate(5) is e1  # later: served, not run
         assert len(log) == 10 and len({x[2] for x in _samples(r1)}) == 8
+        status = runner.status()
+        assert status["steps_run"] == {"rollout": 1, "eval": 1} and status["steps_served"] == {"rollout": 3, "eval": 2}
 
     run(scenario())
 

@@ -10,9 +10,9 @@ Ray handles become clients with bounded calls, and results become HTTP answers.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Path
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
@@ -21,6 +21,10 @@ from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
+from rayapp.training.step_results import MAX_STEP_ID
+
+# A step id in the path: out of range is a 422 before anything runs (the handle's ValueError, over HTTP).
+StepId = Annotated[int, Path(ge=0, le=MAX_STEP_ID, description="the rollout or eval step's id")]
 
 api = FastAPI(title="rayapp rollout manager")
 
@@ -39,6 +43,8 @@ class SchedulerRolloutManager:
                                        open_sandbox=open_sandbox, release_previous=release)
 
     async def generate(self, rollout_id: int) -> RolloutResult:
+        """Rollout step ``rollout_id``: run once; a repeated or concurrent call gets the same result
+        (``rayapp.training.step_results``)."""
         return await self.steps.rollout(rollout_id)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
@@ -66,14 +72,14 @@ class SchedulerRolloutManager:
         return {"ok": True}
 
     @api.post("/rollout/{rollout_id}")
-    async def http_rollout(self, rollout_id: int) -> dict[str, Any]:
+    async def http_rollout(self, rollout_id: StepId) -> dict[str, Any]:
         result = await self.generate(rollout_id)
         samples = [s for g in result.groups for s in g]
         return {"rollout_id": rollout_id, "samples": len(samples), "metrics": result.metrics,
                 "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples))}
 
     @api.post("/eval/{rollout_id}")
-    async def http_eval(self, rollout_id: int) -> dict[str, Any]:
+    async def http_eval(self, rollout_id: StepId) -> dict[str, Any]:
         if not self.cfg.eval:
             raise HTTPException(404, "this recipe has no eval datasets")
         result = await self.evaluate(rollout_id)

@@ -94,7 +94,8 @@ class StepRunner:
         return self._lock.locked()
 
     def status(self) -> dict[str, Any]:
-        return {**self.scheduler.status().as_dict(), "busy": self.busy}
+        return {**self.scheduler.status().as_dict(), "busy": self.busy,
+                "steps_run": dict(self.results.ran), "steps_served": dict(self.results.served)}
 
     @contextlib.asynccontextmanager
     async def between_steps(self) -> AsyncIterator[None]:

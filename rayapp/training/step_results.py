@@ -85,6 +85,9 @@ class StepResults:
         self._memo: dict[str, dict[int, Any]] = {kind: {} for kind in _ENVELOPES}
         self._flight: dict[tuple[str, int], asyncio.Task] = {}
         self._waiters: dict[tuple[str, int], int] = {}
+        # requests by kind: how many ran a step, how many got one kept or in flight (the status page's)
+        self.ran: dict[str, int] = dict.fromkeys(_ENVELOPES, 0)
+        self.served: dict[str, int] = dict.fromkeys(_ENVELOPES, 0)
 
     def path(self, kind: StepKindName, rollout_id: int) -> Path | None:
         return self.dir / f"{kind}_{check_step_id(rollout_id):06d}.msgpack" if self.dir is not None else None
@@ -98,10 +101,13 @@ class StepResults:
         while (task := self._flight.get(key)) is not None and task.cancelling():
             await asyncio.wait([task])  # a step its last requester gave up: let it end, then run afresh
         if rollout_id in self._memo[kind]:
+            self.served[kind] += 1
             return self._memo[kind][rollout_id]
         if task is None:
             task = asyncio.ensure_future(self._load_or_run(kind, rollout_id, run))
             self._flight[key] = task
+        else:
+            self.served[kind] += 1
         return await self._wait(key, task)
 
     async def _wait(self, key: tuple[str, int], task: asyncio.Task) -> Any:
@@ -126,9 +132,11 @@ class StepResults:
         try:
             result = await asyncio.to_thread(self._load, kind, rollout_id) if self.dir is not None else None
             if result is None:
+                self.ran[kind] += 1
                 result = await run(rollout_id)
                 await asyncio.to_thread(self._store, kind, rollout_id, result)
             else:
+                self.served[kind] += 1
                 log.info("%s %d: served from %s, not run again", kind, rollout_id, self.path(kind, rollout_id))
             self._remember(kind, rollout_id, result)
             return result

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -112,11 +113,28 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
 
 def test_http_control_surface(app):
     assert get_json(f"{app['http']}/healthz") == {"ok": True}
-    started = urllib.request.Request(f"{app['http']}/rollout/7", method="POST")
-    with urllib.request.urlopen(started, timeout=600) as r:  # runs a whole step, then answers
-        summary = json.loads(r.read())
+    for bad in ("-1", "2147483648", "99999999999999999999"):  # step ids are 0 .. 2**31-1
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(f"{app['http']}/rollout/{bad}", method="POST"), timeout=30)
+        assert e.value.code == 422, bad
+
+    def post(answers):  # runs a whole step, then answers
+        with urllib.request.urlopen(urllib.request.Request(f"{app['http']}/rollout/7", method="POST"),
+                                    timeout=600) as r:
+            answers.append(json.loads(r.read()))
+
+    before = get_json(f"{app['http']}/status")["steps_run"]["rollout"]
+    answers: list[dict] = []
+    posts = [threading.Thread(target=post, args=(answers,)) for _ in range(2)]
+    for t in posts:
+        t.start()
+    for t in posts:
+        t.join(timeout=700)
+    summary = answers[0]
+    assert len(answers) == 2 and answers[1] == summary  # two concurrent requests, one step: the same result
     assert summary["rollout_id"] == 7 and summary["samples"] == 16
     status = get_json(f"{app['http']}/status")
+    assert status["steps_run"]["rollout"] == before + 1 and status["steps_served"]["rollout"] >= 1
     assert status["busy"] is False and status["phase"] == "rollout done" and status["tasks_done"] == 8
     placement = get_json(f"{app['http']}/placement")
     assert placement["gated"] is True and placement["held_tokens"] == 0 and placement["batches"] == {}

@@ -5,7 +5,7 @@ import argparse
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayapp.training.dagger import (
@@ -14,6 +14,7 @@ from rayapp.training.dagger import (
     ENV_ROLLOUT_ID,
     ENV_T_MAX,
     FLAGS,
+    DAggerIterations,
     DAggerSchedule,
     IterationState,
     add_dagger_args,
@@ -127,6 +128,44 @@ def test_t_max_step_guard_keeps_a_static_tail_length():
     assert env == {ENV_T_MAX: "12", "OTHER": "x", ENV_ROLLOUT_ID: "3", ENV_BETA: repr(DAggerSchedule().beta(3))}
     publish(DAggerSchedule(t_max_start=1, t_max_end=9, t_max_step=2).state(3), env)
     assert env[ENV_T_MAX] == "7"
+
+
+@pytest.mark.parametrize(("static", "schedule", "rollout_id", "seen"), [
+    ("12", DAggerSchedule(t_max_step=0), 3, 12),                                # the static length, not 0
+    ("12", DAggerSchedule(t_max_start=4, t_max_step=0), 3, 12),                 # the static length wins
+    (None, DAggerSchedule(t_max_start=4, t_max_step=0), 3, 4),                  # none set: the start
+    (None, DAggerSchedule(t_max_step=0), 3, None),                              # no tail length at all
+    ("0", DAggerSchedule(t_max_step=0), 3, None),
+    ("12", DAggerSchedule(t_max_start=1, t_max_end=9, t_max_step=2), 3, 7),     # the ramp: its value
+    (None, DAggerSchedule(t_max_start=0, t_max_end=9, t_max_step=2), 0, None),  # the ramp at 0
+])
+def test_agents_see_the_guarded_t_max_never_0(static, schedule, rollout_id, seen):
+    env = {} if static is None else {ENV_T_MAX: static}
+    it = DAggerIterations(schedule, env)
+    for state in (it.rollout_state(rollout_id), it.eval_state(rollout_id)):
+        assert state.get("t_max") == seen and state.get("t_max") != 0
+        assert state["rollout_id"] == rollout_id and state["t_max_step"] == schedule.t_max_step
+    assert env.get(ENV_T_MAX) == (static if not schedule.t_max_step else str(schedule.t_max(rollout_id)))
+
+
+@settings(max_examples=60)
+@given(start=st.integers(0, 50), end=st.integers(0, 50), step=st.integers(0, 5), t=st.integers(0, 40),
+       static=st.one_of(st.none(), st.integers(0, 99)))
+def test_agents_get_the_ramp_else_the_static_else_the_start_t_max_and_never_0(start, end, step, t, static):
+    env = {} if static is None else {ENV_T_MAX: str(static)}
+    schedule = DAggerSchedule(t_max_start=start, t_max_end=end, t_max_step=step)
+    state = DAggerIterations(schedule, env).rollout_state(t)
+    assert state.get("t_max", 1) > 0
+    want = schedule.t_max(t) if step else (static if static is not None else start)
+    assert state.get("t_max") == (want or None)
+
+
+@pytest.mark.parametrize("bad", ["-3", "five", "1.5", "9" * 5000])
+def test_a_bad_static_tail_length_is_one_error_and_publishes_nothing(bad):
+    env = {ENV_T_MAX: bad}
+    with pytest.raises(ValueError, match=f"{ENV_T_MAX}: a statically set tail length must be an integer >= 0"):
+        DAggerIterations(DAggerSchedule(t_max_step=0), env).rollout_state(2)
+    assert env == {ENV_T_MAX: bad}
 
 
 def test_publish_defaults_to_os_environ(monkeypatch):

@@ -52,7 +52,8 @@ ENV_EVAL_BETA = "STACX_DAGGER_EVAL_BETA"
 ENV_VARS: dict[str, str] = {
     ENV_ROLLOUT_ID: "code-set: the rollout index of the iteration in flight",
     ENV_BETA: "code-set: the iteration's DAgger β (probability the teacher acts); popped by eval",
-    ENV_T_MAX: "code-set: the iteration's roll-in tail length t_max; only written when --dagger-t-max-step > 0",
+    ENV_T_MAX: ("the iteration's roll-in tail length t_max: code-set when --dagger-t-max-step > 0; with the "
+                "ramp off, a value set by hand is kept and is the t_max agents get"),
     ENV_EVAL_BETA: "user-set: re-injects this β for eval (default: eval runs student-only at β=0)",
 }
 
@@ -80,8 +81,9 @@ def _is_real(v: Any) -> bool:
 
 
 class IterationState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one iteration publishes: passed to agents explicitly and returned with the rollout's
-    results, so trainer processes on other nodes see the same values the agents used."""
+    """What one iteration publishes: passed to agents explicitly (as ``DAggerIterations`` shows it
+    to them: t_max guarded like the environment) and returned with the rollout's results, so
+    trainer processes on other nodes see the same values the agents used."""
 
     rollout_id: int
     beta: float
@@ -294,19 +296,49 @@ def pop_beta_for_eval(environ: MutableMapping[str, str] | None = None) -> float:
 class DAggerIterations:
     """The TaskScheduler's IterationSource for a DAgger schedule: ``execute_rollout`` publishes
     the iteration's β / t_max (environment and the explicit state every agent gets) before its
-    fetch loop; ``execute_eval`` runs student-only unless STACX_DAGGER_EVAL_BETA re-injects β."""
+    fetch loop; ``execute_eval`` runs student-only unless STACX_DAGGER_EVAL_BETA re-injects β.
+
+    The t_max_step > 0 guard holds for agents too: the state they get has ``t_max`` only when it is
+    a tail length (> 0), absent meaning "no tail, every turn may be the teacher's" (the agents'
+    default). With the ramp on it is the ramp's value; with it off it is the statically set
+    STACX_DAGGER_T_MAX when that is set, else ``t_max_start``. So the unused ramp's 0 never reaches
+    an agent, as it never reaches the environment."""
 
     def __init__(self, schedule: DAggerSchedule, environ: MutableMapping[str, str] | None = None):
         self.schedule, self.environ = schedule, environ
 
     def rollout_state(self, rollout_id: int) -> dict[str, Any]:
         state = self.schedule.state(rollout_id)
+        agents = self._agents_view(state)  # read before publishing: a bad static value changes nothing
         publish(state, self.environ)
-        return msgspec.to_builtins(state)
+        return agents
 
     def eval_state(self, rollout_id: int) -> dict[str, Any]:
-        beta = pop_beta_for_eval(self.environ)
-        return {**msgspec.to_builtins(self.schedule.state(rollout_id)), "beta": beta}
+        agents = self._agents_view(self.schedule.state(rollout_id))
+        return {**agents, "beta": pop_beta_for_eval(self.environ)}
+
+    def _agents_view(self, state: IterationState) -> dict[str, Any]:
+        view = msgspec.to_builtins(state)
+        t_max = state.t_max if state.t_max_step > 0 else self._static_t_max(state.t_max)
+        if t_max > 0:
+            view["t_max"] = t_max
+        else:
+            del view["t_max"]
+        return view
+
+    def _static_t_max(self, default: int) -> int:
+        env = os.environ if self.environ is None else self.environ
+        raw = env.get(ENV_T_MAX, "").strip()
+        if not raw:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1  # reported below with the out-of-range message
+        if value < 0:
+            shown = raw if len(raw) <= 40 else raw[:40] + "..."
+            raise ValueError(f"{ENV_T_MAX}: a statically set tail length must be an integer >= 0, got {shown!r}")
+        return value
 
 
 def roll_in_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:

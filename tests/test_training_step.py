@@ -289,13 +289,20 @@ def test_after_a_restart_a_finished_step_comes_back_from_the_checkpoint_folder(m
         "eval_000000.msgpack", "rollout_000000.msgpack", "rollout_000001.msgpack"]
 
 
-def test_a_damaged_result_file_is_skipped_and_the_step_runs(make_pool, tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["garbage", "another step's", "an eval's"])
+def test_a_damaged_or_foreign_result_file_is_skipped_and_the_step_runs(make_pool, tmp_path, caplog, damage):
     log = []
     first = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path))
     run(first.rollout(0))
-    (tmp_path / "step_results" / "rollout_000000.msgpack").write_bytes(b"\x93garbage")
+    run(first.rollout(1))
+    run(first.evaluate(0))
+    folder = tmp_path / "step_results"
+    data = {"garbage": b"\x93garbage", "another step's": (folder / "rollout_000001.msgpack").read_bytes(),
+            "an eval's": (folder / "eval_000000.msgpack").read_bytes()}[damage]
+    (folder / "rollout_000000.msgpack").write_bytes(data)
     restarted = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path))
-    assert len(run(restarted.rollout(0)).groups) == 4 and len(log) == 16
+    assert len(log) == 18
+    assert run(restarted.rollout(0)).rollout_id == 0 and len(log) == 26  # ran again
     assert "ignoring its saved result" in caplog.text
 
 

@@ -62,11 +62,11 @@ class _Stored(msgspec.Struct, tag_field="format", tag="rayapp.step_result", forb
 
 
 # One file type per kind: the two result types are untagged Structs, which cannot share a union field.
-class StoredRollout(_Stored, tag="rayapp.step_result"):
+class StoredRollout(_Stored):
     result: RolloutResult
 
 
-class StoredEval(_Stored, tag="rayapp.step_result"):
+class StoredEval(_Stored):
     result: EvalResult
 
 
@@ -155,8 +155,9 @@ class StepResults:
             return None
         try:
             stored = decode(path.read_bytes(), _ENVELOPES[kind], str(path), fmt="msgpack")
-            if stored.rollout_id != rollout_id or stored.result.rollout_id != rollout_id:
-                raise InputError(str(path), "$.rollout_id", f"expected {rollout_id}, got {stored.rollout_id}")
+            for where, got in (("$.rollout_id", stored.rollout_id), ("$.result.rollout_id", stored.result.rollout_id)):
+                if got != rollout_id:
+                    raise InputError(str(path), where, f"expected {rollout_id}, got {got}")
         except (OSError, InputError) as e:
             log.warning("%s %d: ignoring its saved result, the step runs again: %s", kind, rollout_id, e)
             return None
@@ -175,5 +176,5 @@ class StepResults:
                           if (m := _FILE_RE.match(p.name)) and m.group(1) == kind)
             for _, old in kept[:-self.keep]:
                 old.unlink(missing_ok=True)
-        except (OSError, TypeError, ValueError):
+        except Exception:  # unencodable metadata, a full disk: the step stands either way
             log.exception("%s %d: could not save its result; a restart would run it again", kind, rollout_id)

@@ -82,7 +82,8 @@ def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Po
                       open_sandbox: SandboxOpener,
                       release_previous: Callable[[], Awaitable[int]] | None = None) -> StepRunner:
     """The recipe's scheduler inside its step pipeline: its filters, trajectory folder (reuse),
-    checkpoint folder and eval_details folder."""
+    checkpoint folder (mid-rollout checkpoints, and the latest steps' results: a restarted manager
+    serves a finished step again rather than run it anew) and eval_details folder."""
     s = cfg.scheduler
     checkpoint = RolloutCheckpoint(s.checkpoint_dir) if s.checkpoint_dir else None
     scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox)

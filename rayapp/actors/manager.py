@@ -10,7 +10,7 @@ Ray handles become clients with bounded calls, and results become HTTP answers.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Path
 from ray import serve
@@ -24,7 +24,9 @@ from rayapp.recipe import apply_env, build_step_runner, parse_recipe
 from rayapp.training.step_results import MAX_STEP_ID
 
 # A step id in the path: out of range is a 422 before anything runs (the handle's ValueError, over HTTP).
-StepId = Annotated[int, Path(ge=0, le=MAX_STEP_ID, description="the rollout or eval step's id")]
+# A default, not an Annotated type: Serve ships the endpoints to the replica by value, where a name
+# that only a (string) annotation refers to is not defined.
+STEP_ID = Path(ge=0, le=MAX_STEP_ID, description="the rollout or eval step's id")
 
 api = FastAPI(title="rayapp rollout manager")
 
@@ -72,14 +74,14 @@ class SchedulerRolloutManager:
         return {"ok": True}
 
     @api.post("/rollout/{rollout_id}")
-    async def http_rollout(self, rollout_id: StepId) -> dict[str, Any]:
+    async def http_rollout(self, rollout_id: int = STEP_ID) -> dict[str, Any]:
         result = await self.generate(rollout_id)
         samples = [s for g in result.groups for s in g]
         return {"rollout_id": rollout_id, "samples": len(samples), "metrics": result.metrics,
                 "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples))}
 
     @api.post("/eval/{rollout_id}")
-    async def http_eval(self, rollout_id: StepId) -> dict[str, Any]:
+    async def http_eval(self, rollout_id: int = STEP_ID) -> dict[str, Any]:
         if not self.cfg.eval:
             raise HTTPException(404, "this recipe has no eval datasets")
         result = await self.evaluate(rollout_id)

@@ -212,7 +212,7 @@ def test_rollout_summary(tmp_path):
         "datasets": {"a": {"n_samples": 2, "failure_classes": zeros | {"success": 1, "wrong_answer": 1}},
                      "b": {"n_samples": 1, "failure_classes": zeros | {"infra_conn": 1}},
                      "unknown": {"n_samples": 1, "failure_classes": zeros | {"max_context": 1}}},
-        "filters": None,  # none given: the step's writer always gives its filters' report
+        "filters": None,  # a step without filters
         "metrics": {"rollout/n": 4.0},
     }
 

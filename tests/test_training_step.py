@@ -55,7 +55,8 @@ def test_filter_step_keeps_survivors_and_counts_every_drop():
               [s("c", 1), s("c", 0, Status.TRUNCATED, "max_turns")],    # mixed: finish-only drops one
               [s("d", 1), s("d", 0)]]                                   # mixed, both finished: kept
     cfg = FiltersConfig(rejection=RejectionFilter(), finish_only=FinishOnlyFilter())
-    out = filter_step(RolloutResult(3, groups, {"rollout/success": 3.0}), cfg.chain(), cfg.abort_cap)
+    out, report = filter_step(RolloutResult(3, groups, {"rollout/success": 3.0}), cfg.chain(), cfg.abort_cap)
+    assert report.groups == out.groups and report.kept_samples == 3
     assert [[x.task_id for x in g] for g in out.groups] == [["c"], ["d", "d"]]
     m = out.metrics
     assert m["filter/rejection/dropped_groups/all_correct"] == 1 and m["filter/rejection/dropped_groups/all_wrong"] == 1
@@ -66,7 +67,7 @@ def test_filter_step_keeps_survivors_and_counts_every_drop():
 
 def test_no_filter_and_no_cap_leave_the_step_as_it_is():
     result = RolloutResult(0, [[Sample("a", 0, "p")]], {"rollout/success": 1.0})
-    assert filter_step(result, [], None) is result
+    assert filter_step(result, [], None) == (result, None) and filter_step(result, [], None)[0] is result
 
 
 def test_roll_in_metrics_count_every_sample_before_the_filters_drop_any(make_pool):

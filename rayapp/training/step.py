@@ -44,16 +44,14 @@ from rayapp.types import Sample
 log = logging.getLogger(__name__)
 
 
-def filter_step(result: RolloutResult, filters: Sequence[Filter], abort_cap: AbortCap | None) -> RolloutResult:
+def filter_step(result: RolloutResult, filters: Sequence[Filter],
+                abort_cap: AbortCap | None) -> tuple[RolloutResult, FilterReport | None]:
     """The step with ``filters`` applied in order: the trainer gets the surviving groups; every drop
-    is counted by filter and reason in the step's metrics."""
+    is counted by filter and reason in the step's metrics. Also the filters' report (None, and the
+    step as it is, when there is neither a filter nor an abort cap)."""
     if not filters and abort_cap is None:
-        return result
-    return _filtered(result, apply_filters(result.groups, list(filters), abort_cap=abort_cap,
-                                           rollout_id=result.rollout_id))
-
-
-def _filtered(result: RolloutResult, report: FilterReport) -> RolloutResult:
+        return result, None
+    report = apply_filters(result.groups, list(filters), abort_cap=abort_cap, rollout_id=result.rollout_id)
     metrics = dict(result.metrics)
     for kind, counts in (("dropped", report.dropped), ("dropped_groups", report.dropped_groups)):
         for name, reasons in counts.items():
@@ -63,7 +61,7 @@ def _filtered(result: RolloutResult, report: FilterReport) -> RolloutResult:
                 "filter/kept_groups": float(len(report.groups)), "filter/kept_samples": float(report.kept_samples),
                 "filter/abort_share": float(report.abort_share),
                 "filter/abort_share_exceeded": float(report.abort_share_exceeded)}
-    return msgspec.structs.replace(result, groups=report.groups, metrics=metrics)
+    return msgspec.structs.replace(result, groups=report.groups, metrics=metrics), report
 
 
 class StepRunner:
@@ -123,9 +121,7 @@ class StepRunner:
             await self._begin()
             ran = await self._run_or_reuse(rollout_id)
             ran.metrics.update(roll_in_metrics(ran.groups))  # before the filters: every roll-in counts
-            # reported even without filters, so that the summary's account has one shape
-            report = apply_filters(ran.groups, self.filters, abort_cap=self.abort_cap, rollout_id=rollout_id)
-            result = _filtered(ran, report) if self.filters or self.abort_cap is not None else ran
+            result, report = filter_step(ran, self.filters, self.abort_cap)
             artifacts = dict(result.artifacts)
             folder = self.checkpoint.folder(rollout_id) if self.checkpoint is not None else None
             if folder is not None and folder.exists():  # not when the step was reused
@@ -133,7 +129,7 @@ class StepRunner:
             if self.details is not None:  # every sample the step ran, with the final metrics
                 path = await asyncio.to_thread(self.details.write_rollout_summary, rollout_id,
                                                msgspec.structs.replace(ran, metrics=result.metrics),
-                                               report.summary())
+                                               report.summary() if report is not None else None)
                 artifacts["train_summary"] = str(path)
             return msgspec.structs.replace(result, artifacts=artifacts)
 

@@ -18,6 +18,7 @@ from msgspec import Meta
 # Bounds the types carry, checked wherever outside input is converted (rayapp.core.convert). The upper
 # bound of a float only rejects inf: msgspec lets inf through ``ge``, NaN fails any bound.
 FINITE = sys.float_info.max
+MAX_GPU_ID = 2**16  # a node's GPU ids are small integers; a huge one is a typo (or an attack on the pool)
 
 
 class Status(enum.StrEnum):
@@ -240,7 +241,7 @@ class EvaluatorSpec(msgspec.Struct):
 class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One node of a cluster layout (spec §3)."""
 
-    gpus: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+    gpus: tuple[Annotated[int, Meta(ge=0, le=MAX_GPU_ID)], ...] = ()
     cpu: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
     memory_gb: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayapp.core.convert import InputError, check, convert, decode
+from rayapp.core.convert import CLIP, InputError, check, clip, convert, decode
 from rayapp.inference.client import GenerateRequest
 from rayapp.types import Resource, SamplingParams, StoppingCriteria, TaskConfig
 
@@ -150,3 +150,14 @@ def test_anything_converts_or_raises_one_input_error(value: Any) -> None:
         convert(value, Doc, "src")
     except InputError as e:
         assert str(e).startswith("src: ")
+
+
+def test_a_long_source_path_or_key_is_cut_with_a_marker() -> None:
+    key = "k" * 200_000
+    with pytest.raises(InputError) as info:
+        convert({"n": 0}, Inner, "s" * 200_000, root="$." + key)
+    e = info.value
+    assert len(str(e)) < 1_000
+    assert e.source == "s" * CLIP + f"...({200_000 - CLIP} more characters)"
+    assert e.path == "$." + "k" * (CLIP - 2) + f"...({200_004 - CLIP} more characters)"
+    assert clip("short") == "short" and pickle.loads(pickle.dumps(e)).args == e.args

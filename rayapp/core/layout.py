@@ -34,15 +34,20 @@ from typing import Annotated, Any
 import msgspec
 
 from rayapp.core.convert import InputError, convert, decode, show
-from rayapp.types import FINITE, NodeSpec
+from rayapp.core.units import CPU_UNIT, MEM_UNIT
+from rayapp.types import FINITE, MAX_GPU_ID, NodeSpec
 
 
 class LayoutError(InputError):
     """A cluster layout (or one of its defaults) that cannot be used; the message says why."""
 
 
-_GpuId = Annotated[int, msgspec.Meta(ge=0)]
+_GpuId = Annotated[int, msgspec.Meta(ge=0, le=MAX_GPU_ID)]
 _Amount = Annotated[float, msgspec.Meta(ge=0, le=FINITE)]  # the bounds NodeSpec's cpu and memory_gb carry
+# The pool counts cpu and memory in integer units: an amount whose units overflow a float is refused here.
+_MOST = {"cpu": FINITE / CPU_UNIT, "memory_gb": FINITE / MEM_UNIT}
+# Inline JSON starts with one of these (after blanks); anything else is a file path.
+_JSON_START = ("{", "[", '"')
 
 
 class _FullNode(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,12 +72,14 @@ def parse_cluster_layout(
 ) -> dict[str, NodeSpec] | None:
     """Read and validate a cluster layout; ``None`` when none is given (batches launch ungated)."""
     blank = value is None or (isinstance(value, str) and not value.strip())
-    inline = value.strip().startswith("{") if isinstance(value, str) else not isinstance(value, os.PathLike)
+    inline = value.lstrip().startswith(_JSON_START) if isinstance(value, str) else not isinstance(value, os.PathLike)
     source = source_name or (None if blank else "<inline>" if inline else os.fsdecode(value))
     head = f'cluster layout "{source}"' if source else "cluster layout"
     # Defaults are checked even without a layout: a bad flag is an error whether or not it is used.
     cpus = convert(default_cpus, _Amount, head, root="--env-num-cpus", error=LayoutError)
     memory_gb = convert(default_memory_gb, _Amount, head, root="--env-memory-gb", error=LayoutError)
+    _fits(cpus, "cpu", "--env-num-cpus", head)
+    _fits(memory_gb, "memory_gb", "--env-memory-gb", head)
     if blank:
         return None
     if isinstance(value, str) and inline:
@@ -129,6 +136,19 @@ def _duplicate_key(raw: bytes) -> str | None:
     return found[0] if found else None
 
 
+def _fits(amount: Any, field: str, path: str, head: str) -> None:
+    if amount is not msgspec.UNSET and amount > _MOST[field]:
+        raise LayoutError(head, path, f"expected at most {_MOST[field]:g}, got {amount!r}")
+
+
+def _no_set(raw: Any, where: str, head: str) -> None:
+    """GPU ids come as a list: a set has no order, so the ids a node lists would not be the ones it uses
+    (msgspec would take one as an array)."""
+    gpus, at = (raw.get("gpus"), f"{where}.gpus") if isinstance(raw, dict) else (raw, where)
+    if isinstance(gpus, set | frozenset):
+        raise LayoutError(head, at, f"expected an array of GPU ids, got a set of {len(gpus)}")
+
+
 def _nodes(data: Any, cpus: float, memory_gb: float, head: str) -> dict[str, NodeSpec]:
     if not isinstance(data, dict):
         raise LayoutError(head, "$", f"expected an object mapping node names to nodes, got {show(data)}")
@@ -140,11 +160,15 @@ def _nodes(data: Any, cpus: float, memory_gb: float, head: str) -> dict[str, Nod
             raise LayoutError(head, "$", f"expected node names to be non-empty strings, got {show(name)}")
         # The node's name goes into the path as it is (node IPs hold dots), JSON-quoted only when unprintable.
         where = "$." + (name if name.isprintable() else json.dumps(name))
+        _no_set(raw, where, head)
         node = convert(raw, _NodeForm, head, root=where, error=LayoutError)
         full = isinstance(node, _FullNode)
         gpus = node.gpus if full else node
         cpu = cpus if not full or node.cpu is msgspec.UNSET else node.cpu
         mem = memory_gb if not full or node.memory_gb is msgspec.UNSET else node.memory_gb
+        if full:
+            _fits(node.cpu, "cpu", f"{where}.cpu", head)
+            _fits(node.memory_gb, "memory_gb", f"{where}.memory_gb", head)
         duplicate = next((i for i, gpu in enumerate(gpus) if gpu in gpus[:i]), None)
         if duplicate is not None:
             raise LayoutError(head, f"{where}{'.gpus' if full else ''}[{duplicate}]",

@@ -70,3 +70,10 @@ def test_cascade_needs_a_level_and_skips_missing_ones():
     assert cascade(None, StoppingCriteria(max_turns=1), None) == StoppingCriteria(max_turns=1)
     with pytest.raises(CascadeError):
         cascade(None, None)
+
+
+def test_the_cascade_fields_are_every_field_of_the_two_cascaded_types():
+    from rayapp.core.cascade import CASCADE_FIELDS
+
+    assert set(CASCADE_FIELDS) == set(StoppingCriteria.__struct_fields__) | set(SamplingParams.__struct_fields__)
+    assert len(CASCADE_FIELDS) == len(set(CASCADE_FIELDS))  # no field in both: a key says which level it sets

@@ -208,3 +208,15 @@ def test_a_recipe_error_crosses_a_pickle_unchanged():
     e = RecipeError("r.yaml", "$.a", "bad")
     again = pickle.loads(pickle.dumps(e))
     assert (type(again), str(again), again.file) == (RecipeError, str(e), "r.yaml")
+
+
+def test_a_layout_file_is_read_by_load_recipe_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "layout.json").write_text('{"n": [0, 0]}')
+    args = _local()
+    args["pool"]["cluster_layout"] = "layout.json"
+    parse_recipe(args)  # the build may run where the pool's working directory is not
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(args))
+    with pytest.raises(RecipeError, match=r'^recipe "r\.yaml": \$\.pool\.cluster_layout: cluster layout '
+                                          r'"layout\.json": \$\.n\[1\]: duplicate GPU id 0$'):
+        load_recipe("r.yaml")

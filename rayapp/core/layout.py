@@ -72,7 +72,7 @@ def parse_cluster_layout(
 ) -> dict[str, NodeSpec] | None:
     """Read and validate a cluster layout; ``None`` when none is given (batches launch ungated)."""
     blank = value is None or (isinstance(value, str) and not value.strip())
-    inline = value.lstrip().startswith(_JSON_START) if isinstance(value, str) else not isinstance(value, os.PathLike)
+    inline = is_inline(value)
     source = source_name or (None if blank else "<inline>" if inline else os.fsdecode(value))
     head = f'cluster layout "{source}"' if source else "cluster layout"
     # Defaults are checked even without a layout: a bad flag is an error whether or not it is used.
@@ -89,6 +89,12 @@ def parse_cluster_layout(
     else:
         data = _decode(_read(value, head), head)
     return _nodes(data, cpus, memory_gb, head)
+
+
+def is_inline(value: Any) -> bool:
+    """Whether ``value`` is the layout itself (a mapping, or text that starts as JSON does) rather than
+    a file path: a string is JSON by its first character, never by whether a file of that name exists."""
+    return value.lstrip().startswith(_JSON_START) if isinstance(value, str) else not isinstance(value, os.PathLike)
 
 
 def _read(path: Any, head: str) -> bytes:

@@ -19,10 +19,10 @@ import yaml
 from msgspec import Meta
 
 from rayapp.core.batching import BatchingStrategy, load_strategy
-from rayapp.core.cascade import CascadeError, dataset_override
+from rayapp.core.cascade import CASCADE_FIELDS, CascadeError, dataset_override
 from rayapp.core.contracts import Release
 from rayapp.core.convert import InputError, convert, show
-from rayapp.core.layout import LayoutError, parse_cluster_layout
+from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.registry import ENVS
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
@@ -144,7 +144,8 @@ class DatasetConfig(_Strict):
     shuffle: Annotated[bool, Meta(description="rollout datasets: a fresh seeded row order each epoch; false: row "
                                               "order")] = True
     dataset_cfg: Annotated[dict[str, Any], Meta(description="flat overrides: keys naming a stopping or sampling "
-                                                            "field win over the evaluator's and global ones")] = {}
+                                                            "field win over the evaluator's and global ones; any "
+                                                            "other key is an error")] = {}
 
 
 class SchedulerSection(_Strict, dict=True):
@@ -224,7 +225,8 @@ APP_IMPORT_PATH = "rayapp.actors.app:build_app"
 
 def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
-    mapping, as (args, RecipeConfig); any failure is one RecipeError naming ``path``."""
+    mapping, as (args, RecipeConfig), its layout file read too (relative to the working directory);
+    any failure is one RecipeError naming ``path``."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
@@ -243,9 +245,13 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     if not isinstance(args, dict):
         raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
     try:
-        return args, parse_recipe(args, source=path)
+        recipe = parse_recipe(args, source=path)
+        problem = next(_check_layout(recipe.pool), None)  # a layout file too, from here
+        if problem is not None:
+            raise RecipeError(path, *problem)
     except RecipeError as e:  # the path inside the file, not inside the args
         raise RecipeError(path, root + (e.path or "$")[1:], e.reason) from None
+    return args, recipe
 
 
 def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) -> RecipeConfig:
@@ -269,7 +275,7 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) 
 def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     """The rules that span fields, as (JSON path, reason), first problem first: engines, evaluators
     and datasets exist, names point at engines and envs that exist, a DAgger evaluator's env has a
-    DAgger agent, a docker sandbox names an image, dataset_cfg keys name cascade fields, the pool's
+    DAgger agent, a docker sandbox names an image, dataset_cfg keys name cascade fields, an inline
     layout reads, and the batching strategy resolves."""
     for key, what in (("engines", "engine"), ("evaluators", "evaluator"), ("data", "dataset")):
         if not getattr(recipe, key):
@@ -281,35 +287,38 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
             if d.env not in ENVS:
                 yield f"$.{where}.{name}.env", f"{d.env!r} is not one of {sorted(ENVS)}"
             yield from _check_dataset_cfg(f"$.{where}.{name}", d.dataset_cfg)
-    if recipe.pool.gate:
-        p = recipe.pool
-        try:  # as the pool replica will read it, so a bad layout fails the build, not the pool's start
-            parse_cluster_layout(p.cluster_layout, p.num_cpus or 0.0, p.memory_gb or 0.0)
-        except LayoutError as e:
-            yield "$.pool.cluster_layout", str(e)
+    # A layout file is read where the pool replica runs (the head's working directory), which the build
+    # need not share: only load_recipe, on the user's side, reads it ahead.
+    if is_inline(recipe.pool.cluster_layout):
+        yield from _check_layout(recipe.pool)
     try:
         recipe.scheduler.strategy  # noqa: B018 -- resolved (and cached) now, so a bad path fails here
     except ValueError as e:
         yield "$.scheduler.batching", str(e)
 
 
-# The keys dataset_cfg may hold: the cascade's fields (what the data source reads goes in the dataset's own keys).
-DATASET_CFG_KEYS = (*StoppingCriteria.__struct_fields__, *SamplingParams.__struct_fields__)
-
-
 def _check_dataset_cfg(at: str, cfg: dict[str, Any]) -> Iterator[tuple[str, str]]:
     """Every key names a cascade field (a misspelt one would be dropped without a word) and every
     value fits that field, as the evaluator would find at the first step."""
     for key in cfg:
-        if key not in DATASET_CFG_KEYS:
-            close = difflib.get_close_matches(key, DATASET_CFG_KEYS, n=1)
+        if key not in CASCADE_FIELDS:
+            close = difflib.get_close_matches(key, CASCADE_FIELDS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            yield f"{at}.dataset_cfg", f"unknown key {show(key)} ({hint}keys: {', '.join(DATASET_CFG_KEYS)})"
+            yield f"{at}.dataset_cfg", f"unknown key {show(key)} ({hint}keys: {', '.join(CASCADE_FIELDS)})"
     for cls in (StoppingCriteria, SamplingParams):
         try:
             dataset_override(cls, cfg)
         except CascadeError as e:
             yield f"{at}{e.path[1:]}", e.reason
+
+
+def _check_layout(pool: PoolConfig) -> Iterator[tuple[str, str]]:
+    """The pool's layout read as the pool replica will read it, so a bad one fails before it starts."""
+    if pool.gate:
+        try:
+            parse_cluster_layout(pool.cluster_layout, pool.num_cpus or 0.0, pool.memory_gb or 0.0)
+        except LayoutError as e:
+            yield "$.pool.cluster_layout", str(e)
 
 
 def _check_evaluator(at: str, ev: EvaluatorConfig, engines: Mapping[str, EngineConfig]) -> Iterator[tuple[str, str]]:

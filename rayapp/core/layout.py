@@ -1,14 +1,17 @@
 """The cluster layout (spec §3): ``--env-cluster-layout`` read into ``{node: NodeSpec}``.
 
-The layout is inline JSON, a file path, or an already-parsed dict. Each node is a GPU-id list
+The layout is inline JSON, a file path, or an already-parsed dict. A string is inline JSON when its
+first non-blank character is ``{``, ``[`` or ``"`` (so ``"[1,2]"`` is a wrong layout, never a file
+name), and a file path otherwise. Each node is a GPU-id list
 (shorthand) or a full ``{"gpus", "cpu", "memory_gb"}`` object; a missing cpu / memory_gb falls back to
 ``--env-num-cpus`` / ``--env-memory-gb``. No layout at all means no global pool: batches launch ungated.
 
 What this module guarantees:
 
 - ``parse_cluster_layout`` returns ``None`` (no layout) or a non-empty ``dict[str, NodeSpec]`` whose
-  GPU ids are distinct ints >= 0 per node, whose cpu / memory_gb are finite floats >= 0, and whose every
-  node offers something (a GPU, a CPU or memory).
+  GPU ids are distinct ints in 0 ... 2**16, given as a list, per node, whose cpu / memory_gb are floats
+  >= 0 small enough for the pool's integer units, and whose every node offers something (a GPU, a CPU
+  or memory).
 - Any other outcome is exactly one ``LayoutError`` and nothing else (no KeyError, UnicodeError,
   RecursionError or msgspec error escapes). Nodes and defaults go through the one door
   (``rayapp.core.convert``); the message names the source, where it went wrong and the value::
@@ -17,6 +20,7 @@ What this module guarantees:
       cluster layout "<inline>": malformed JSON: invalid character (byte 5)
       cluster layout "a.json": cannot read file: No such file or directory
 
+  Each part of a message is cut to about 200 characters (a 200 KB path or node name is not echoed).
   The source is the path as given, ``<inline>`` for inline JSON or a dict, or ``source_name``. Node
   names go into the JSON path after a dot as they are, even when they contain dots (node IPs do);
   only a name with unprintable characters is JSON-quoted there.

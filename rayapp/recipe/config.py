@@ -27,9 +27,10 @@ from rayapp.envs.registry import ENVS
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
-from rayapp.types import FINITE, Resource, SamplingParams, StoppingCriteria
+from rayapp.types import FINITE, MAX_COUNT, Resource, SamplingParams, StoppingCriteria
 
-Count = Annotated[int, Meta(ge=1)]
+Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # what numpy and the engines take as a seed
 # Finite too: inf passes a lower bound and would reach Ray's options and timers.
 Amount = Annotated[float, Meta(ge=0, le=FINITE)]
 Seconds = Annotated[float, Meta(gt=0, le=FINITE)]
@@ -134,7 +135,7 @@ class DatasetConfig(_Strict):
     env: Annotated[str, Meta(description="env whose rows this dataset holds")] = "arithmetic"
     task_type: Annotated[str | None, Meta(description="sets the rows' task_type, which routes them to the "
                                                       "evaluator of that id; unset: the env's own")] = None
-    seed: Annotated[int, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
+    seed: Annotated[Seed, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
     n_prompts: Annotated[Count, Meta(description="generated envs: rows made; eval datasets: the first n prompts "
                                                "used")] = 64
     n_samples_per_prompt: Annotated[Count | None, Meta(description="rollout datasets: samples per prompt (group "
@@ -151,7 +152,7 @@ class DatasetConfig(_Strict):
 class SchedulerSection(_Strict, dict=True):
     """The TaskScheduler's settings. ``dict=True`` only makes room for ``strategy``'s cache."""
 
-    seed: Annotated[int, Meta(description="seed of the data source: which dataset each task comes from, and "
+    seed: Annotated[Seed, Meta(description="seed of the data source: which dataset each task comes from, and "
                                           "shuffle orders")] = 0
     rollout_batch_size: Annotated[Count, Meta(description="tasks (prompts) fetched per rollout step")] = 8
     batching: Annotated[str, Meta(description="batching strategy: fifo, longest_first, budget, or a dotted path "

@@ -120,6 +120,8 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
 
 
 def demo(args: argparse.Namespace) -> int:
+    if validate(args) != 0:  # a broken recipe stops here, before a cluster starts (serve run would wait)
+        return 2
     os.environ.update(LOCAL_ENV)
     from rayapp.inference.tiny_model import ensure_tiny_model
 

@@ -46,3 +46,12 @@ def test_rayapp_validate_prints_ok_or_the_error_with_exit_2(tmp_path):
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip() == (f'recipe "{recipe}": $.applications[0].args.engines.student.backend: '
                                   f'expected "hf" or "sglang", got "vllm"')
+
+
+def test_the_demo_stops_at_a_broken_recipe_before_a_cluster_starts(tmp_path):
+    recipe = _broken(tmp_path)
+    temp_dir = tmp_path / "ray"
+    proc = subprocess.run([sys.executable, "-m", "rayapp.cli", "demo", "--recipe", str(recipe),
+                           "--temp-dir", str(temp_dir)], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2 and f'recipe "{recipe}": $.applications[0].args.engines' in proc.stderr
+    assert not temp_dir.exists()  # no Ray session was started

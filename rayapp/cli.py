@@ -1,4 +1,6 @@
-"""`rayapp demo`: the embedded default end to end, as a user would run it by hand.
+"""`rayapp validate <recipe>`: parse and check a recipe offline (no Ray), print OK or the error.
+
+`rayapp demo`: the embedded default end to end, as a user would run it by hand.
 
 1. start a local Ray head on 127.0.0.1 with logical GPUs (and the dashboard);
 2. `serve run recipes/local/rollout.yaml` (the hf engine, the placement pool, the manager);
@@ -118,6 +120,8 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
 
 
 def demo(args: argparse.Namespace) -> int:
+    if validate(args) != 0:  # a broken recipe stops here, before a cluster starts (serve run would wait)
+        return 2
     os.environ.update(LOCAL_ENV)
     from rayapp.inference.tiny_model import ensure_tiny_model
 
@@ -139,6 +143,19 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def validate(args: argparse.Namespace) -> int:
+    """The same door the app builder uses (``load_recipe``); the layout file, if any, is read too."""
+    from rayapp.recipe import RecipeError, load_recipe
+
+    try:
+        load_recipe(args.recipe)
+    except RecipeError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"{args.recipe}: OK")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rayapp", description="rayapp command line")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -150,11 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rollouts", type=int, default=1, help="iterations the driver runs: rollout k, then eval k")
     d.add_argument("--timeout", type=float, default=900.0, help="seconds for the app to start, and for each step")
     d.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-demo-<pid>)")
+    v = sub.add_parser("validate", help=__doc__.splitlines()[0].split(": ", 1)[1])
+    v.add_argument("recipe", help="a Serve config whose rayapp application's args are the recipe, or bare args")
     return p
 
 
 def main() -> None:
     args = build_parser().parse_args()
+    if args.cmd == "validate":
+        sys.exit(validate(args))
     recipe = Path(args.recipe)
     # serve run starts in the checkout: hand it an absolute path
     args.recipe = str(recipe.resolve() if recipe.exists() or recipe.is_absolute() else ROOT / recipe)

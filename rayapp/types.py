@@ -18,6 +18,8 @@ from msgspec import Meta
 # Bounds the types carry, checked wherever outside input is converted (rayapp.core.convert). The upper
 # bound of a float only rejects inf: msgspec lets inf through ``ge``, NaN fails any bound.
 FINITE = sys.float_info.max
+MAX_COUNT = 2**31 - 1  # the most of any count (turns, tokens, samples at once): more is a typo, not a plan
+MAX_GPU_ID = 2**16  # a node's GPU ids are small integers; a huge one is a typo (or an attack on the pool)
 
 
 class Status(enum.StrEnum):
@@ -74,8 +76,8 @@ class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     gpu: Annotated[float, Meta(ge=0, le=FINITE, description="GPUs: 0 none, a share of one GPU in (0, 1], or a "
                                                             "whole number above 1 (all on one node)")] = 0.0
-    concurrency: Annotated[int, Meta(ge=0, description="samples at once: a budget's cap, and what one sample "
-                                                       "counts against it")] = 1  # 0: not counted
+    concurrency: Annotated[int, Meta(ge=0, le=MAX_COUNT, description="samples at once: a budget's cap, and what "
+                                                                     "one sample counts against it")] = 1  # 0: none
     cpu: Annotated[float, Meta(ge=0, le=FINITE, description="CPU cores")] = 0.0
     memory_gb: Annotated[float, Meta(ge=0, le=FINITE, description="memory, GB")] = 0.0
 
@@ -93,10 +95,11 @@ class StoppingCriteria(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """When an episode stops. ``None`` means "not set at this level" in the cascade (spec §2);
     after resolution a ``None`` left over means "no limit"."""
 
-    max_turns: Annotated[int, Meta(ge=1, description="most model turns in one episode of a multi-turn agent "
-                                                     "(unset: 1)")] | None = None
-    max_context_len: Annotated[int, Meta(ge=1, description="most tokens in an episode, prompt + response; the "
-                                                           "agent stops there (truncated)")] | None = None
+    max_turns: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most model turns in one episode of a "
+                                                                   "multi-turn agent (unset: 1)")] | None = None
+    max_context_len: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most tokens in an episode, prompt + "
+                                                                         "response; the agent stops there "
+                                                                         "(truncated)")] | None = None
     timeout_s: Annotated[float, Meta(gt=0, le=FINITE, description="wall-clock limit of a sample's run phase, "
                                                                   "seconds; past it the sample aborts")] | None = None
 
@@ -108,9 +111,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                                                     "(unset: 1.0)")] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling: the probability mass kept, "
                                                          "in (0, 1]")] | None = None
-    top_k: Annotated[int, Meta(ge=-1, description="sample among the k likeliest tokens; -1 = off")] | None = None
-    max_new_tokens: Annotated[int, Meta(ge=1, description="most tokens generated per model turn (unset: 128, or "
-                                                          "what max_context_len leaves)")] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_COUNT, description="sample among the k likeliest tokens; "
+                                                                "-1 = off")] | None = None
+    max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most tokens generated per model turn "
+                                                                        "(unset: 128, or what max_context_len "
+                                                                        "leaves)")] | None = None
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(description="strings that end a "
                                                                                "generation")] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1, description="the request's sampling seed (unset: the engine picks "
@@ -240,7 +245,7 @@ class EvaluatorSpec(msgspec.Struct):
 class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One node of a cluster layout (spec §3)."""
 
-    gpus: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+    gpus: tuple[Annotated[int, Meta(ge=0, le=MAX_GPU_ID)], ...] = ()
     cpu: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
     memory_gb: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
 

@@ -58,7 +58,8 @@ def test_a_bad_dataset_value_names_the_dataset_and_the_field():
     with pytest.raises(CascadeError, match=r"^dataset 'gsm8k': \$\.dataset_cfg\.max_turns: expected int \| null, "
                                            r'got "many"$'):
         resolve_stopping(G, StoppingCriteria(), sample({"max_turns": "many"}, name="gsm8k"))
-    with pytest.raises(CascadeError, match=r"^dataset 'gsm8k': \$\.dataset_cfg\.max_turns: expected int >= 1, got 0$"):
+    with pytest.raises(CascadeError, match=r"^dataset 'gsm8k': \$\.dataset_cfg\.max_turns: expected int >= 1 and "
+                                           r"<= 2147483647, got 0$"):
         resolve_stopping(G, StoppingCriteria(), sample({"max_turns": 0}, name="gsm8k"))
     with pytest.raises(CascadeError, match=r"\$\.dataset_cfg\.top_k: expected -1 \(off\) or int >= 1, got 0$"):
         build_sampling_params(GS, SamplingParams(), sample({"top_k": 0}))
@@ -70,3 +71,10 @@ def test_cascade_needs_a_level_and_skips_missing_ones():
     assert cascade(None, StoppingCriteria(max_turns=1), None) == StoppingCriteria(max_turns=1)
     with pytest.raises(CascadeError):
         cascade(None, None)
+
+
+def test_the_cascade_fields_are_every_field_of_the_two_cascaded_types():
+    from rayapp.core.cascade import CASCADE_FIELDS
+
+    assert set(CASCADE_FIELDS) == set(StoppingCriteria.__struct_fields__) | set(SamplingParams.__struct_fields__)
+    assert len(CASCADE_FIELDS) == len(set(CASCADE_FIELDS))  # no field in both: a key says which level it sets

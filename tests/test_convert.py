@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayapp.core.convert import InputError, check, convert, decode
+from rayapp.core.convert import CLIP, InputError, check, clip, convert, decode
 from rayapp.inference.client import GenerateRequest
 from rayapp.types import Resource, SamplingParams, StoppingCriteria, TaskConfig
 
@@ -115,8 +115,8 @@ def test_check_puts_a_struct_built_in_code_through_its_bounds() -> None:
 
 @pytest.mark.parametrize(("type_", "value", "message"), [
     (Resource, {"gpu": -0.5}, "r: $.gpu: expected finite float >= 0, got -0.5"),
-    (Resource, {"concurrency": -1}, "r: $.concurrency: expected int >= 0, got -1"),
-    (StoppingCriteria, {"max_turns": 0}, "r: $.max_turns: expected int >= 1, got 0"),
+    (Resource, {"concurrency": -1}, "r: $.concurrency: expected int >= 0 and <= 2147483647, got -1"),
+    (StoppingCriteria, {"max_turns": 0}, "r: $.max_turns: expected int >= 1 and <= 2147483647, got 0"),
     (StoppingCriteria, {"timeout_s": 0}, "r: $.timeout_s: expected finite float > 0, got 0"),
     (SamplingParams, {"top_k": 0}, "r: $.top_k: expected -1 (off) or int >= 1, got 0"),
     (SamplingParams, {"stop": ["ok", ""]}, 'r: $.stop[1]: expected str of length >= 1, got ""'),
@@ -150,3 +150,14 @@ def test_anything_converts_or_raises_one_input_error(value: Any) -> None:
         convert(value, Doc, "src")
     except InputError as e:
         assert str(e).startswith("src: ")
+
+
+def test_a_long_source_path_or_key_is_cut_with_a_marker() -> None:
+    key = "k" * 200_000
+    with pytest.raises(InputError) as info:
+        convert({"n": 0}, Inner, "s" * 200_000, root="$." + key)
+    e = info.value
+    assert len(str(e)) < 1_000
+    assert e.source == "s" * CLIP + f"...({200_000 - CLIP} more characters)"
+    assert e.path == "$." + "k" * (CLIP - 2) + f"...({200_004 - CLIP} more characters)"
+    assert clip("short") == "short" and pickle.loads(pickle.dumps(e)).args == e.args

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from rayapp.core.layout import LayoutError, parse_cluster_layout
-from rayapp.types import NodeSpec
+from rayapp.types import MAX_GPU_ID, NodeSpec
 
 FULL = '{"127.0.0.1": {"gpus": [0, 1, 2, 3], "cpu": 96, "memory_gb": 384}}'
 SHORT = '{"127.0.0.1": [0, 1, 2, 3]}'
@@ -104,7 +104,7 @@ MALFORMED = [
     (None, '{"a": [0, true]}', (0, 0), "$.a[1]: expected int, got true"),
     (None, '{"a": {"gpus": [1.0]}}', (0, 0), "$.a.gpus[0]: expected int, got 1.0"),
     (None, '{"a": ["0"]}', (0, 0), '$.a[0]: expected int, got "0"'),
-    (None, '{"a": [-1]}', (0, 0), "$.a[0]: expected int >= 0, got -1"),
+    (None, '{"a": [-1]}', (0, 0), "$.a[0]: expected int >= 0 and <= 65536, got -1"),
     (None, '{"a": {"gpus": 4}}', (0, 0), "$.a.gpus: expected array, got 4"),
     (None, '{"a": null}', (0, 0), "$.a: expected object | array, got null"),
     (None, '{"a": 4}', (0, 0), "$.a: expected object | array, got 4"),
@@ -279,7 +279,7 @@ def test_any_file_content_parses_or_raises_layout_error(tmp_path: Path, data: by
 
 
 _names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
-_gpu_ids = st.lists(st.integers(0, 2**40), unique=True, max_size=6)
+_gpu_ids = st.lists(st.integers(0, MAX_GPU_ID), unique=True, max_size=6)
 _amounts = st.integers(0, 10**6) | st.floats(0, 1e12)
 _nodes = st.one_of(
     _gpu_ids,  # shorthand
@@ -320,3 +320,42 @@ def test_a_key_written_twice_is_reported_not_lost(text, key, tmp_path):
     path.write_text(text)
     with pytest.raises(LayoutError, match=f'"{path}": duplicate key "{key}"'):
         parse_cluster_layout(str(path))
+
+
+# --- edges: bounded ids, a list only, inline JSON by its first character, long input cut, overflow ----
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ({"n": [10**5000]}, "$.n[0]: expected int >= 0 and <= 65536, got a very large integer"),
+    ({"n": {"gpus": [MAX_GPU_ID + 1]}}, f"$.n.gpus[0]: expected int >= 0 and <= 65536, got {MAX_GPU_ID + 1}"),
+    ({"n": {1, 2}}, "$.n: expected an array of GPU ids, got a set of 2"),
+    ({"n": {"gpus": frozenset({0})}}, "$.n.gpus: expected an array of GPU ids, got a set of 1"),
+    ({"n": {"cpu": 1.7e308}}, "$.n.cpu: expected at most 1.79769e+305, got 1.7e+308"),
+    ({"n": {"gpus": [0], "memory_gb": 1e307}}, "$.n.memory_gb: expected at most 1.75556e+305, got 1e+307"),
+])
+def test_gpu_ids_are_bounded_integers_in_a_list_and_amounts_fit_the_pools_units(layout, message) -> None:
+    with pytest.raises(LayoutError) as info:
+        parse_cluster_layout(layout)
+    assert str(info.value) == f'cluster layout "<inline>": {message}'
+
+
+def test_a_default_whose_units_overflow_is_a_layout_error() -> None:
+    with pytest.raises(LayoutError, match=r"^cluster layout: --env-num-cpus: expected at most 1\.79769e\+305"):
+        parse_cluster_layout(None, default_cpus=1e308)
+
+
+@pytest.mark.parametrize("text", ['"[1,2]"', "[1,2]", '  [0]', '\n"x"', "{"])
+def test_inline_json_is_recognised_by_its_first_character_never_read_as_a_file(text, in_tmp: Path) -> None:
+    (in_tmp / text).write_text(SHORT)  # a file of that very name is not read
+    with pytest.raises(LayoutError) as info:
+        parse_cluster_layout(text)
+    assert str(info.value).startswith('cluster layout "<inline>": ')
+    assert "cannot read file" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["x" * 200_000, {"n" * 200_000: [0, 0]}, '{"' + "k" * 200_000 + '": [-1]}'])
+def test_a_long_bad_input_is_cut_in_the_message(value) -> None:
+    with pytest.raises(LayoutError) as info:
+        parse_cluster_layout(value)
+    message = str(info.value)
+    assert len(message) < 1_000 and "more characters)" in message

@@ -2,13 +2,15 @@
 variables, and the wiring of a recipe into evaluator specs."""
 
 
+import pickle
+
 import pytest
 import yaml
 
 from rayapp.cli import ROOT
 from rayapp.core.batching import budget_batching, fifo_batching
 from rayapp.core.convert import InputError
-from rayapp.recipe import RecipeError, apply_env, build_evaluator_specs, parse_recipe
+from rayapp.recipe import RecipeError, apply_env, build_evaluator_specs, load_recipe, parse_recipe
 from rayapp.types import Resource, SamplingParams, StoppingCriteria
 
 LOCAL = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())["applications"][0]["args"]
@@ -79,10 +81,11 @@ ENGINE = r"\$\.engines\.student\."
     (lambda a: a["engines"]["student"].update(backend="vllm"),
      ENGINE + r'backend: expected "hf" or "sglang", got "vllm"$'),
     (lambda a: a["engines"]["student"].update(num_replicas=0), ENGINE + r"num_replicas: expected int >= 1"),
-    (lambda a: a["engines"]["student"].update(request_timeout_s=0), ENGINE + r"request_timeout_s: expected float > 0"),
+    (lambda a: a["engines"]["student"].update(request_timeout_s=0),
+     ENGINE + r"request_timeout_s: expected finite float > 0"),
     (lambda a: a["pool"].update(num_cpus=-1), r"\$\.pool\.num_cpus: expected float >= 0"),
     (lambda a: a["scheduler"].update(rollout_batch_size=0), r"\$\.scheduler\.rollout_batch_size: expected int >= 1"),
-    (lambda a: a["data"]["math"].update(weight=-0.5), r"\$\.data\.math\.weight: expected float >= 0"),
+    (lambda a: a["data"]["math"].update(weight=-0.5), r"\$\.data\.math\.weight: expected finite float >= 0"),
     (lambda a: a["evaluators"][2]["sandbox"].update(kind="podman"),
      r'\$\.evaluators\[2\]\.sandbox\.kind: expected "docker" or "local", got "podman"$'),
     (lambda a: a["evaluators"][2]["sandbox"].update(kind="docker"),
@@ -108,8 +111,8 @@ def test_a_recipe_error_is_the_input_error_of_the_one_door():
         parse_recipe(args, source="r.yaml")
     e = info.value
     assert (e.source, e.path) == ('recipe "r.yaml"', "$.engines.student.num_gpus")
-    assert e.reason == "expected float >= 0, got -1"
-    assert str(e) == 'recipe "r.yaml": $.engines.student.num_gpus: expected float >= 0, got -1'
+    assert e.reason == "expected finite float >= 0, got -1"
+    assert str(e) == 'recipe "r.yaml": $.engines.student.num_gpus: expected finite float >= 0, got -1'
 
 
 def test_the_batching_strategy_is_resolved_at_parse_time():
@@ -144,3 +147,81 @@ def test_the_wiring_copies_each_evaluator_field_by_name():
     assert spec.default_stopping == StoppingCriteria(max_turns=2)
     assert spec.default_sampling == SamplingParams(top_p=0.5)
 
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda a: a["evaluators"][0].update(batch_size=0), r"\$\.evaluators\[0\]\.batch_size: expected int >= 1, got 0$"),
+    (lambda a: a["evaluators"][0].update(batch_size=-1),
+     r"\$\.evaluators\[0\]\.batch_size: expected int >= 1, got -1$"),
+    (lambda a: a["evaluators"][0]["run_resource"].update(gpu=-1),
+     r"\$\.evaluators\[0\]\.run_resource\.gpu: expected finite float >= 0, got -1$"),
+    (lambda a: a["evaluators"][0].update(default_stopping={"timeout_s": -1}),
+     r"\$\.evaluators\[0\]\.default_stopping\.timeout_s: expected finite float > 0, got -1$"),
+    (lambda a: a["evaluators"][0].update(sandbox={"wall_seconds": -1}),
+     r"\$\.evaluators\[0\]\.sandbox\.wall_seconds: expected finite float > 0, got -1$"),
+    (lambda a: a["evaluators"][0].update(eval_timeout_s=float("inf")),
+     r"\$\.evaluators\[0\]\.eval_timeout_s: expected finite float > 0, got inf$"),
+    (lambda a: a["engines"]["student"].update(num_replicas=0),
+     ENGINE + r"num_replicas: expected int >= 1 and <= 2147483647, got 0$"),
+    (lambda a: a["engines"]["student"].update(max_ongoing_requests=2**31),
+     ENGINE + r"max_ongoing_requests: expected int >= 1 and <= 2147483647, got 2147483648$"),
+    (lambda a: a["data"]["math"].update(seed=-1),
+     r"\$\.data\.math\.seed: expected int >= 0 and <= 9223372036854775807, got -1$"),
+    (lambda a: a["engines"]["student"].update(num_cpus=float("inf")), ENGINE + r"num_cpus: expected finite float"),
+    (lambda a: a["data"]["math"].update(dataset_cfg={"temprature": 0.5}),
+     r'\$\.data\.math\.dataset_cfg: unknown key "temprature" \(did you mean \'temperature\'\? keys: max_turns, '),
+    (lambda a: a["eval"]["math"].update(dataset_cfg={"max_turns": 0}),
+     r"\$\.eval\.math\.dataset_cfg\.max_turns: expected int >= 1 and <= 2147483647, got 0$"),
+    (lambda a: a["data"]["math"].update(dataset_cfg={"top_k": 0}), r"\$\.data\.math\.dataset_cfg\.top_k: expected -1"),
+    (lambda a: a["pool"].update(cluster_layout={"n": [10**5000]}),
+     r'\$\.pool\.cluster_layout: cluster layout "<inline>": \$\.n\[0\]: expected int >= 0 and <= 65536, got a very '),
+    (lambda a: a["pool"].update(cluster_layout='"[1,2]"'),
+     r'\$\.pool\.cluster_layout: cluster layout "<inline>": \$: expected an object'),
+])
+def test_every_number_enum_and_dataset_key_is_checked_at_parse_time(mutate, message):
+    args = _local()
+    mutate(args)
+    with pytest.raises(RecipeError, match=r'^recipe "my/recipe\.yaml": ' + message):
+        parse_recipe(args, source="my/recipe.yaml")
+
+
+def test_a_recipe_file_is_loaded_through_the_same_door_and_errors_name_it(tmp_path):
+    good = ROOT / "recipes" / "local" / "rollout.yaml"
+    args, cfg = load_recipe(good)
+    assert args == LOCAL and cfg == parse_recipe(LOCAL)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump({**_local(), "engines": {"student": {"backend": "vllm"}}}))
+    with pytest.raises(RecipeError, match=rf'^recipe "{bare}": \$\.engines\.student\.backend: expected "hf"'):
+        load_recipe(bare)
+    served = tmp_path / "served.yaml"
+    doc = yaml.safe_load(good.read_text())
+    doc["applications"][0]["args"]["evaluators"][1]["batch_size"] = 0
+    served.write_text(yaml.safe_dump(doc))
+    with pytest.raises(RecipeError, match=rf'^recipe "{served}": \$\.applications\[0\]\.args\.evaluators\[1\]\.'
+                                          r"batch_size: expected int >= 1, got 0$"):
+        load_recipe(served)
+    for text, reason in (("applications: [{name: x, import_path: a:b}]", r"\$\.applications: no application"),
+                         ("[1, 2]", r"\$: expected an object"), ("a: [", "malformed YAML")):
+        served.write_text(text)
+        with pytest.raises(RecipeError, match=rf'^recipe "{served}": {reason}'):
+            load_recipe(served)
+    with pytest.raises(RecipeError, match=r'^recipe ".*missing\.yaml": cannot read file'):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_a_recipe_error_crosses_a_pickle_unchanged():
+    e = RecipeError("r.yaml", "$.a", "bad")
+    again = pickle.loads(pickle.dumps(e))
+    assert (type(again), str(again), again.file) == (RecipeError, str(e), "r.yaml")
+
+
+def test_a_layout_file_is_read_by_load_recipe_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "layout.json").write_text('{"n": [0, 0]}')
+    args = _local()
+    args["pool"]["cluster_layout"] = "layout.json"
+    parse_recipe(args)  # the build may run where the pool's working directory is not
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(args))
+    with pytest.raises(RecipeError, match=r'^recipe "r\.yaml": \$\.pool\.cluster_layout: cluster layout '
+                                          r'"layout\.json": \$\.n\[1\]: duplicate GPU id 0$'):
+        load_recipe("r.yaml")

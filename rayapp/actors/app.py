@@ -5,10 +5,15 @@
         import_path: rayapp.actors.app:build_app
         args: {engines: ..., evaluators: ..., pool: ..., scheduler: ..., data: ..., eval: ...}
 
+``serve run rayapp.actors.app:build_app recipe=recipes/local/rollout.yaml`` runs the same recipe with
+the builder in the ``serve run`` process itself: a broken recipe then ends ``serve run`` at once (exit
+1, the error naming the file), where with a config file Serve marks the application DEPLOY_FAILED and
+``serve run`` keeps waiting.
+
 It wires the three parts of the design: one inference deployment per engine (student, teacher,
 ...), the PlacementPoolService (one replica hosting the core PlacementPool and owning the placement
-groups), and the SchedulerRolloutManager (the ingress, hosting the TaskScheduler). The recipe is validated before
-anything is deployed.
+groups), and the SchedulerRolloutManager (the ingress, hosting the TaskScheduler). The whole recipe is validated
+before anything is deployed, so a bad one fails the build and no replica starts.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from ray.serve import Application
 from rayapp.actors.engine import InferenceEngine
 from rayapp.actors.manager import SchedulerRolloutManager
 from rayapp.actors.pool import PlacementPoolService
-from rayapp.recipe import check_live_gpus, parse_recipe
+from rayapp.recipe import ARGS_SOURCE, check_live_gpus, load_recipe, parse_recipe
 
 # Waiting acquires are long-lived requests: the pool must take many at once.
 POOL_MAX_ONGOING = 100_000
@@ -31,8 +36,14 @@ HEAD = "node:__internal_head__"
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    cfg = parse_recipe(args)
-    check_live_gpus(cfg, ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else None)
+    """The application of a recipe: a Serve config's ``args``, or ``{"recipe": <file>}`` (the
+    import-path form of ``serve run``)."""
+    if set(args) == {"recipe"}:
+        source = args["recipe"]
+        args, cfg = load_recipe(source)
+    else:
+        source, cfg = ARGS_SOURCE, parse_recipe(args)
+    check_live_gpus(cfg, ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else None, source)
     engines = {}
     for name, e in cfg.engines.items():
         options: dict[str, Any] = {

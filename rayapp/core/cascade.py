@@ -4,9 +4,10 @@ Stopping criteria and sampling params resolve field by field through three level
 specific set value winning: the global setting, then the spec's default, then the per-dataset
 override carried in ``sample.metadata["_dataset_cfg"]`` (set by the data source). ``None`` at a
 level means "not set here". A dataset's config is a flat mapping; only the keys that name a field
-of StoppingCriteria or SamplingParams take part, the rest (weights, paths, ...) belong to the data
-source. Values go through the one door (``rayapp.core.convert``): a bad one is a ``CascadeError``
-naming the dataset and the field (``dataset 'gsm8k': $.dataset_cfg.max_turns: expected int >= 1, got 0``).
+of StoppingCriteria or SamplingParams (``CASCADE_FIELDS``) take part. A recipe allows no other key
+(``rayapp.recipe`` refuses a misspelt one); rows built in code may carry more for their data source.
+Values go through the one door (``rayapp.core.convert``): a bad one is a ``CascadeError`` naming
+the dataset and the field (``dataset 'gsm8k': $.dataset_cfg.max_turns: expected int >= 1, got 0``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from rayapp.core.convert import InputError, convert, show
 from rayapp.types import Sample, SamplingParams, StoppingCriteria, TaskKey
 
 S = TypeVar("S", StoppingCriteria, SamplingParams)
+# The keys a dataset's config may set, the fields of the two cascaded types.
+CASCADE_FIELDS: tuple[str, ...] = (*StoppingCriteria.__struct_fields__, *SamplingParams.__struct_fields__)
 
 
 class CascadeError(InputError):

@@ -29,6 +29,14 @@ _EXPECTED = re.compile(r"^Expected `([^`]+)`(?:, got `([^`]+)`)?(.*)$", re.S)
 _BOUND = re.compile(r"^Expected `(int|float)` [<>]")  # a number of the right type out of its bounds
 _MISSING = object()
 TOO_DEEP = "nested too deeply"
+# The most of one part of a message kept: a 200 KB bad path or key is cut, not echoed whole.
+CLIP = 200
+
+
+def clip(text: str, limit: int = CLIP) -> str:
+    """``text`` cut to about ``limit`` characters, with a marker saying how much was left out. Text cut
+    once is not cut again (the slack holds the marker), so an error rebuilt from its parts is the same."""
+    return text if len(text) <= limit + 40 else f"{text[:limit]}...({len(text) - limit} more characters)"
 
 
 class InputError(ValueError):
@@ -36,8 +44,10 @@ class InputError(ValueError):
     the input as a whole is unusable: unreadable, malformed)."""
 
     def __init__(self, source: str, path: str | None, reason: str):
-        self.source, self.path, self.reason = source, path, reason
-        super().__init__(f"{source}: {path}: {reason}" if path else f"{source}: {reason}")
+        # Each part cut on its own: a reason lists what is allowed, so it may be longer than a path.
+        self.source, self.reason = clip(source), clip(reason, 4 * CLIP)
+        self.path = None if path is None else clip(path)
+        super().__init__(f"{self.source}: {self.path}: {self.reason}" if path else f"{self.source}: {self.reason}")
 
     def __reduce__(self) -> tuple[Any, ...]:  # it crosses Ray calls: rebuilt from its parts, not its message
         return type(self), (self.source, self.path, self.reason)

@@ -1,14 +1,17 @@
 """The cluster layout (spec §3): ``--env-cluster-layout`` read into ``{node: NodeSpec}``.
 
-The layout is inline JSON, a file path, or an already-parsed dict. Each node is a GPU-id list
+The layout is inline JSON, a file path, or an already-parsed dict. A string is inline JSON when its
+first non-blank character is ``{``, ``[`` or ``"`` (so ``"[1,2]"`` is a wrong layout, never a file
+name), and a file path otherwise. Each node is a GPU-id list
 (shorthand) or a full ``{"gpus", "cpu", "memory_gb"}`` object; a missing cpu / memory_gb falls back to
 ``--env-num-cpus`` / ``--env-memory-gb``. No layout at all means no global pool: batches launch ungated.
 
 What this module guarantees:
 
 - ``parse_cluster_layout`` returns ``None`` (no layout) or a non-empty ``dict[str, NodeSpec]`` whose
-  GPU ids are distinct ints >= 0 per node, whose cpu / memory_gb are finite floats >= 0, and whose every
-  node offers something (a GPU, a CPU or memory).
+  GPU ids are distinct ints in 0 ... 2**16, given as a list, per node, whose cpu / memory_gb are floats
+  >= 0 small enough for the pool's integer units, and whose every node offers something (a GPU, a CPU
+  or memory).
 - Any other outcome is exactly one ``LayoutError`` and nothing else (no KeyError, UnicodeError,
   RecursionError or msgspec error escapes). Nodes and defaults go through the one door
   (``rayapp.core.convert``); the message names the source, where it went wrong and the value::
@@ -17,6 +20,7 @@ What this module guarantees:
       cluster layout "<inline>": malformed JSON: invalid character (byte 5)
       cluster layout "a.json": cannot read file: No such file or directory
 
+  Each part of a message is cut to about 200 characters (a 200 KB path or node name is not echoed).
   The source is the path as given, ``<inline>`` for inline JSON or a dict, or ``source_name``. Node
   names go into the JSON path after a dot as they are, even when they contain dots (node IPs do);
   only a name with unprintable characters is JSON-quoted there.
@@ -34,15 +38,20 @@ from typing import Annotated, Any
 import msgspec
 
 from rayapp.core.convert import InputError, convert, decode, show
-from rayapp.types import FINITE, NodeSpec
+from rayapp.core.units import CPU_UNIT, MEM_UNIT
+from rayapp.types import FINITE, MAX_GPU_ID, NodeSpec
 
 
 class LayoutError(InputError):
     """A cluster layout (or one of its defaults) that cannot be used; the message says why."""
 
 
-_GpuId = Annotated[int, msgspec.Meta(ge=0)]
+_GpuId = Annotated[int, msgspec.Meta(ge=0, le=MAX_GPU_ID)]
 _Amount = Annotated[float, msgspec.Meta(ge=0, le=FINITE)]  # the bounds NodeSpec's cpu and memory_gb carry
+# The pool counts cpu and memory in integer units: an amount whose units overflow a float is refused here.
+_MOST = {"cpu": FINITE / CPU_UNIT, "memory_gb": FINITE / MEM_UNIT}
+# Inline JSON starts with one of these (after blanks); anything else is a file path.
+_JSON_START = ("{", "[", '"')
 
 
 class _FullNode(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,12 +76,14 @@ def parse_cluster_layout(
 ) -> dict[str, NodeSpec] | None:
     """Read and validate a cluster layout; ``None`` when none is given (batches launch ungated)."""
     blank = value is None or (isinstance(value, str) and not value.strip())
-    inline = value.strip().startswith("{") if isinstance(value, str) else not isinstance(value, os.PathLike)
+    inline = is_inline(value)
     source = source_name or (None if blank else "<inline>" if inline else os.fsdecode(value))
     head = f'cluster layout "{source}"' if source else "cluster layout"
     # Defaults are checked even without a layout: a bad flag is an error whether or not it is used.
     cpus = convert(default_cpus, _Amount, head, root="--env-num-cpus", error=LayoutError)
     memory_gb = convert(default_memory_gb, _Amount, head, root="--env-memory-gb", error=LayoutError)
+    _fits(cpus, "cpu", "--env-num-cpus", head)
+    _fits(memory_gb, "memory_gb", "--env-memory-gb", head)
     if blank:
         return None
     if isinstance(value, str) and inline:
@@ -82,6 +93,12 @@ def parse_cluster_layout(
     else:
         data = _decode(_read(value, head), head)
     return _nodes(data, cpus, memory_gb, head)
+
+
+def is_inline(value: Any) -> bool:
+    """Whether ``value`` is the layout itself (a mapping, or text that starts as JSON does) rather than
+    a file path: a string is JSON by its first character, never by whether a file of that name exists."""
+    return value.lstrip().startswith(_JSON_START) if isinstance(value, str) else not isinstance(value, os.PathLike)
 
 
 def _read(path: Any, head: str) -> bytes:
@@ -129,6 +146,19 @@ def _duplicate_key(raw: bytes) -> str | None:
     return found[0] if found else None
 
 
+def _fits(amount: Any, field: str, path: str, head: str) -> None:
+    if amount is not msgspec.UNSET and amount > _MOST[field]:
+        raise LayoutError(head, path, f"expected at most {_MOST[field]:g}, got {amount!r}")
+
+
+def _no_set(raw: Any, where: str, head: str) -> None:
+    """GPU ids come as a list: a set has no order, so the ids a node lists would not be the ones it uses
+    (msgspec would take one as an array)."""
+    gpus, at = (raw.get("gpus"), f"{where}.gpus") if isinstance(raw, dict) else (raw, where)
+    if isinstance(gpus, set | frozenset):
+        raise LayoutError(head, at, f"expected an array of GPU ids, got a set of {len(gpus)}")
+
+
 def _nodes(data: Any, cpus: float, memory_gb: float, head: str) -> dict[str, NodeSpec]:
     if not isinstance(data, dict):
         raise LayoutError(head, "$", f"expected an object mapping node names to nodes, got {show(data)}")
@@ -140,11 +170,15 @@ def _nodes(data: Any, cpus: float, memory_gb: float, head: str) -> dict[str, Nod
             raise LayoutError(head, "$", f"expected node names to be non-empty strings, got {show(name)}")
         # The node's name goes into the path as it is (node IPs hold dots), JSON-quoted only when unprintable.
         where = "$." + (name if name.isprintable() else json.dumps(name))
+        _no_set(raw, where, head)
         node = convert(raw, _NodeForm, head, root=where, error=LayoutError)
         full = isinstance(node, _FullNode)
         gpus = node.gpus if full else node
         cpu = cpus if not full or node.cpu is msgspec.UNSET else node.cpu
         mem = memory_gb if not full or node.memory_gb is msgspec.UNSET else node.memory_gb
+        if full:
+            _fits(node.cpu, "cpu", f"{where}.cpu", head)
+            _fits(node.memory_gb, "memory_gb", f"{where}.memory_gb", head)
         duplicate = next((i for i, gpu in enumerate(gpus) if gpu in gpus[:i]), None)
         if duplicate is not None:
             raise LayoutError(head, f"{where}{'.gpus' if full else ''}[{duplicate}]",

@@ -33,12 +33,16 @@ def units_of(value: object, scale: int, what: str, *, allow_inf: bool = False) -
         if allow_inf:
             return UNBOUNDED
         raise PoolError(f"{what}: must be finite, got {value!r}")
-    return to_units(value, scale)
+    return to_units(value, scale, what)
 
 
-def to_units(value: float, scale: int) -> int:
-    """A finite amount >= 0 already checked (a layout's, by the layout parser) in integer units."""
-    return max(1, round(value * scale)) if value > 0 else 0
+def to_units(value: float, scale: int, what: str = "amount") -> int:
+    """A finite amount >= 0 already checked (a layout's, by the layout parser) in integer units; one so
+    large that its units overflow a float (1e308 CPUs) is a PoolError, not a bare OverflowError."""
+    scaled = value * scale
+    if math.isinf(scaled):
+        raise PoolError(f"{what}: too large, got {value!r}")
+    return max(1, round(scaled)) if value > 0 else 0
 
 
 def count_of(value: object, what: str) -> int:

@@ -3,6 +3,7 @@ into evaluators, datasets, a scheduler and a step runner (``wiring``). No Ray he
 (``rayapp.actors``) hands in its engine clients, pool client and bundle executors."""
 
 from rayapp.recipe.config import (
+    ARGS_SOURCE,
     ENV_KNOBS,
     DatasetConfig,
     EngineConfig,
@@ -16,6 +17,7 @@ from rayapp.recipe.config import (
     apply_env,
     check_live_gpus,
     check_recipe,
+    load_recipe,
     parse_recipe,
 )
 from rayapp.recipe.wiring import (
@@ -27,6 +29,7 @@ from rayapp.recipe.wiring import (
 )
 
 __all__ = [
+    "ARGS_SOURCE",
     "ENV_KNOBS",
     "DatasetConfig",
     "EngineConfig",
@@ -45,5 +48,6 @@ __all__ = [
     "build_step_runner",
     "check_live_gpus",
     "check_recipe",
+    "load_recipe",
     "parse_recipe",
 ]

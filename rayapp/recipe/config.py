@@ -1,4 +1,4 @@
-"""A recipe: the ``args`` of the rayapp application in a Serve config (``rollout.yaml``).
+"""A recipe: the ``args`` of the rayapp application in a Serve config (``recipes/*/rollout.yaml``).
 
 Validated whole once, before anything starts: the Structs carry their own bounds (``Meta(ge=...)``,
 ``Literal``s), ``rayapp.core.convert`` turns a misfit into one error naming the file and the JSON
@@ -8,26 +8,32 @@ that span fields. Code behind ``parse_recipe`` trusts the types. Nothing here im
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
+import yaml
 from msgspec import Meta
 
 from rayapp.core.batching import BatchingStrategy, load_strategy
+from rayapp.core.cascade import CASCADE_FIELDS, CascadeError, dataset_override
 from rayapp.core.contracts import Release
-from rayapp.core.convert import InputError, convert
+from rayapp.core.convert import InputError, convert, show
+from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.registry import ENVS
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
-from rayapp.types import Resource, SamplingParams, StoppingCriteria
+from rayapp.types import FINITE, MAX_COUNT, Resource, SamplingParams, StoppingCriteria
 
-Count = Annotated[int, Meta(ge=1)]
-Amount = Annotated[float, Meta(ge=0)]
-Seconds = Annotated[float, Meta(gt=0)]
+Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # what numpy and the engines take as a seed
+# Finite too: inf passes a lower bound and would reach Ray's options and timers.
+Amount = Annotated[float, Meta(ge=0, le=FINITE)]
+Seconds = Annotated[float, Meta(gt=0, le=FINITE)]
 Backend = Literal["hf", "sglang"]  # rayapp.inference.make_backend's names
 SandboxKind = Literal["local", "docker"]
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "STRICT_SPREAD", "SPREAD"]  # Ray's placement group strategies
@@ -36,8 +42,12 @@ PlacementStrategy = Literal["STRICT_PACK", "PACK", "STRICT_SPREAD", "SPREAD"]  #
 class RecipeError(InputError):
     """A recipe that does not fit: ``recipe "<file>": $.path: reason``."""
 
-    def __init__(self, file: str | os.PathLike, path: str, reason: str):
-        super().__init__(f'recipe "{file}"', path, reason)
+    def __init__(self, file: str | os.PathLike, path: str | None, reason: str):
+        self.file = os.fsdecode(file)
+        super().__init__(f'recipe "{self.file}"', path, reason)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from the file, not the source it made
+        return type(self), (self.file, self.path, self.reason)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -125,7 +135,7 @@ class DatasetConfig(_Strict):
     env: Annotated[str, Meta(description="env whose rows this dataset holds")] = "arithmetic"
     task_type: Annotated[str | None, Meta(description="sets the rows' task_type, which routes them to the "
                                                       "evaluator of that id; unset: the env's own")] = None
-    seed: Annotated[int, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
+    seed: Annotated[Seed, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
     n_prompts: Annotated[Count, Meta(description="generated envs: rows made; eval datasets: the first n prompts "
                                                "used")] = 64
     n_samples_per_prompt: Annotated[Count | None, Meta(description="rollout datasets: samples per prompt (group "
@@ -135,13 +145,14 @@ class DatasetConfig(_Strict):
     shuffle: Annotated[bool, Meta(description="rollout datasets: a fresh seeded row order each epoch; false: row "
                                               "order")] = True
     dataset_cfg: Annotated[dict[str, Any], Meta(description="flat overrides: keys naming a stopping or sampling "
-                                                            "field win over the evaluator's and global ones")] = {}
+                                                            "field win over the evaluator's and global ones; any "
+                                                            "other key is an error")] = {}
 
 
 class SchedulerSection(_Strict, dict=True):
     """The TaskScheduler's settings. ``dict=True`` only makes room for ``strategy``'s cache."""
 
-    seed: Annotated[int, Meta(description="seed of the data source: which dataset each task comes from, and "
+    seed: Annotated[Seed, Meta(description="seed of the data source: which dataset each task comes from, and "
                                           "shuffle orders")] = 0
     rollout_batch_size: Annotated[Count, Meta(description="tasks (prompts) fetched per rollout step")] = 8
     batching: Annotated[str, Meta(description="batching strategy: fifo, longest_first, budget, or a dotted path "
@@ -208,7 +219,43 @@ class RecipeConfig(_Strict):
                                                               "fetch; unset: β 0, the student acts alone")] = None
 
 
-def parse_recipe(args: dict[str, Any], source: str | os.PathLike = "rollout.yaml") -> RecipeConfig:
+# What an error names when the recipe came as a Serve config's args (Serve does not say from which file).
+ARGS_SOURCE = "<serve args>"
+APP_IMPORT_PATH = "rayapp.actors.app:build_app"
+
+
+def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
+    """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
+    mapping, as (args, RecipeConfig), its layout file read too (relative to the working directory);
+    any failure is one RecipeError naming ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise RecipeError(path, None, f"cannot read file: {e.strerror or e}") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: bytes that are not UTF-8
+        raise RecipeError(path, None, f"malformed YAML: {' '.join(str(e).split())}") from None
+    args, root = doc, "$"
+    if isinstance(doc, dict) and "applications" in doc:
+        apps = doc["applications"] if isinstance(doc["applications"], list) else []
+        i = next((i for i, a in enumerate(apps) if isinstance(a, dict) and a.get("import_path") == APP_IMPORT_PATH),
+                 None)
+        if i is None:
+            raise RecipeError(path, "$.applications", f"no application with import_path {APP_IMPORT_PATH}")
+        args, root = apps[i].get("args"), f"$.applications[{i}].args"
+    if not isinstance(args, dict):
+        raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
+    try:
+        recipe = parse_recipe(args, source=path)
+        problem = next(_check_layout(recipe.pool), None)  # a layout file too, from here
+        if problem is not None:
+            raise RecipeError(path, *problem)
+    except RecipeError as e:  # the path inside the file, not inside the args
+        raise RecipeError(path, root + (e.path or "$")[1:], e.reason) from None
+    return args, recipe
+
+
+def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) -> RecipeConfig:
     """``args`` as a RecipeConfig, or one RecipeError naming ``source`` and the JSON path."""
     try:
         # msgspec writes a dict value's path as `$.engines[...]`: convert the named sections' entries
@@ -229,7 +276,8 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = "rollout.yaml
 def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     """The rules that span fields, as (JSON path, reason), first problem first: engines, evaluators
     and datasets exist, names point at engines and envs that exist, a DAgger evaluator's env has a
-    DAgger agent, a docker sandbox names an image, and the batching strategy resolves."""
+    DAgger agent, a docker sandbox names an image, dataset_cfg keys name cascade fields, an inline
+    layout reads, and the batching strategy resolves."""
     for key, what in (("engines", "engine"), ("evaluators", "evaluator"), ("data", "dataset")):
         if not getattr(recipe, key):
             yield f"$.{key}", f"at least one {what} is needed"
@@ -239,10 +287,39 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
         for name, d in datasets.items():
             if d.env not in ENVS:
                 yield f"$.{where}.{name}.env", f"{d.env!r} is not one of {sorted(ENVS)}"
+            yield from _check_dataset_cfg(f"$.{where}.{name}", d.dataset_cfg)
+    # A layout file is read where the pool replica runs (the head's working directory), which the build
+    # need not share: only load_recipe, on the user's side, reads it ahead.
+    if is_inline(recipe.pool.cluster_layout):
+        yield from _check_layout(recipe.pool)
     try:
         recipe.scheduler.strategy  # noqa: B018 -- resolved (and cached) now, so a bad path fails here
     except ValueError as e:
         yield "$.scheduler.batching", str(e)
+
+
+def _check_dataset_cfg(at: str, cfg: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """Every key names a cascade field (a misspelt one would be dropped without a word) and every
+    value fits that field, as the evaluator would find at the first step."""
+    for key in cfg:
+        if key not in CASCADE_FIELDS:
+            close = difflib.get_close_matches(key, CASCADE_FIELDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            yield f"{at}.dataset_cfg", f"unknown key {show(key)} ({hint}keys: {', '.join(CASCADE_FIELDS)})"
+    for cls in (StoppingCriteria, SamplingParams):
+        try:
+            dataset_override(cls, cfg)
+        except CascadeError as e:
+            yield f"{at}{e.path[1:]}", e.reason
+
+
+def _check_layout(pool: PoolConfig) -> Iterator[tuple[str, str]]:
+    """The pool's layout read as the pool replica will read it, so a bad one fails before it starts."""
+    if pool.gate:
+        try:
+            parse_cluster_layout(pool.cluster_layout, pool.num_cpus or 0.0, pool.memory_gb or 0.0)
+        except LayoutError as e:
+            yield "$.pool.cluster_layout", str(e)
 
 
 def _check_evaluator(at: str, ev: EvaluatorConfig, engines: Mapping[str, EngineConfig]) -> Iterator[tuple[str, str]]:
@@ -269,7 +346,7 @@ ENV_KNOBS: dict[str, tuple[str, str]] = {
 }
 
 
-def check_live_gpus(recipe: RecipeConfig, cluster_gpus: float | None, source: str = "rollout.yaml") -> None:
+def check_live_gpus(recipe: RecipeConfig, cluster_gpus: float | None, source: str = ARGS_SOURCE) -> None:
     """A layout read off the live cluster (``cluster_gpus``: its GPUs; None: no cluster to read) needs
     GPUs there when samples ask for them: say so at `serve run` time, not as a deadlock at the first
     step."""
@@ -282,7 +359,7 @@ def check_live_gpus(recipe: RecipeConfig, cluster_gpus: float | None, source: st
             f"--node-ip-address=127.0.0.1), or give pool.cluster_layout / gpu: 0")
 
 
-def apply_env(recipe: RecipeConfig, environ: Mapping[str, str], source: str = "rollout.yaml") -> RecipeConfig:
+def apply_env(recipe: RecipeConfig, environ: Mapping[str, str], source: str = ARGS_SOURCE) -> RecipeConfig:
     """The recipe with the launch-time variables of ``ENV_KNOBS`` applied (read in the manager's
     process: set them in the Serve config's ``runtime_env.env_vars`` or the shell of ``serve run``)."""
     raw = environ.get(ENV_CONCURRENCY)

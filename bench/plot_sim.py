@@ -3,7 +3,9 @@
 * ``perf_makespan.png``: makespan / lower bound per policy and workload, one panel per cluster size;
 * ``perf_utilisation.png``: the share of reserved capacity that did work, same layout;
 * ``perf_timeline.png``: GPUs held and GPUs working over virtual time, per policy, for the first
-  workload on the first cluster size (when the run recorded them).
+  workload on the first cluster size (when the run recorded them);
+* ``perf_partial.png`` in place of those three when the run took several steps (``--steps 5``): the
+  share of reserved capacity that did work per policy and workload, the 85% bar drawn in.
 
 matplotlib (the ``bench`` extra), Agg backend: no display needed.
 
@@ -27,7 +29,7 @@ def _panels(rows: list[dict], key: str, ylabel: str, path: Path, *, ref: float |
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     every = list(dict.fromkeys(r["policy"] for r in rows))  # one colour per policy in every plot
     policies = [p for p in every if any(r["policy"] == p and r.get(key) is not None for r in rows)]
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5.2 * len(sizes), 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(max(6.5, 5.2 * len(sizes)), 4.2), sharey=True, squeeze=False)
     width = 0.8 / max(1, len(policies))
     for ax, nodes in zip(axes[0], sizes, strict=True):
         for j, policy in enumerate(policies):
@@ -45,8 +47,9 @@ def _panels(rows: list[dict], key: str, ylabel: str, path: Path, *, ref: float |
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(policies), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    ncol = min(len(policies), 3 * len(sizes))  # a narrow figure takes its legend on several lines
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.07 * -(-len(policies) // ncol), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -72,10 +75,13 @@ def _timeline(timelines: dict[str, list], title: str, path: Path) -> Path:
 def plot(rows: list[dict], timelines: dict[str, list], out: Path) -> list[Path]:
     """Write the PNGs into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
+    pct = [{**r, "reserved_busy": None if r.get("reserved_busy") is None else 100 * r["reserved_busy"]} for r in rows]
+    if all(r["steps"] > 1 for r in rows):  # the partial-rollout run: work kept over several steps
+        return [_panels(pct, "reserved_busy", f"% of reserved GPU time doing work ({rows[0]['steps']} steps)",
+                        out / "perf_partial.png", ref=85.0)]
     paths = [
         _panels(rows, "ratio_lb", "makespan ÷ lower bound", out / "perf_makespan.png", ref=1.0),
-        _panels([{**r, "reserved_busy": None if r.get("reserved_busy") is None else 100 * r["reserved_busy"]}
-                 for r in rows], "reserved_busy", "% of reserved GPU time doing work", out / "perf_utilisation.png"),
+        _panels(pct, "reserved_busy", "% of reserved GPU time doing work", out / "perf_utilisation.png"),
     ]
     if timelines:
         first = rows[0]

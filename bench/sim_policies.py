@@ -12,8 +12,10 @@ step (total demand, the longest episode) still bounds them.
 
 What the pool really held is measured, not assumed: ``MeteredPool`` wraps it and integrates the
 GPU share of the tokens held over virtual time; the agents integrate the share of the samples that
-are working. Their ratio is the share of reserved capacity that did work; work a partial step cut
-short and restarted later is counted as wasted, not as work.
+are working. Their ratio is the share of reserved capacity that did work; work a partial step
+threw away is counted as wasted, not as work: what a sample cut short did since its last resume
+point, and all an earlier run of a sample did once the sample starts afresh (``restart``, a group
+past ``max_staleness``, or a sample that had ended in a group carried on).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rayapp.core.clock import loop_time, run_virtual
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.episode import RESUME_POINTS, ResumePoint
 from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.types import AgentResult, BatchRequest, EvaluatorSpec, Resource, Status, Task, TaskConfig, Token
 
@@ -51,6 +54,8 @@ POLICIES: tuple[Policy, ...] = (
     Policy("longest-first, noisy", {"release": "early"}, longest_first_batching),
     Policy("partial (restart)", {"release": "early"}, needs=("release",),
            partial={"over_provision": 1.25, "max_staleness": 1, "policy": "restart"}),
+    Policy("partial (resume)", {"release": "early"}, needs=("release",),
+           partial={"over_provision": 1.25, "max_staleness": 1, "policy": "resume"}),
 )
 
 
@@ -79,7 +84,7 @@ class Run:
     returned_once: bool = True  # every sample came back exactly once
     pool_restored: bool = True  # the pool ended as it started
     timeline: list[tuple[float, float, float]] | None = None  # (t, held GPUs, working GPUs)
-    wasted_gpu_s: float = 0.0  # of work_gpu_s, what episodes cut short (partial rollouts) did for nothing
+    wasted_gpu_s: float = 0.0  # of work_gpu_s, what partial rollouts threw away (module docstring)
 
     @property
     def reserved_busy(self) -> float:
@@ -149,38 +154,61 @@ class MeteredPool:
         return getattr(self.pool, name)
 
 
+def _resume_from(sample) -> int:
+    """Turns a carried sample already did (partial rollouts, ``policy: resume``): its resume point's,
+    handed in the task's ``RESUME_POINTS``; 0 when it starts afresh."""
+    points = sample.metadata.pop(RESUME_POINTS, None) or []
+    point = points[sample.index] if sample.index < len(points) else None
+    return point["turns"] if point else 0
+
+
 def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Counter) -> EvaluatorSpec:
-    """An EvaluatorSpec whose budget admits a whole batch at once; its agent sleeps the trace."""
+    """An EvaluatorSpec whose budget admits a whole batch at once; its agent sleeps the trace. Like
+    the real multi-turn agent, it keeps a resume point after each turn but the last (the turn and
+    the tool call that followed it), and a sample handed one goes on from there."""
     share = PER_SAMPLE.gpu
-    starts: dict[tuple[str, int], float] = {}
+    since: dict[tuple[str, int], float] = {}  # when the work not yet kept began (start, or the last point)
+    kept: dict[tuple[str, int], float] = {}  # GPU share x s of a sample's work its resume point keeps
+
+    def keep(key: tuple[str, int]) -> None:
+        kept[key] = kept.get(key, 0.0) + share * (loop_time() - since[key])
+        since[key] = loop_time()
 
     async def run_fn(sample, ctx) -> AgentResult:
         trace = traces[sample.task_id].samples[sample.index]
         key = (sample.task_id, sample.index)
         runs[key] += 1
-        starts[key] = loop_time()
+        done = _resume_from(sample)
+        if not done:  # afresh: whatever an earlier run of it did is thrown away
+            meter.wasted += kept.pop(key, 0.0)
+        since[key] = loop_time()
         meter.change(busy=share)
         try:
-            for turn, (engine_s, tool_s) in enumerate(trace.turns, 1):
+            for turn, (engine_s, tool_s) in enumerate(trace.turns[done:], done + 1):
                 await asyncio.sleep(engine_s)
                 ctx.record_turn(turn, "sim", engine_s=engine_s)
                 if tool_s:
                     await asyncio.sleep(tool_s)
+                if turn < len(trace.turns):
+                    ctx.record.resume = ResumePoint(turn, [], 0, [], [])
+                    keep(key)
         except asyncio.CancelledError:
             cut_short(key)
             raise
         return AgentResult(tokens=[1, 2], response_length=1, turns=len(trace.turns))
 
-    def cut_short(key: tuple[str, int]) -> None:  # a partial step went on without it: its work is wasted
+    def cut_short(key: tuple[str, int]) -> None:  # a partial step went on without it: unkept work is wasted
         meter.change(busy=-share)
-        meter.wasted += share * (loop_time() - starts[key])
+        meter.wasted += share * (loop_time() - since[key])
 
     async def verify_fn(sample, result) -> dict[str, float]:
+        key = (sample.task_id, sample.index)
         try:
             await asyncio.sleep(traces[sample.task_id].samples[sample.index].verify_s)
         except asyncio.CancelledError:
-            cut_short((sample.task_id, sample.index))
+            cut_short(key)
             raise
+        keep(key)
         meter.change(busy=-share)
         return {"score": 1.0}
 

@@ -60,6 +60,15 @@ class ToolReplay(msgspec.Struct, forbid_unknown_fields=True):
 RESUME_POINTS = "_resume_points"  # task metadata: each sample's ResumePoint (plain data) or None, by index
 
 
+class DaggerLabel(msgspec.Struct):
+    """The teacher's action in a state the student reached: its output for the same context."""
+
+    turn: int
+    state_len: int  # tokens of the state (the request's input ids)
+    label_ids: list[int]
+    text: str
+
+
 class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
     """Where a cut-short episode can go on from (partial rollouts, ``policy: resume``): its token
     data after its last complete turn (the observation that followed included) and what rebuilds
@@ -74,15 +83,7 @@ class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
     rollout_log_probs: list[float]
     turn_records: list[TurnRecord] = []
     tool_calls: list[ToolReplay] = []  # the sandbox tool calls made, in order
-
-
-class DaggerLabel(msgspec.Struct):
-    """The teacher's action in a state the student reached: its output for the same context."""
-
-    turn: int
-    state_len: int  # tokens of the state (the request's input ids)
-    label_ids: list[int]
-    text: str
+    dagger_labels: list[DaggerLabel] = []  # a DAgger roll-in's teacher labels of the kept turns
 
 
 class AbortRecord(msgspec.Struct):

@@ -93,3 +93,69 @@ def test_an_agent_that_cannot_resume_starts_afresh(tok, model_dir):
                                   "rollout_log_probs": [0.0]}]
     assert ChatAgent(ScriptedEngine(tok, model_dir, []), verify).resume_point(s) is None
     assert RESUME_POINTS not in s.metadata
+
+
+def versioned(engine, version):
+    """``engine``, its outputs naming the weights ``version`` (as a real engine reports them)."""
+    real = engine.generate
+
+    async def generate(req, timeout_s=None):
+        return msgspec.structs.replace(await real(req, timeout_s), weight_version=version)
+
+    engine.generate = generate
+    return engine
+
+
+def test_a_cut_short_dagger_roll_in_resumes_with_its_labels_and_per_turn_weights(tok, model_dir):
+    # a student-only roll-in (beta 0: every turn the student's, every turn labelled by the teacher)
+    # is cut short in its third turn under weights "0"; resumed under weights "1", it neither asks
+    # the student nor the teacher about turns 1-2 again, keeps their labels, and each turn record
+    # names the weights that produced it
+    from rayapp.envs.agents.dagger import DAggerAgent
+    from rayapp.episode import EpisodeContext
+    from rayapp.types import SamplingParams, StoppingCriteria
+
+    def context():
+        return EpisodeContext(0, None, StoppingCriteria(max_turns=5), SamplingParams(max_new_tokens=64),
+                              {"beta": 0.0, "t_max": 0})
+
+    student = versioned(recording(ScriptedEngine(tok, model_dir, [CALL] * 8)), "0")
+    teacher = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."] * 8))
+    hang, real = asyncio.Event(), student.generate
+
+    async def generate(req, timeout_s=None):
+        if len(student.sent) == 2:
+            await hang.wait()
+        return await real(req, timeout_s)
+
+    student.generate = generate
+    c1 = context()
+
+    async def cut():
+        task = asyncio.create_task(DAggerAgent(student, teacher, verify).run(sample(), c1))
+        for _ in range(1000):  # until the third turn is under way (bounded: a failure must not hang)
+            if c1.record.turns == 2 and len(teacher.sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cut())
+    point = c1.record.resume
+    assert point.turns == 2 and [lab.turn for lab in point.dagger_labels] == [1, 2]
+
+    student2 = versioned(recording(ScriptedEngine(tok, model_dir, ["The answer is 4."])), "1")
+    teacher2 = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."] * 8))
+    s = sample()
+    s.metadata[RESUME_POINTS] = [msgspec.to_builtins(point)]
+    c2 = context()
+    result = run(DAggerAgent(student2, teacher2, verify).run(s, c2))
+    assert len(student2.sent) == 1 and student2.sent[0].input_ids == point.tokens  # only the cut turn, again
+    assert len(teacher2.sent) == 1  # labelled once: the kept turns' labels came with the point
+    assert result.turns == 3 and result.tokens[:len(point.tokens)] == point.tokens
+    meta = c2.record.to_metadata()
+    assert [lab["turn"] for lab in meta["_dagger_labels"]] == [1, 2, 3]
+    assert meta["_dagger_labels"][:2] == msgspec.to_builtins(point.dagger_labels)
+    assert [r.weight_version for r in c2.record.turn_records] == ["0", "0", "1"]  # the staleness per turn

@@ -49,6 +49,7 @@ T = TypeVar("T")
 VERSION = 1
 RolloutId = Annotated[int, Meta(ge=0)]
 _STATE, _DONE = "state.msgpack", "FINISHED"
+FINISH_TRIES, FINISH_BACKOFF_S = 3, 0.5  # the FINISHED write: tries, and the wait before the next (x try)
 _GROUP_RE = re.compile(r"^group_(\d{6,})\.msgpack$")
 _ROLLOUT_RE = re.compile(r"^rollout_(\d{6,})$")
 
@@ -300,11 +301,30 @@ class ResumableRollouts:
                                                       complete_after=complete_after)
         result.metrics["rollout/resumed_groups"] = float(len(restored))
         carried = carry(result) if carry is not None else []
-        try:
-            await _in_thread(self.checkpoint.finish, rollout_id, source.state_dict(), carried)
-        except Exception:  # the step is done: a lost marker costs the next restart its seek, not the samples
-            log.exception("rollout %d: could not mark its checkpoint finished", rollout_id)
+        await self._finish(rollout_id, source.state_dict(), carried)
         return result
+
+    async def _finish(self, rollout_id: int, next_source_state: dict, carried: list[CarriedGroup]) -> None:
+        """Write the step's FINISHED record, tried ``FINISH_TRIES`` times. Without carried groups a
+        lost record costs the next restart its seek, not samples: it is logged. With some it is the
+        only copy that outlives this process, so the step fails instead (nothing handed out): the
+        trainer runs it again, and the rerun resumes this unfinished checkpoint, re-fetching the
+        same tasks, taking the same carried groups and skipping the groups recorded as finished."""
+        for attempt in range(1, FINISH_TRIES + 1):
+            try:
+                await _in_thread(self.checkpoint.finish, rollout_id, next_source_state, carried)
+                return
+            except Exception as e:
+                if attempt < FINISH_TRIES:
+                    log.warning("rollout %d: could not mark its checkpoint finished (try %d of %d): %s",
+                                rollout_id, attempt, FINISH_TRIES, e)
+                    await asyncio.sleep(FINISH_BACKOFF_S * attempt)
+                elif carried:
+                    raise RuntimeError(f"rollout {rollout_id}: could not save the {len(carried)} groups it carries "
+                                       f"on (its FINISHED record, {FINISH_TRIES} tries): {e}; run the step again, "
+                                       f"it resumes from its checkpoint") from e
+                else:
+                    log.exception("rollout %d: could not mark its checkpoint finished", rollout_id)
 
     async def carried(self, rollout_id: int) -> list[CarriedGroup] | None:
         """What finished rollout ``rollout_id`` carried on (``RolloutCheckpoint.carried``)."""

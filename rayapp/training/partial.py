@@ -14,7 +14,7 @@ handed back as unfinished). Each step:
   handed to the agent in the task's ``RESUME_POINTS``: kept tokens, log-probs, mask and turn records
   as they are; the cut turn is generated again), while a sample that ended, or one cut before a
   point was kept, runs again; an agent that cannot rebuild its state (``resumable`` false: the
-  single-turn chat agent, the DAgger roll-in) starts afresh. A carried group restarts whatever the
+  single-turn chat agent, whose one turn is all it has) starts afresh. A carried group restarts whatever the
   policy once its attempt is older than ``max_staleness`` steps;
 - nothing is lost or duplicated: every fetched task comes back exactly once, complete, or is still
   carried. With a checkpoint the carried groups are saved with the step's end (the FINISHED record),

@@ -9,7 +9,8 @@ the teacher with the same context) is kept in the episode record's ``dagger_labe
 ``metadata["_dagger_labels"]``, for its SFT batch). Each turn record names who acted (its
 ``actor``; ``metadata["_turn_actor"]``). β and t_max come from ``ctx.iteration`` (the scheduler's
 published state); without one β is 0 (student only). In an eval step (``StepKind.EVAL``) no labels
-are asked for.
+are asked for. A roll-in cut short resumes like any ToolAgent (partial rollouts), its kept labels
+with it.
 """
 
 from __future__ import annotations
@@ -60,11 +61,9 @@ class DAggerRollIn:
 
 
 class DAggerAgent(DAggerRollIn, ToolAgent):
-    """A ToolAgent whose turns follow the DAgger roll-in."""
-
-    # The teacher's labels of kept turns and the roll-in's seeded choices are not in a ResumePoint:
-    # a roll-in cut short runs again from its start.
-    resumable = False
+    """A ToolAgent whose turns follow the DAgger roll-in. Cut short (partial rollouts), it goes on from
+    its last complete turn: the kept turns' teacher labels travel in its ResumePoint; the turns after
+    it are drawn afresh by the step that runs them (the choice is seeded per step), as a new roll-in's."""
 
     def __init__(self, student: Engine, teacher: Engine, verify: Any, *, seed: int = 0, **kw: Any):
         super().__init__(student, verify, **kw)

@@ -12,10 +12,11 @@ Token data it guarantees, whatever happens in the episode:
   sampling's own), so no token the model would write past a call is in the response.
 
 Resume (partial rollouts): after each complete turn (its observation included) the agent keeps a
-``ResumePoint`` in the episode record: the token data so far, the turn records, and the sandbox tool
-calls made. A sample handed one (``RESUME_POINTS`` in its metadata) keeps those tokens, log-probs,
-mask and turns as they are, rebuilds its sandbox by replaying the calls in a fresh one, and goes on
-with the turn that was cut short, generated again.
+``ResumePoint`` in the episode record: the token data so far, the turn records, the sandbox tool
+calls made, and the DAgger labels asked so far (a roll-in's). A sample handed one (``RESUME_POINTS``
+in its metadata) keeps those tokens, log-probs, mask, turns and labels as they are, rebuilds its
+sandbox by replaying the calls in a fresh one, and goes on with the turn that was cut short,
+generated again.
 
 Environment tokens come from the model's own chat template: the text the template adds for a tool
 message (plus the next generation prompt) after a closed assistant turn. This assumes a template
@@ -107,6 +108,7 @@ class ToolAgent(ChatAgent):
             data.ids, data.mask = list(point.tokens), list(point.loss_mask)
             data.logprobs = list(point.rollout_log_probs)
             ctx.record.turns, ctx.record.turn_records = point.turns, list(point.turn_records)
+            ctx.record.dagger_labels = list(point.dagger_labels)
             calls, ctx.record.resume = list(point.tool_calls), point  # cut short again at once: still from here
         limit, max_turns = ctx.stopping.max_context_len, ctx.stopping.max_turns or 1
         # generation pauses after a tool call: what the model would write past it is not its own
@@ -146,7 +148,8 @@ class ToolAgent(ChatAgent):
             if parsed.call is not None and parsed.call.name in SANDBOX_TOOLS:
                 calls.append(ToolReplay(parsed.call.name, dict(parsed.call.arguments)))
             ctx.record.resume = ResumePoint(turn, list(data.ids), len(prompt), list(data.mask), list(data.logprobs),
-                                            list(ctx.record.turn_records), list(calls))
+                                            list(ctx.record.turn_records), list(calls),
+                                            list(ctx.record.dagger_labels))
         return AgentResult(tokens=data.ids, response_length=len(data.ids) - len(prompt), response=final_text,
                            rollout_log_probs=data.logprobs, loss_mask=data.mask, turns=ctx.record.turns or 0,
                            termination_reason=reason, truncated=reason is not TerminationReason.STOP)

@@ -1,0 +1,134 @@
+"""Partial rollouts' carried groups across steps: none lost or duplicated whatever the episode
+lengths (a property), and none lost or duplicated when the step's FINISHED record cannot be written
+and a new manager takes over. Virtual time throughout (``core.clock.run_virtual``)."""
+
+import asyncio
+import math
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_partial_rollouts import LAYOUT, TURNS, H, LongTail, Stream, ids, make
+
+from rayapp.core.agent import FunctionAgent
+from rayapp.core.clock import run_virtual
+from rayapp.core.contracts import SchedulerConfig
+from rayapp.core.layout import parse_cluster_layout
+from rayapp.core.pool import PlacementPool
+from rayapp.core.scheduler import TaskScheduler
+from rayapp.episode import RESUME_POINTS, EpisodeKey, ResumePoint, TurnRecord
+from rayapp.training import checkpoint as checkpoint_module
+from rayapp.training.checkpoint import RolloutCheckpoint
+from rayapp.training.partial import PartialConfig, PartialRollouts
+from rayapp.types import AgentResult, EvaluatorSpec, Resource
+
+
+class Resuming(LongTail):
+    """LongTail keeping a resume point after each turn but the last, and going on from one, as the
+    multi-turn agent does."""
+
+    async def run(self, sample, ctx):
+        points = sample.metadata.pop(RESUME_POINTS, None) or []
+        point = points[sample.index] if sample.index < len(points) and points[sample.index] else None
+        done = 0
+        if point is not None:
+            done = point["turns"]
+            ctx.record.turns = done
+            ctx.record.turn_records = [msgspec.convert(t, TurnRecord) for t in point["turn_records"]]
+            ctx.record.resume = msgspec.convert(point, ResumePoint)
+        self.started[(sample.task_id, sample.index)] += 1
+        hours = min(self.rng.lognormvariate(0, 1.1), 40.0)
+        for turn in range(done + 1, TURNS + 1):
+            await asyncio.sleep(hours * H / TURNS)
+            ctx.record_turn(turn, "e")
+            if turn < TURNS:
+                ctx.record.resume = ResumePoint(turn, [], 0, [], [], list(ctx.record.turn_records))
+        return AgentResult(tokens=[1, 2, 3], response_length=2)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 4), over=st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0]),
+       policy=st.sampled_from(["restart", "resume"]), max_staleness=st.integers(0, 2), steps=st.integers(2, 5))
+def test_no_group_is_lost_or_duplicated_across_steps(seed, batch, over, policy, max_staleness, steps):
+    agent, source = (Resuming if policy == "resume" else LongTail)(seed=seed), Stream()
+    pool = PlacementPool(parse_cluster_layout(LAYOUT, 8, 64))
+    spec = EvaluatorSpec("x", FunctionAgent(agent.run, agent.verify), batch_size=1,
+                         resource=Resource(gpu=math.inf, concurrency=8), run_resource=Resource(gpu=0.25))
+    sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=batch, progress=False))
+    cfg = PartialConfig(over_provision=over, max_staleness=max_staleness, policy=policy)
+    partial = PartialRollouts(sched, cfg)
+    before = pool.snapshot()
+
+    async def run():
+        return [await partial.execute_rollout(i) for i in range(steps)]
+
+    results = run_virtual(run())
+    returned = [t for r in results for t in ids(r.groups)]
+    assert all(len(r.groups) == batch for r in results)
+    assert len(returned) == len(set(returned))
+    assert sorted(returned + [g.task.task_id for g in partial.carried()]) == sorted(
+        f"t{i}" for i in range(source.cursor))
+    assert all(s.status.value == "completed" for r in results for g in r.groups for s in g)
+    assert all(r.metrics["rollout/partial/staleness_max"] <= max_staleness for r in results)
+    turns = [[t["turn"] for t in s.metadata[EpisodeKey.TURN_PLACEMENT.value]] for r in results for g in r.groups
+             for s in g]
+    assert all(t == list(range(1, TURNS + 1)) for t in turns)  # a resumed episode repeats no done turn
+    assert pool.snapshot() == before and pool.held == 0
+
+
+class FailingFinish(RolloutCheckpoint):
+    """A checkpoint whose FINISHED write of ``rollout`` fails its first ``fails`` tries."""
+
+    def __init__(self, dir, rollout, fails):
+        super().__init__(dir)
+        self.rollout, self.fails, self.tries = rollout, fails, 0
+
+    def finish(self, rollout_id, next_source_state=None, carried=None):
+        if rollout_id == self.rollout:
+            self.tries += 1
+            if self.tries <= self.fails:
+                raise OSError("disk full")
+        super().finish(rollout_id, next_source_state, carried)
+
+
+CFG = PartialConfig(over_provision=2.0)
+
+
+def test_a_finished_write_that_fails_then_succeeds_keeps_the_carried_groups(make_pool, tmp_path):
+    sched, _ = make(make_pool, LongTail(seed=41), Stream(), batch=3)
+    ck = FailingFinish(tmp_path, rollout=0, fails=checkpoint_module.FINISH_TRIES - 1)
+    result = run_virtual(PartialRollouts(sched, CFG, ck).execute_rollout(0))
+    assert ck.tries == checkpoint_module.FINISH_TRIES
+    carried = RolloutCheckpoint(tmp_path).carried(0)
+    assert len(result.groups) == 3 and len(carried) == 3
+    assert not {g.task.task_id for g in carried} & set(ids(result.groups))
+
+
+def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_and_repeats_nothing(
+        make_pool, tmp_path):
+    sched0, _ = make(make_pool, LongTail(seed=51), Stream(), batch=3)
+    first = run_virtual(PartialRollouts(sched0, CFG, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+    carried0 = {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
+
+    # step 1 completes, but its FINISHED record (with what it carries on) cannot be written
+    sched1, _ = make(make_pool, LongTail(seed=52), Stream(), batch=3)
+    ck = FailingFinish(tmp_path, rollout=1, fails=10 ** 6)
+    with pytest.raises(RuntimeError, match=r"rollout 1: could not save the \d+ groups it carries on"):
+        run_virtual(PartialRollouts(sched1, CFG, ck).execute_rollout(1))
+    assert ck.tries == checkpoint_module.FINISH_TRIES
+    assert RolloutCheckpoint(tmp_path).carried(1) is None  # nothing half-written
+
+    # a new manager over the same folder: the trainer runs step 1 again, then step 2
+    source = Stream()
+    sched2, _ = make(make_pool, LongTail(seed=53), source, batch=3)
+    again = PartialRollouts(sched2, CFG, RolloutCheckpoint(tmp_path))
+    second = run_virtual(again.execute_rollout(1))
+    assert second.metrics["rollout/resumed_groups"] == 3.0  # the groups step 1 finished are not run again
+    assert carried0 <= {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
+    third = run_virtual(again.execute_rollout(2))
+    returned = ids(first.groups) + ids(second.groups) + ids(third.groups)
+    assert len(returned) == len(set(returned)) == 9
+    assert carried0 <= set(returned) | {g.task.task_id for g in again.carried()}
+    assert sorted(returned + [g.task.task_id for g in again.carried()]) == sorted(
+        f"t{i}" for i in range(source.cursor))

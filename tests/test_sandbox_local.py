@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -336,3 +337,62 @@ def test_relative_inside_never_escapes(parts):
         return
     full = posixpath.normpath(posixpath.join(root, rel))
     assert full.startswith(root + "/") and ".." not in rel.split("/")
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def test_commands_get_a_private_tmp_and_no_view_of_the_checkout():
+    if _host.checkout_to_hide() is None:
+        pytest.skip("rayapp runs from an installed package here: no checkout to hide")
+    name = f"rayapp-escape-{secrets.token_hex(4)}"
+    secret = CHECKOUT / "pyproject.toml"
+
+    async def main():
+        async with LocalProcessSandbox(SandboxLimits(wall_seconds=10), name="tmp") as sb:
+            if _host._probe_result and _host._probe_result.get("mount"):
+                pytest.skip(f"no mount namespace here: {_host._probe_result['mount']}")
+            wrote = await sb.exec(f"echo x > /tmp/{name} && echo y > /var/tmp/{name}v && cat /tmp/{name}")
+            assert wrote.ok and wrote.stdout == "x\n"  # the command has a /tmp of its own, and it works
+            assert not os.path.exists(f"/tmp/{name}") and not os.path.exists(f"/var/tmp/{name}v")
+            again = await sb.exec(f"cat /tmp/{name}")  # the same private /tmp for the sandbox's next command
+            assert again.ok and again.stdout == "x\n"
+            read = await sb.exec(f"cat {secret}; ls {CHECKOUT}")
+            assert secret.read_text()[:20] not in read.stdout and read.exit_code != 0
+            assert (await sb.exec("pwd; echo $TMPDIR")).stdout == f"{sb.workdir}\n{os.path.dirname(sb.workdir)}/tmp\n"
+
+    run(main())
+
+
+HOST_SCRIPT = """
+import asyncio, sys, time
+from rayapp.envs.sandboxes import LocalProcessSandbox
+async def main():
+    sb = await LocalProcessSandbox(root=sys.argv[1], name="doomed").start()
+    print(sb.workdir, flush=True)
+    time.sleep(600)
+asyncio.run(main())
+"""
+
+
+def test_a_sigkilled_hosts_folder_is_swept_when_the_next_host_starts(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(CHECKOUT)}
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        workdir = host.stdout.readline().strip()
+        assert workdir and os.path.isdir(workdir)
+    finally:
+        host.kill()
+        host.wait(timeout=30)
+    live_base = tmp_path / "rayapp-sbx-alive-x"  # a folder whose owner still runs stays
+    live_base.mkdir()
+    (live_base / _host.OWNER_FILE).write_text(_host.owner_stamp())
+    assert os.path.isdir(workdir)
+
+    async def main():
+        async with LocalProcessSandbox(root=str(tmp_path), name="next"):
+            assert not os.path.exists(os.path.dirname(workdir))
+            assert live_base.is_dir()
+
+    run(main())

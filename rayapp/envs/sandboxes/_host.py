@@ -150,7 +150,7 @@ def allocate_uid() -> tuple[int, int]:
 
 
 async def probe() -> dict[str, str | None]:
-    """Which isolation steps this process may take: {"net": error or None, "user": error or None}.
+    """Which isolation steps this process may take: {"net"|"user"|"mount": error or None}.
     Asked once per process, by a real launch, since only trying tells (seccomp, missing caps)."""
     global _probe_result
     if _probe_result is None:
@@ -172,5 +172,68 @@ async def probe() -> dict[str, str | None]:
                 os.close(w)
         if not root:
             report["user"] = "not running as root"
-        _probe_result = {"net": report.get("net"), "user": report.get("user")}
+        _probe_result = {"net": report.get("net"), "user": report.get("user"), "mount": report.get("mount")}
     return _probe_result
+
+
+# -- folders: the owner stamp, stale folders, the checkout to hide -----------------------------------
+
+FOLDER_PREFIX = "rayapp-sbx-"
+OWNER_FILE = "owner"  # "<pid> <start time>" of the host process that made the folder
+_swept: set[str] = set()
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the pid it
+    names one process, so a pid reused after a crash is not taken for the old owner."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_stamp() -> str:
+    return f"{os.getpid()} {_start_time(os.getpid())}"
+
+
+def _owner_alive(stamp: str) -> bool:
+    try:
+        pid, started = stamp.split()
+        return _start_time(int(pid)) == started
+    except ValueError:
+        return False
+
+
+def sweep_stale_folders(root: str) -> list[str]:
+    """Delete sandbox folders under ``root`` whose owner process is gone (a host SIGKILLed before
+    ``close``). Once per process and root; only folders this user made; a folder still being set up
+    (no owner stamp yet) is left alone. Their uids' processes need nothing here: a uid's flock died
+    with the owner and its next holder kills what is left."""
+    root = os.path.realpath(root)
+    if root in _swept:
+        return []
+    _swept.add(root)
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        for entry in entries:
+            if not entry.name.startswith(FOLDER_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                    continue
+                with open(os.path.join(entry.path, OWNER_FILE)) as f:
+                    stamp = f.read()
+                if not _owner_alive(stamp):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
+    if removed:
+        log.info("removed %d stale sandbox folder(s) under %s", len(removed), root)
+    return removed
+
+
+def checkout_to_hide() -> str | None:
+    """The source checkout this code runs from (a folder with pyproject.toml above the package), or
+    None for an installed package, whose site-packages the sandbox's own Python may need."""
+    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
+    return top if top != "/" and os.path.isfile(os.path.join(top, "pyproject.toml")) else None

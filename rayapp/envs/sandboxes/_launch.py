@@ -11,7 +11,8 @@ nothing from rayapp, so it runs before any privilege is dropped without trusting
 
 Order matters, and each step is done while it still can be:
 1. unshare the network namespace (needs root, or a user namespace when unprivileged), bring its
-   private loopback up;
+   private loopback up; unshare the mount namespace and bind the sandbox's own tmp folder over /tmp
+   and /var/tmp and an empty folder over the project checkout;
 2. chdir into the working folder while still privileged (its parent may be closed to the sandbox user);
 3. set the rlimits (a hard limit cannot be raised again after dropping privileges);
 4. drop supplementary groups, then gid, then uid (real, effective and saved);
@@ -40,6 +41,8 @@ import warnings  # noqa: F401  os.execvp imports it lazily
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWNS = 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -76,19 +79,75 @@ def _loopback_up():
         fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
 
 
-def isolate_network():
+def enter_namespaces(flags):
     if os.geteuid() == 0:
-        _unshare(CLONE_NEWNET)
+        _unshare(flags)
     else:
-        # Unprivileged: a user namespace grants CAP_SYS_ADMIN over a new network namespace. Map our
+        # Unprivileged: a user namespace grants CAP_SYS_ADMIN over the new namespaces. Map our
         # own uid/gid to themselves so files keep their owner.
         uid, gid = os.getuid(), os.getgid()
-        _unshare(CLONE_NEWUSER | CLONE_NEWNET)
+        _unshare(CLONE_NEWUSER | flags)
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
+
+
+def isolate_network():
+    enter_namespaces(CLONE_NEWNET)
     with contextlib.suppress(OSError):
         _loopback_up()
+
+
+def _mount(source, target, flags):
+    if _libc().mount(source, target.encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _mount_point(top, rel):
+    """An fd of folder ``top/rel``, made where missing. The folders are in the sandbox's own tmp,
+    which its user may have changed between commands: walked one component at a time without
+    following symlinks, so root never creates or mounts anything outside it."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(top, flags)
+    for part in rel.split("/"):
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o711, dir_fd=fd)
+            sub = os.open(part, flags, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = sub
+    return fd
+
+
+def private_mounts(spec):
+    """In this process's own mount namespace: the sandbox's tmp folder is /tmp and /var/tmp, and
+    each path of ``hide`` (the project checkout) is covered by an empty folder. If the sandbox's
+    folder itself lives under /tmp, it is bound back at its own path so cwd, HOME and TMPDIR still
+    resolve."""
+    base, tmp, empty = spec["base"], spec["tmp"], spec["empty"]
+    base_fd = os.open(base, os.O_PATH | os.O_CLOEXEC)  # reachable after /tmp is covered
+    tmp_fd = os.open(tmp, os.O_PATH | os.O_CLOEXEC)
+    try:
+        # Private propagation first, or the binds below would show up in the host's namespace.
+        _mount(None, "/", MS_REC | MS_PRIVATE)
+        for path in spec.get("hide", ()):
+            _mount(empty.encode(), path, MS_BIND)
+        for path in ("/tmp", "/var/tmp"):
+            if os.path.isdir(path):
+                _mount(f"/proc/self/fd/{tmp_fd}".encode(), path, MS_BIND)
+        for top in ("/tmp", "/var/tmp"):
+            if base.startswith(top + "/"):
+                target = _mount_point(top, base[len(top) + 1:])
+                try:
+                    _mount(f"/proc/self/fd/{base_fd}".encode(), f"/proc/self/fd/{target}", MS_BIND)
+                finally:
+                    os.close(target)
+                break
+    finally:
+        os.close(base_fd)
+        os.close(tmp_fd)
 
 
 def switch_user(uid, gid):
@@ -114,11 +173,17 @@ def set_limits(limits):
 
 
 def probe(spec):
-    report = {"net": None, "user": None}
+    report = {"net": None, "user": None, "mount": None}
     try:
         isolate_network()
     except OSError as e:
         report["net"] = f"{type(e).__name__}: {e}"
+    try:
+        # After the network step's user namespace (unprivileged) or as root: what a command gets.
+        _unshare(CLONE_NEWNS) if report["net"] is None else enter_namespaces(CLONE_NEWNS)
+        _mount(None, "/", MS_REC | MS_PRIVATE)
+    except OSError as e:
+        report["mount"] = f"{type(e).__name__}: {e}"
     if spec.get("uid") is not None:
         try:
             switch_user(spec["uid"], spec["gid"])
@@ -151,6 +216,11 @@ def main():
         if spec.get("isolate_network"):
             step = "isolate the network"
             isolate_network()
+        if spec.get("mounts"):
+            step = "set up the private /tmp"
+            # Inside the network step's user namespace, if it made one, a mount namespace needs no more.
+            _unshare(CLONE_NEWNS) if spec.get("isolate_network") or os.geteuid() == 0 else enter_namespaces(CLONE_NEWNS)
+            private_mounts(spec["mounts"])
         step = f"enter the working folder {spec['cwd']}"
         os.chdir(spec["cwd"])
         step = "set rlimits"

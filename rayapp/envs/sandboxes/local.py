@@ -19,6 +19,11 @@ Guarantees, each enforced by the kernel rather than by politeness:
   size 0. Its wall clock (``timeout_s``, never above ``limits.wall_seconds``) SIGKILLs the whole
   group, children included; so does the command's own exit, so nothing it started in the background
   outlives it (a process that left the group with ``setsid`` dies on ``close``).
+- Files outside: each command runs in its own mount namespace where /tmp and /var/tmp are the
+  sandbox's own tmp folder and the project checkout (a source tree this code runs from) is an empty
+  folder. Without a mount namespace (seccomp, no user namespaces) a warning is logged once and only
+  TMPDIR/HOME point into the sandbox. Folders left by a host that died are swept when the next
+  sandbox under the same root starts.
 - Environment: built from nothing: PATH, HOME=workdir, TMPDIR (a private folder), LANG/LC_ALL, TERM,
   thread-pool sizes for numeric libraries (from ``cpu``), plus what the caller passes in ``env``.
   Nothing of the worker's environment (tokens, keys) leaks.
@@ -51,15 +56,20 @@ import weakref
 from rayapp.core.termination import AgentTimeout, SandboxError
 from rayapp.envs.sandboxes._host import (
     DEFAULT_PATH,
+    FOLDER_PREFIX,
+    OWNER_FILE,
     SandboxState,
     allocate_uid,
+    checkout_to_hide,
     cleanup,
     count_processes,
     kill_uid,
     killpg,
     launcher_argv,
+    owner_stamp,
     probe,
     sweep_shared_tmp,
+    sweep_stale_folders,
     warn_once,
 )
 from rayapp.envs.sandboxes._proc import communicate
@@ -92,6 +102,7 @@ class LocalProcessSandbox:
         self._env: dict[str, str] = {}
         self._real_workdir = ""
         self._shell = "/bin/sh"
+        self._mounts: dict | None = None
 
     async def __aenter__(self) -> LocalProcessSandbox:
         return await self.start()
@@ -140,12 +151,16 @@ class LocalProcessSandbox:
         try:
             root = self.root or tempfile.gettempdir()
             os.makedirs(root, exist_ok=True)
-            state.base = tempfile.mkdtemp(prefix=f"rayapp-sbx-{self.name or 'x'}-", dir=root)
+            sweep_stale_folders(root)
+            state.base = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{self.name or 'x'}-", dir=root)
             self.workdir, tmp = os.path.join(state.base, "work"), os.path.join(state.base, "tmp")
             for folder in (self.workdir, tmp):
                 os.mkdir(folder, 0o700)
                 if self.uid is not None:
                     os.chown(folder, self.uid, self._gid)
+            os.mkdir(os.path.join(state.base, "empty"), 0o500)  # covers the checkout: nothing to read or write
+            with open(os.path.join(state.base, OWNER_FILE), "w") as f:
+                f.write(owner_stamp())
             os.chmod(state.base, 0o711)  # the sandbox user may pass through to its folders, not list or write
         except OSError as e:
             raise SandboxError(f"sandbox {self.name!r}: cannot create its folder under {self.root}: {e}") from e
@@ -157,10 +172,22 @@ class LocalProcessSandbox:
         else:
             warn_once("net", f"sandbox network isolation is unavailable ({allowed['net']}): sandbox commands run "
                               "WITH the node's network (network_isolated=False)")
+        self._mounts = self._private_mounts(allowed, tmp)
         self._shell = shell = shutil.which("bash", path=self.path) or "/bin/sh"
         self._env = {"PATH": self.path, "HOME": self.workdir, "PWD": self.workdir, "TMPDIR": tmp,
                      "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "SHELL": shell, **thread_env(self.limits),
                      **self.extra_env}
+
+    def _private_mounts(self, allowed: dict[str, str | None], tmp: str) -> dict | None:
+        """What the launcher mounts: the sandbox's tmp over /tmp and /var/tmp, the checkout covered."""
+        if allowed.get("mount") is not None:
+            warn_once("mount", f"no mount namespace for sandboxes ({allowed['mount']}): commands see the host's /tmp "
+                               "and the project checkout (TMPDIR and HOME still point into the sandbox)")
+            return None
+        base = os.path.realpath(self._state.base or "")
+        checkout = checkout_to_hide()
+        hide = [checkout] if checkout and not base.startswith(checkout + os.sep) else []
+        return {"base": base, "tmp": os.path.realpath(tmp), "empty": os.path.join(base, "empty"), "hide": hide}
 
     async def close(self) -> None:
         """Kill every process, delete the folder, free the uid. Idempotent."""
@@ -205,7 +232,7 @@ class LocalProcessSandbox:
         if not wall > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         spec = {"cwd": self.workdir, "rlimits": self._rlimits(), "uid": self.uid, "gid": self._gid,
-                "isolate_network": self.network_isolated}
+                "isolate_network": self.network_isolated, "mounts": self._mounts}
         r, w = os.pipe()
         # Non-blocking: a process forked (without exec) elsewhere in this worker at the wrong moment
         # could hold a copy of the write end, and the read below must not wait for it.

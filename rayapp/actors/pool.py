@@ -25,9 +25,12 @@ Ray counts GPU in steps of 1e-4: finer GPU shares than that are not supported.
 
 A node that dies loses its group's bundles: work running there fails (``SandboxError`` through
 ``rayapp.actors.remote``), and work sent there later fails at once instead of waiting; the other
-nodes' groups carry on. The ledger keeps the dead node's capacity (the layout is the contract), so
-samples placed there keep aborting as infra faults until the service restarts on a layout without it;
-``placement()`` lists such nodes under ``lost_nodes``. At start-up the service removes every group
+nodes' groups carry on. The service reads its groups' states every ``state_poll_s`` seconds (a
+background task it owns, and before admitting when the last reading is older than that) and cordons
+a node whose group is not CREATED: no new token goes there, it leaves ``capacity_for`` (a batch that
+can no longer fit fails at once), and it is uncordoned if its group is CREATED again. Only the
+samples that held tokens there when it died abort; ``placement()`` lists such nodes under
+``lost_nodes`` and ``cordoned``. At start-up the service removes every group
 named with the ``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
 design), then makes its own. Ray ties a group to the job that made it, not to the actor, so a crashed
 service's groups live on until the next one starts; a service stopped in order removes its own.
@@ -62,6 +65,8 @@ NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it; bundles are pinne
 GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
 RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
+STATE_POLL_S = 2.0  # how often the service reads its groups' states (a lost node is cordoned within this)
+STATE_READ_TIMEOUT_S = 10.0  # one reading of the placement group table from the GCS
 
 
 class NodeResolutionError(ValueError):
@@ -273,7 +278,7 @@ class PlacementPoolService:
     worker thread, and the pool and its waiting acquires belong to the replica's event loop."""
 
     def __init__(self, cluster_layout: Any = None, num_cpus: float | None = None, memory_gb: float | None = None,
-                 pg_ready_timeout_s: float = 10.0):
+                 pg_ready_timeout_s: float = 10.0, state_poll_s: float = STATE_POLL_S):
         nodes = ray.nodes()
         layout = parse_cluster_layout(cluster_layout, num_cpus or 0.0, memory_gb or 0.0)
         if layout is None:
@@ -283,12 +288,49 @@ class PlacementPoolService:
         self.groups = NodeGroups(layout, self.node_ids)
         self.groups.start(pg_ready_timeout_s)
         self.pool = PlacementPool(layout, self.groups)
+        self.state_poll_s = state_poll_s
+        self._polled = -math.inf  # loop time of the last reading of the groups' states
+        self._watch: asyncio.Task | None = None
         log.info("placement pool over %d nodes: %s", len(layout), layout)
+
+    async def _refresh(self, max_age_s: float) -> dict[str, str] | None:
+        """Read the groups' states unless the last reading is younger than ``max_age_s``, and cordon
+        (or uncordon) each node by its group's state. The states read, or None when fresh enough."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._polled < max_age_s:
+            return None
+        states = await asyncio.wait_for(asyncio.to_thread(self.groups.states), STATE_READ_TIMEOUT_S)
+        self._polled = loop.time()
+        for node, state in states.items():
+            if state == "CREATED" and self.pool.uncordon(node):
+                log.warning("node %s: its placement group is CREATED again; uncordoned", node)
+            elif state != "CREATED" and self.pool.cordon(node):
+                log.warning("node %s: its placement group is %s (node lost?); cordoned, no new tokens go there",
+                            node, state)
+        return states
+
+    async def _watch_groups(self) -> None:
+        while True:
+            try:
+                await self._refresh(0.0)
+            except Exception as e:  # GCS slow or restarting: keep the last reading, try again
+                log.warning("reading the pool's placement group states failed: %s", e)
+            await asyncio.sleep(self.state_poll_s)
+
+    async def _ready(self) -> None:
+        """Before admitting: the watcher runs (started on the replica's loop at its first call), and
+        the states are no older than ``state_poll_s``."""
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_groups())
+        await self._refresh(self.state_poll_s)
 
     def __del__(self) -> None:
         # Ray removes a group when the job that made it ends, not when this actor dies: a replica
         # stopped in order (Serve calls __del__) gives its groups back now; a crashed one's are
         # removed by the next service at start-up.
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
         groups = getattr(self, "groups", None)
         if groups is not None:
             try:
@@ -297,6 +339,7 @@ class PlacementPoolService:
                 log.debug("removing the pool's placement groups failed: %s", e)
 
     async def acquire_batch(self, request: BatchRequest) -> list[Token]:
+        await self._ready()
         return await self.pool.acquire_batch(request)
 
     async def release_tokens(self, tokens: list[Token]) -> None:
@@ -310,13 +353,15 @@ class PlacementPoolService:
         return await self.pool.release_owner(owner)
 
     async def max_tokens_for(self, per_sample: Resource) -> int:
+        await self._ready()
         return self.pool.capacity_for(per_sample)
 
     async def placement(self) -> dict[str, Any]:
         """Who holds what: each held batch's tokens (node, GPU ids, fraction, placement group and
-        bundle), each node's group and its state, the nodes whose group Ray lost, and the ledger's
-        free view."""
-        states = self.groups.states()
+        bundle), each node's group and its state, the nodes whose group Ray lost, those cordoned, and
+        the ledger's free view (cordoned nodes left out)."""
+        await self._ready()
+        states = await self._refresh(0.0)
         return {
             "batches": {b.name: {"owner": b.owner, "tokens": [
                 {"node": t.node, "node_id": self.node_ids[t.node], "gpu_ids": list(t.gpu_ids), "gpu": t.gpu,
@@ -325,6 +370,7 @@ class PlacementPoolService:
             "groups": {n: {"placement_group": self.groups.names[n], "node_id": self.node_ids[n], "state": states[n],
                            "bundles": node_bundles(spec)} for n, spec in self.layout.items()},
             "lost_nodes": sorted(n for n, state in states.items() if state != "CREATED"),
+            "cordoned": self.pool.cordoned,
             "free": {n: msgspec.structs.asdict(r) for n, r in self.pool.free().items()},
             "held_tokens": self.pool.held,
             "waiting": self.pool.waiting,

@@ -305,3 +305,56 @@ def test_a_node_group_read_off_the_live_cluster_never_asks_for_more_than_the_nod
         (spec,) = layout_from_cluster([node]).values()
         rest = node_bundles(spec)[-1]
         assert rest.get("memory", 0) <= memory and rest.get("CPU", 0) <= cpu + 1e-12, (rest, memory, cpu)
+
+
+def test_an_acquire_whose_caller_gave_up_is_withdrawn_or_its_grant_freed(ray_session, pool):
+    from rayapp.actors.pool_client import PoolClient
+
+    budget = Resource(gpu=4, concurrency=16, cpu=8, memory_gb=4)
+    client = PoolClient(pool, "gone", call_timeout_s=0.5)
+
+    async def scenario():
+        held = await client.acquire_batch(BatchRequest(budget, QUARTER, 16, label="hog"))
+        # Its caller stops waiting while it is parked: the client's cancel withdraws it.
+        with pytest.raises(TimeoutError):
+            await client.acquire_batch(BatchRequest(budget, QUARTER, 4, label="parked", timeout_s=0.5))
+        for _ in range(100):
+            if not (await client.placement())["waiting"]:
+                break
+            await asyncio.sleep(0.05)
+        assert (await client.placement())["waiting"] == 0
+        await client.release_batch(held)
+        # Granted, but its caller is gone by the time the answer lands: cancel(request_id) frees it.
+        tokens = await pool.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="late", owner="gone"), "r-late")
+        assert tokens and await pool.cancel.remote("r-late") == "released"
+        assert (await client.placement())["batches"] == {}
+
+    asyncio.run(scenario())
+
+
+def test_an_owner_that_stops_renewing_has_its_batches_freed_after_the_lease(ray_session):
+    ray = ray_session
+    from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_client import PoolClient
+
+    actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=10.0,
+                                                                        state_poll_s=0.2, lease_s=2.0)
+    try:
+        budget = Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1)
+        live = PoolClient(actor, "live", renew_s=0.3)
+
+        async def scenario():
+            await live.acquire_batch(BatchRequest(budget, QUARTER, 4, label="kept"))
+            # a manager that hangs: it got its batch, then never calls again
+            await actor.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="hung", owner="hung"))
+            for _ in range(100):
+                owners = {b["owner"] for b in (await live.placement())["batches"].values()}
+                if owners == {"live"}:
+                    break
+                await asyncio.sleep(0.1)
+            return owners
+
+        assert asyncio.run(scenario()) == {"live"}  # the renewing client keeps its batch
+        assert ray.get(actor.release_owner.remote("live"), timeout=30) == 1
+    finally:
+        ray.kill(actor)

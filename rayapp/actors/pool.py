@@ -53,7 +53,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
-from rayapp.core.pool import PlacementPool
+from rayapp.core.leases import LEASE_S, LeasedPool
 from rayapp.core.termination import AgentTimeout, SandboxError
 from rayapp.core.units import CPU_UNIT, MEM_UNIT, to_units
 from rayapp.types import BatchRequest, NodeSpec, Resource, Token
@@ -272,13 +272,14 @@ async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: flo
 
 
 class PlacementPoolService:
-    """Hosted as one Serve replica (or a plain Ray actor in tests): the core pool over one placement
-    group per layout node, reserved when it starts (``pg_ready_timeout_s`` bounds that; a layout Ray
-    cannot hold is a PlacementError then). Every method is ``async``: Serve runs a plain ``def`` in a
+    """Hosted as one Serve replica (or a plain Ray actor in tests): the core pool (``LeasedPool``:
+    cancellable request ids, owner leases of ``lease_s`` seconds) over one placement group per layout
+    node, reserved when it starts (``pg_ready_timeout_s`` bounds that; a layout Ray cannot hold is a
+    PlacementError then). Every method is ``async``: Serve runs a plain ``def`` in a
     worker thread, and the pool and its waiting acquires belong to the replica's event loop."""
 
     def __init__(self, cluster_layout: Any = None, num_cpus: float | None = None, memory_gb: float | None = None,
-                 pg_ready_timeout_s: float = 10.0, state_poll_s: float = STATE_POLL_S):
+                 pg_ready_timeout_s: float = 10.0, state_poll_s: float = STATE_POLL_S, lease_s: float | None = LEASE_S):
         nodes = ray.nodes()
         layout = parse_cluster_layout(cluster_layout, num_cpus or 0.0, memory_gb or 0.0)
         if layout is None:
@@ -287,7 +288,7 @@ class PlacementPoolService:
         self.node_ids = resolve_nodes(list(layout), nodes)
         self.groups = NodeGroups(layout, self.node_ids)
         self.groups.start(pg_ready_timeout_s)
-        self.pool = PlacementPool(layout, self.groups)
+        self.pool = LeasedPool(layout, self.groups, lease_s=lease_s)
         self.state_poll_s = state_poll_s
         self._polled = -math.inf  # loop time of the last reading of the groups' states
         self._watch: asyncio.Task | None = None
@@ -315,6 +316,10 @@ class PlacementPoolService:
                 await self._refresh(0.0)
             except Exception as e:  # GCS slow or restarting: keep the last reading, try again
                 log.warning("reading the pool's placement group states failed: %s", e)
+            try:
+                await self.pool.expire_leases()
+            except Exception as e:  # the expired batches' ledger part is back already; log the rest
+                log.warning("freeing the batches of expired leases failed: %s", e)
             await asyncio.sleep(self.state_poll_s)
 
     async def _ready(self) -> None:
@@ -338,9 +343,17 @@ class PlacementPoolService:
             except Exception as e:  # Ray already gone (interpreter shutdown): nothing left to free
                 log.debug("removing the pool's placement groups failed: %s", e)
 
-    async def acquire_batch(self, request: BatchRequest) -> list[Token]:
+    async def acquire_batch(self, request: BatchRequest, request_id: str | None = None) -> list[Token]:
         await self._ready()
-        return await self.pool.acquire_batch(request)
+        return await self.pool.acquire_batch(request, request_id)
+
+    async def cancel(self, request_id: str) -> str:
+        """The caller of ``request_id`` is gone: withdraw its acquire or free what it was granted."""
+        return await self.pool.cancel(request_id)
+
+    async def renew(self, owner: str) -> None:
+        """``owner`` is alive: its batches are kept another lease period."""
+        self.pool.renew(owner)
 
     async def release_tokens(self, tokens: list[Token]) -> None:
         await self.pool.release_tokens(tokens)

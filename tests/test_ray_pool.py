@@ -216,7 +216,7 @@ def test_releasing_a_foreign_or_partial_batch_is_refused(ray_session, pool):
 
 
 def test_node_resolution_and_layout_from_cluster_are_pure():
-    from rayapp.actors.pool import NodeResolutionError, layout_from_cluster, resolve_nodes
+    from rayapp.actors.nodes import NodeResolutionError, layout_from_cluster, resolve_nodes
 
     nodes = [
         {"Alive": True, "NodeID": "aa", "NodeManagerAddress": "10.0.0.1", "Labels": {},
@@ -295,7 +295,8 @@ def test_a_service_stopped_in_order_removes_its_groups(ray_session):
 
 
 def test_a_node_group_read_off_the_live_cluster_never_asks_for_more_than_the_node_has():
-    from rayapp.actors.pool import layout_from_cluster, node_bundles
+    from rayapp.actors.nodes import layout_from_cluster
+    from rayapp.actors.pool import node_bundles
 
     # Ray detects odd amounts (bytes of memory free at start, CPU in steps of 1e-4): rounding them to
     # the ledger's units must go down, or Ray can never make the node's group and the pool cannot start.
@@ -358,3 +359,38 @@ def test_an_owner_that_stops_renewing_has_its_batches_freed_after_the_lease(ray_
         assert ray.get(actor.release_owner.remote("live"), timeout=30) == 1
     finally:
         ray.kill(actor)
+
+
+def test_a_layout_read_off_the_live_cluster_counts_only_what_the_engines_leave_free(ray_session):
+    ray = ray_session
+    from rayapp.actors.nodes import layout_from_cluster
+    from rayapp.actors.pool import PlacementPoolService, remove_leftovers
+
+    node = {"Alive": True, "NodeID": "aa", "NodeManagerAddress": "10.0.0.1", "Labels": {},
+            "Resources": {"CPU": 16.0, "GPU": 4.0, "memory": 64 * 2**30}}
+    free = {"aa": {"CPU": 12.0, "GPU": 2.5, "memory": 48 * 2**30}}  # an engine holds 1.5 GPUs
+    (spec,) = layout_from_cluster([node], available=free).values()
+    assert spec.gpus == (0, 1) and spec.cpu == 12 and spec.memory_gb == 48
+    (capped,) = layout_from_cluster([node], num_cpus=20, memory_gb=8, available=free).values()
+    assert capped.cpu == 12 and capped.memory_gb == 8  # the flags cap what is free, never raise it
+
+    @ray.remote(num_gpus=1, num_cpus=2)
+    class Engine:
+        def ready(self):
+            return True
+
+    remove_leftovers()  # killed services' groups (Ray ties them to the job) would hold every GPU
+    engine = Engine.remote()
+    ray.get(engine.ready.remote(), timeout=60)
+    service = ray.remote(PlacementPoolService).options(num_cpus=0).remote(None, pg_ready_timeout_s=10.0)
+    try:
+        # the session has 4 GPUs; the engine holds one: three are the pool's, and the check is true
+        assert ray.get(service.max_tokens_for.remote(Resource(gpu=1)), timeout=60) == 3
+        budget = Resource(gpu=3, concurrency=3)
+        tokens = ray.get(service.acquire_batch.remote(BatchRequest(budget, Resource(gpu=1), 3, label="all")),
+                         timeout=60)
+        assert len(tokens) == 3
+        ray.get(service.release_batch.remote(tokens), timeout=60)
+    finally:
+        ray.kill(service)
+        ray.kill(engine)

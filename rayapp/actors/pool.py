@@ -35,8 +35,8 @@ named with the ``rayapp/`` prefix (a previous service's, also those of the one-g
 design), then makes its own. Ray ties a group to the job that made it, not to the actor, so a crashed
 service's groups live on until the next one starts; a service stopped in order removes its own.
 
-Layout node names resolve to Ray nodes by the ``rayapp.io/node`` label, the node id, or the node's
-IP, in that order; a name that matches no live node, or several, is an error at start-up.
+Layout node names resolve to Ray nodes as ``rayapp.actors.nodes`` says; with no layout, the pool
+reads one off what the live cluster leaves free (``layout_from_cluster``).
 """
 
 from __future__ import annotations
@@ -44,13 +44,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Any
 
 import msgspec
 import ray
+from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayapp.actors.nodes import layout_from_cluster, resolve_nodes
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.leases import LEASE_S, LeasedPool
@@ -60,70 +63,12 @@ from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 
 log = logging.getLogger(__name__)
 
-NODE_LABEL = "rayapp.io/node"  # optional node label naming a node in the cluster layout
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it; bundles are pinned with it
 GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
 RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
 STATE_POLL_S = 2.0  # how often the service reads its groups' states (a lost node is cordoned within this)
 STATE_READ_TIMEOUT_S = 10.0  # one reading of the placement group table from the GCS
-
-
-class NodeResolutionError(ValueError):
-    pass
-
-
-def _alive(ray_nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [n for n in ray_nodes if n.get("Alive", n.get("alive", False))]
-
-
-def _node_name(node: dict[str, Any], ip_count: dict[str, int]) -> str:
-    label = (node.get("Labels") or {}).get(NODE_LABEL)
-    ip = node["NodeManagerAddress"]
-    return label or (ip if ip_count[ip] == 1 else node["NodeID"])
-
-
-def layout_from_cluster(ray_nodes: list[dict[str, Any]], num_cpus: float | None = None,
-                        memory_gb: float | None = None) -> dict[str, NodeSpec]:
-    """A cluster layout read off the live cluster (``ray.nodes()``): each node's whole GPUs, its CPUs
-    and memory, unless ``num_cpus``/``memory_gb`` (the --env-num-cpus / --env-memory-gb flags) say
-    otherwise. Nodes are named by their rayapp.io/node label, else their IP, else their id."""
-    alive = _alive(ray_nodes)
-    ip_count: dict[str, int] = {}
-    for n in alive:
-        ip_count[n["NodeManagerAddress"]] = ip_count.get(n["NodeManagerAddress"], 0) + 1
-    layout = {}
-    for n in alive:
-        res = n.get("Resources", {})
-        if not any(res.get(k, 0) > 0 for k in ("GPU", "CPU", "memory")):
-            continue
-        layout[_node_name(n, ip_count)] = NodeSpec(
-            gpus=tuple(range(int(res.get("GPU", 0)))),
-            cpu=float(num_cpus if num_cpus is not None else _down(res.get("CPU", 0), CPU_UNIT)),
-            memory_gb=float(memory_gb if memory_gb is not None else _down(res.get("memory", 0) / 2**30, MEM_UNIT)),
-        )
-    if not layout:
-        raise NodeResolutionError("the live Ray cluster has no node with GPUs, CPUs or memory")
-    return layout
-
-
-def resolve_nodes(names: list[str], ray_nodes: list[dict[str, Any]]) -> dict[str, str]:
-    """Layout node name -> Ray node id, by label, then node id, then IP; exactly one match each."""
-    alive = _alive(ray_nodes)
-    out = {}
-    for name in names:
-        for key in (lambda n: (n.get("Labels") or {}).get(NODE_LABEL), lambda n: n["NodeID"],
-                    lambda n: n["NodeManagerAddress"]):
-            matches = [n["NodeID"] for n in alive if key(n) == name]
-            if matches:
-                break
-        if len(matches) != 1:
-            why = "no live Ray node" if not matches else f"{len(matches)} Ray nodes"
-            raise NodeResolutionError(
-                f"cluster layout node {name!r} matches {why}; name nodes by IP or node id, or start them "
-                f"with the label {NODE_LABEL}={name}")
-        out[name] = matches[0]
-    return out
 
 
 class PlacementError(RuntimeError):
@@ -136,12 +81,6 @@ def node_bundles(spec: NodeSpec) -> list[dict[str, float]]:
     rest = {"CPU": _cpu(spec.cpu), "memory": _memory(spec.memory_gb)}
     rest = {k: v for k, v in rest.items() if v > 0} or {"CPU": MIN_BUNDLE_CPU}
     return [{"GPU": 1.0} for _ in spec.gpus] + [rest]
-
-
-def _down(value: float, scale: int) -> float:
-    """A live node's amount rounded DOWN to the ledger's unit: its node group (in those units) must
-    never ask Ray for more than the node has, whatever odd byte count Ray detected."""
-    return math.floor(value * scale) / scale
 
 
 def _cpu(cores: float) -> float:
@@ -168,6 +107,28 @@ def remove_leftovers() -> list[str]:
     if gone:
         log.warning("removed %d placement groups a previous pool service left: %s", len(gone), gone)
     return gone
+
+
+def free_per_node(settle_s: float = 5.0) -> dict[str, dict[str, float]]:
+    """Ray's available resources per node id once a previous service's groups are gone: they are
+    removed here (``remove_leftovers``), and Ray's view is read again until it shows their bundles
+    back (``settle_s`` at most), so they count as free and nothing else does."""
+    owed: dict[str, dict[str, float]] = {}
+    for info in ray.util.placement_group_table().values():
+        if info.get("name", "").startswith(GROUP_PREFIX) and info.get("state") == "CREATED":
+            for index, bundle in info.get("bundles", {}).items():
+                node = owed.setdefault(info.get("bundles_to_node_id", {}).get(index, ""), {})
+                for k, v in bundle.items():
+                    node[k] = node.get(k, 0) + v
+    before = available_resources_per_node()
+    remove_leftovers()
+    deadline = time.monotonic() + settle_s
+    while True:
+        now = available_resources_per_node()
+        if all(now.get(n, {}).get(k, 0) >= before.get(n, {}).get(k, 0) + v - 1e-6
+               for n, need in owed.items() if n for k, v in need.items()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
 
 
 class NodeGroups:
@@ -282,8 +243,8 @@ class PlacementPoolService:
                  pg_ready_timeout_s: float = 10.0, state_poll_s: float = STATE_POLL_S, lease_s: float | None = LEASE_S):
         nodes = ray.nodes()
         layout = parse_cluster_layout(cluster_layout, num_cpus or 0.0, memory_gb or 0.0)
-        if layout is None:
-            layout = layout_from_cluster(nodes, num_cpus, memory_gb)
+        if layout is None:  # only what the engine replicas started before the pool leave free
+            layout = layout_from_cluster(nodes, num_cpus, memory_gb, free_per_node())
         self.layout = layout
         self.node_ids = resolve_nodes(list(layout), nodes)
         self.groups = NodeGroups(layout, self.node_ids)

@@ -119,7 +119,7 @@ def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):
         try:
             assert await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60) == 3  # the bundle works
             ray.util.remove_placement_group(ray.util.get_placement_group(tokens[0].placement_group))
-            with pytest.raises(SandboxError, match=r"bundle rayapp/node/127\.0\.0\.1\[\d\] on 127\.0\.0\.1 is"):
+            with pytest.raises(SandboxError, match=r"bundle rayapp/node/127\.0\.0\.1@\w+\[\d\] on 127\.0\.0\.1 is"):
                 await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60)
             with pytest.raises(SandboxError, match=r"is (lost|gone)"):
                 await open_sandbox(tokens[1])

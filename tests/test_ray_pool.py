@@ -24,7 +24,16 @@ def pool(ray_session):
     ray.kill(actor)
 
 
-GROUP = "rayapp/node/127.0.0.1"
+class _NodeGroup(str):
+    """Equal to the node's group name of any service: rayapp/node/127.0.0.1@<incarnation>."""
+
+    def __eq__(self, other):
+        return isinstance(other, str) and other.startswith(self + "@")
+
+    __hash__ = str.__hash__
+
+
+GROUP = _NodeGroup("rayapp/node/127.0.0.1")
 
 
 def live_groups(ray):
@@ -162,7 +171,7 @@ def test_a_restarted_service_removes_what_its_predecessor_left_and_makes_its_own
     old = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
     budget = Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1)
     # the old service still holds a batch when the new one starts
-    ray.get(old.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="held")), timeout=30)
+    stale = ray.get(old.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="held")), timeout=30)
     # a group left by the one-group-per-batch design (it cannot fit: the node group holds every GPU)
     stray = ray.util.placement_group([{"GPU": 1}], name="rayapp/rollout0/b0/math/1")
     (old_id,) = [i for i, (name, _) in live_groups(ray).items() if name == GROUP]
@@ -171,8 +180,17 @@ def test_a_restarted_service_removes_what_its_predecessor_left_and_makes_its_own
         tokens = ray.get(new.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="fresh")), timeout=30)
         (new_id,) = [i for i, (name, state) in live_groups(ray).items() if name == GROUP and state == "CREATED"]
         assert new_id != old_id and live_groups(ray) == {new_id: (GROUP, "CREATED")}
+        old_name = ray.get(old.__ray_call__.remote(lambda self: self.groups.names["127.0.0.1"]), timeout=30)
+        assert {t.placement_group for t in tokens} != {old_name}  # the new service's own group
+        # the old service's samples cannot run in the new group unaccounted: a lost bundle, infra_sandbox
+        from rayapp.actors.pool import run_in_bundle
+        from rayapp.core.termination import SandboxError, classify_abort
+
+        with pytest.raises(SandboxError, match="is gone") as info:
+            asyncio.run(run_in_bundle(stale[0], sum, [1, 2], timeout_s=30))
+        assert classify_abort(info.value).value == "infra_sandbox"
         assert ray.util.placement_group_table(stray)["state"] == "REMOVED"
-        assert {t.placement_group for t in tokens} == {GROUP}
+        assert all(t.placement_group == GROUP for t in tokens)
         ray.get(new.release_batch.remote(tokens), timeout=30)
     finally:
         ray.kill(old)

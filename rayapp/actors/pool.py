@@ -4,7 +4,9 @@ The core pool decides (all-or-nothing, best-fit, FIFO, spec §3). Ray cannot gro
 placement group, and making one per batch costs a Ray round trip plus, now and then, a ~1 s wait for
 resources a removed group gives back; so the service reserves the whole layout once, at start-up,
 all-or-nothing, and the ledger sub-allocates it. Each layout node gets one group, named
-``rayapp/node/<node>`` and pinned to its Ray node with a ``ray.io/node-id`` bundle label selector:
+``rayapp/node/<node>@<incarnation>`` (the service's own, so a token of a previous service never
+resolves to this one's group: its work fails as a lost bundle instead of running unaccounted here)
+and pinned to its Ray node with a ``ray.io/node-id`` bundle label selector:
 
 * bundle ``p`` for each of the node's GPUs, ``{"GPU": 1}``: the layout's GPU at position ``p``;
 * a last bundle with the node's CPU and memory, ``{"CPU", "memory"}``.
@@ -45,6 +47,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from typing import Any
 
 import msgspec
@@ -64,7 +67,7 @@ from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 log = logging.getLogger(__name__)
 
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it; bundles are pinned with it
-GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>
+GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>@<incarnation>
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
 RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
 STATE_POLL_S = 2.0  # how often the service reads its groups' states (a lost node is cordoned within this)
@@ -138,7 +141,8 @@ class NodeGroups:
 
     def __init__(self, layout: dict[str, NodeSpec], node_ids: dict[str, str]):
         self.layout, self.node_ids = layout, node_ids
-        self.names = {node: f"{GROUP_PREFIX}node/{node}" for node in layout}
+        incarnation = uuid.uuid4().hex[:8]
+        self.names = {node: f"{GROUP_PREFIX}node/{node}@{incarnation}" for node in layout}
         self._gpu_pos = {node: {g: p for p, g in enumerate(spec.gpus)} for node, spec in layout.items()}
         self.groups: dict[str, PlacementGroup] = {}
 

@@ -79,8 +79,9 @@ def test_tokens_land_on_the_chosen_nodes_and_batches_spread(cluster):
     assert all(resolved[ledger_node] == ray_node for ledger_node, ray_node, _ in seen), seen
     assert {ledger_node for ledger_node, _, _ in seen} == {"node-a", "node-b"}  # one batch spread over both
     # each sample's work ran in its node's long-lived group, the one the pool reserved at start-up
+    names = ray.get(pool.__ray_call__.remote(lambda self: self.groups.names), timeout=60)
     groups = {pg["name"]: i for i, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
-    assert all(group_id == groups[f"rayapp/node/{ledger_node}"] for ledger_node, _, group_id in seen), seen
+    assert all(group_id == groups[names[ledger_node]] for ledger_node, _, group_id in seen), seen
     assert ray.get(pool.snapshot.remote(), timeout=60) == initial
     assert placement["batches"] == {}
     ray.kill(pool)

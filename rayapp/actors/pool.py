@@ -257,16 +257,22 @@ class PlacementPoolService:
         self.state_poll_s = state_poll_s
         self._polled = -math.inf  # loop time of the last reading of the groups' states
         self._watch: asyncio.Task | None = None
+        self._reading: asyncio.Task | None = None  # the read of the groups' states in flight
         log.info("placement pool over %d nodes: %s", len(layout), layout)
 
     async def _refresh(self, max_age_s: float) -> dict[str, str] | None:
         """Read the groups' states unless the last reading is younger than ``max_age_s``, and cordon
-        (or uncordon) each node by its group's state. The states read, or None when fresh enough."""
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._polled < max_age_s:
+        (or uncordon) each node by its group's state. The states read, or None when fresh enough.
+        Callers that find the reading stale at once share one read."""
+        if asyncio.get_running_loop().time() - self._polled < max_age_s:
             return None
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.get_running_loop().create_task(self._read_states())
+        return await asyncio.shield(self._reading)
+
+    async def _read_states(self) -> dict[str, str]:
         states = await asyncio.wait_for(asyncio.to_thread(self.groups.states), STATE_READ_TIMEOUT_S)
-        self._polled = loop.time()
+        self._polled = asyncio.get_running_loop().time()
         for node, state in states.items():
             if state == "CREATED" and self.pool.uncordon(node):
                 log.warning("node %s: its placement group is CREATED again; uncordoned", node)

@@ -79,8 +79,11 @@ class PerBatchService:
         parsed = parse_cluster_layout(layout)
         self.pool = PlacementPool(parsed, PerBatchGroups(resolve_nodes(list(parsed), ray.nodes())))
 
-    async def acquire_batch(self, request: BatchRequest) -> list[Token]:
+    async def acquire_batch(self, request: BatchRequest, request_id: str | None = None) -> list[Token]:
         return await self.pool.acquire_batch(request)
+
+    async def renew(self, owner: str) -> None:
+        """The former design had no leases: nothing to renew."""
 
     async def release_batch(self, tokens: list[Token]) -> None:
         await self.pool.release_batch(tokens)

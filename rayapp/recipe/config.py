@@ -177,7 +177,9 @@ class SchedulerSection(_Strict, dict=True):
                                                            "save nothing")] = None
     checkpoint_dir: Annotated[str | None, Meta(description="folder for mid-rollout checkpoints (source state + each "
                                                            "finished group): a restarted manager resumes the step "
-                                                           "without re-running finished groups; unset: none")] = None
+                                                           "without re-running finished groups, and the two latest "
+                                                           "finished steps' results are served from it again "
+                                                           "(step_results/); unset: none")] = None
     partial: Annotated[PartialConfig | None, Meta(description="partial rollouts: a step starts more groups than "
                                                               "rollout_batch_size, returns once that many are "
                                                               "complete and carries the rest into the next step "

@@ -5,7 +5,8 @@ memory 0.01 GB each) acquired and released whole, sequentially and from 8 concur
 p50 and p99 per batch (ms) and batches/s, on one node (``ray.init`` with 8 logical GPUs) and on a
 4-node ``ray.cluster_utils.Cluster``, for the pool's design (one long-lived placement group per node,
 the ledger sub-allocating it) and, unless ``--smoke``, for the former design kept here as a bench-only
-mode (one placement group made and removed per batch). Figures only; nothing here asserts on time.
+mode (one placement group made and removed per batch) and for Ray's floor (the same two calls to an
+async actor that does nothing: what any design through one actor pays). Figures only; nothing here asserts on time.
 Ray listens on 127.0.0.1 only, with local auth off.
 
 Run from the repo root: ``.venv/bin/python bench/ray_pool.py [--smoke] [--batches N]``.
@@ -89,6 +90,26 @@ class PerBatchService:
         await self.pool.release_batch(tokens)
 
 
+class RayFloor:
+    """Ray's own floor for the same two calls: an async actor that decides nothing and holds nothing
+    (``acquire_batch`` hands back no tokens, ``release_batch`` returns at once)."""
+
+    def __init__(self, layout: str):
+        pass
+
+    async def acquire_batch(self, request: BatchRequest, request_id: str | None = None) -> list[Token]:
+        return []
+
+    async def renew(self, owner: str) -> None:
+        pass
+
+    async def release_batch(self, tokens: list[Token]) -> None:
+        pass
+
+
+DESIGNS = {"group per node": PlacementPoolService, "group per batch": PerBatchService, "no-op (Ray floor)": RayFloor}
+
+
 async def one_batch(client: PoolClient) -> float:
     start = time.perf_counter()
     tokens = await client.acquire_batch(REQUEST)
@@ -113,17 +134,17 @@ async def run(client: PoolClient, batches: int, concurrency: int) -> tuple[list[
 def row(setup: str, design: str, mode: str, times: list[float], wall: float) -> str:
     ms = sorted(t * 1000 for t in times)
     p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
-    return (f"{setup:<8} {design:<16} {mode:<12} {len(ms):>7} {statistics.median(ms):>8.2f} {p99:>8.2f} "
+    return (f"{setup:<8} {design:<18} {mode:<12} {len(ms):>7} {statistics.median(ms):>8.2f} {p99:>8.2f} "
             f"{len(ms) / wall:>10.1f}")
 
 
 def measure(setup: str, layout: dict[str, Any], batches: int, designs: list[str]) -> list[str]:
     rows = []
     for design in designs:
-        cls = PlacementPoolService if design == "group per node" else PerBatchService
+        cls = DESIGNS[design]
         actor = ray.remote(cls).options(num_cpus=0).remote(json.dumps(layout))
         client = PoolClient(actor, "bench")
-        n = batches if design == "group per node" else max(8, batches // 20)  # the old design is slow
+        n = max(8, batches // 20) if design == "group per batch" else batches  # the old design is slow
         asyncio.run(run(client, 4, 1))  # warm up the actor and the client's path
         for mode, concurrency in (("sequential", 1), (f"concurrent {CONCURRENCY}", CONCURRENCY)):
             times, wall = asyncio.run(run(client, n, concurrency))
@@ -140,9 +161,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=1000, help="batches per measurement (default 1000)")
     args = ap.parse_args()
     batches = 40 if args.smoke else args.batches
-    designs = ["group per node"] if args.smoke else ["group per node", "group per batch"]
+    designs = ["group per node"] if args.smoke else list(DESIGNS)
     print(f"acquire+release of one {BATCH}-token batch through PlacementPoolService (PoolClient over an actor)")
-    print(f"{'setup':<8} {'design':<16} {'mode':<12} {'batches':>7} {'p50 ms':>8} {'p99 ms':>8} {'batches/s':>10}")
+    print(f"{'setup':<8} {'design':<18} {'mode':<12} {'batches':>7} {'p50 ms':>8} {'p99 ms':>8} {'batches/s':>10}")
 
     ray.init(address="local", num_cpus=10, num_gpus=8, include_dashboard=False, logging_level="warning",
              log_to_driver=False)

@@ -19,9 +19,9 @@ from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.episode import RESUME_POINTS, EpisodeKey, ResumePoint, TurnRecord
 from rayapp.training import checkpoint as checkpoint_module
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.partial import PartialConfig, PartialRollouts, group_index
-from rayapp.types import AgentResult, EvaluatorSpec, Resource
+from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
+from rayapp.training.partial import SAMPLE_INDICES, PartialConfig, PartialRollouts, group_index
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status
 
 
 class Resuming(LongTail):
@@ -170,24 +170,28 @@ def test_a_finished_write_that_fails_then_succeeds_keeps_the_carried_groups(make
     assert not {g.task.task_id for g in carried} & set(ids(result.groups))
 
 
+@pytest.mark.parametrize("agent_type,cfg", [(LongTail, CFG), (Resuming, KEEP)])
 def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_and_repeats_nothing(
-        make_pool, tmp_path):
-    sched0, _ = make(make_pool, LongTail(seed=51), Stream(), batch=3)
-    first = run_virtual(PartialRollouts(sched0, CFG, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+        make_pool, tmp_path, agent_type, cfg):
+    sched0, _ = make(make_pool, agent_type(seed=51), Stream(group=4), batch=3)
+    first = run_virtual(PartialRollouts(sched0, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
     carried0 = {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
 
     # step 1 completes, but its FINISHED record (with what it carries on) cannot be written
-    sched1, _ = make(make_pool, LongTail(seed=52), Stream(), batch=3)
+    sched1, _ = make(make_pool, agent_type(seed=52), Stream(group=4), batch=3)
     ck = FailingFinish(tmp_path, rollout=1, fails=10 ** 6)
     with pytest.raises(RuntimeError, match=r"rollout 1: could not save the \d+ groups it carries on"):
-        run_virtual(PartialRollouts(sched1, CFG, ck).execute_rollout(1))
+        run_virtual(PartialRollouts(sched1, cfg, ck).execute_rollout(1))
     assert ck.tries == checkpoint_module.FINISH_TRIES
     assert RolloutCheckpoint(tmp_path).carried(1) is None  # nothing half-written
+    # under resume, step 1's own checkpoint holds parts of carried groups (their samples not ended)
+    parts = [g for g in RolloutCheckpoint(tmp_path).resume(1).groups.values() if SAMPLE_INDICES in g[0].metadata]
+    assert bool(parts) == (cfg.policy == "resume")
 
     # a new manager over the same folder: the trainer runs step 1 again, then step 2
-    source = Stream()
-    sched2, _ = make(make_pool, LongTail(seed=53), source, batch=3)
-    again = PartialRollouts(sched2, CFG, RolloutCheckpoint(tmp_path))
+    source = Stream(group=4)
+    sched2, _ = make(make_pool, agent_type(seed=53), source, batch=3)
+    again = PartialRollouts(sched2, cfg, RolloutCheckpoint(tmp_path))
     second = run_virtual(again.execute_rollout(1))
     assert second.metrics["rollout/resumed_groups"] == 3.0  # the groups step 1 finished are not run again
     assert carried0 <= {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
@@ -197,3 +201,26 @@ def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_an
     assert carried0 <= set(returned) | {g.task.task_id for g in again.carried()}
     assert sorted(returned + [g.task.task_id for g in again.carried()]) == sorted(
         f"t{i}" for i in range(source.cursor))
+    assert all([s.index for s in g] == [0, 1, 2, 3] for r in (first, second, third) for g in r.groups)
+
+
+def test_a_carried_group_whose_samples_all_ended_is_returned_without_running(make_pool, tmp_path):
+    agent, source = Resuming(seed=5), Stream(group=2)
+    task = (run_virtual(source.get_tasks(1)))[0]
+    ended = [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED,
+                    metadata={EpisodeKey.TURN_PLACEMENT.value: [{"turn": 1, "weight_version": "0"}]})
+             for i in (1, 0)]
+    ck = RolloutCheckpoint(tmp_path)
+    ck.begin(0, source.state_dict())
+    ck.finish(0, source.state_dict(), [CarriedGroup(task, 0, ended)])
+    sched, _ = make(make_pool, agent, source, batch=2)
+    seen = []
+
+    async def on_done(t, samples):
+        seen.append((t.task_id, [s.index for s in samples]))
+
+    result = run_virtual(PartialRollouts(sched, KEEP, RolloutCheckpoint(tmp_path)).execute_rollout(1, on_done))
+    assert ids(result.groups)[0] == task.task_id and [s.index for s in result.groups[0]] == [0, 1]
+    assert (task.task_id, [0, 1]) in seen and len(seen) == 2
+    assert not {k for k in agent.started if k[0] == task.task_id}  # nothing of it ran again
+    assert result.metrics["rollout/partial/staleness_max"] == 1.0

@@ -166,6 +166,7 @@ class PartialRollouts:
         runs = [(g, _to_run(g)) for g in carried]
         done_already = [g for g, t in runs if t is None]  # every sample ended: complete, nothing to run
         ready, waiting = done_already[:size - 1], done_already[size - 1:]  # the scheduler must run one
+        ready_groups = [_whole(g, []) for g in ready]
         running = [(g, t) for g, t in runs if t is not None]
         by_id = {t.task_id: g for g, t in running}
         fetched: list[Task] = []
@@ -182,9 +183,9 @@ class PartialRollouts:
         def carry(result: RolloutResult) -> list[CarriedGroup]:
             return [self._carried(u, running, rollout_id) for u in result.unfinished] + waiting
 
-        for g in ready:
+        for g, samples in zip(ready, ready_groups, strict=True):
             if callback is not None:
-                await callback(g.task, g.samples)
+                await callback(g.task, samples)
         kw = {"fetch": fetch, "complete_after": size - len(ready)}
         hook = whole_done if callback is not None else None
         if self._resumable is not None:
@@ -193,7 +194,7 @@ class PartialRollouts:
             result = await self.scheduler.execute_rollout(rollout_id, hook, **kw)
         going_on = carry(result)
         self._carry = {rollout_id: going_on}
-        groups = [g.samples for g in ready] + [
+        groups = ready_groups + [
             _whole(by_id[g[0].task_id], g) if g and g[0].task_id in by_id else g for g in result.groups]
         for g in groups:
             stamp_versions(g, rollout_id)

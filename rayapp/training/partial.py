@@ -32,10 +32,12 @@ handed back as unfinished). Each step:
   so a restarted manager takes them up again;
 - every turn of what a step returns or carries names the weights that produced it
   (``TurnRecord.weight_version``): the engine's report, else the step that ran it. The step's
-  metrics count ``rollout/partial/{carried,restarted,resumed,fetched,kept_samples}`` and the staleness of what
-  it returns (``rollout/partial/staleness_{mean,max}``: current step minus the step of the oldest
-  weights in each returned sample; an integer weight version is read as that step, as the trainer
-  loads new weights once a step).
+  metrics count ``rollout/partial/{carried,restarted,resumed,fetched}`` (groups; ``resumed``: carried
+  groups that keep anything), ``rollout/partial/kept_samples`` (ended samples the carried groups
+  bring in, not run again) and the staleness of what it returns
+  (``rollout/partial/staleness_{mean,max}``: current step minus the step of the oldest weights in
+  each returned sample; an integer weight version is read as that step, as the trainer loads new
+  weights once a step).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ What the pool really held is measured, not assumed: ``MeteredPool`` wraps it and
 GPU share of the tokens held over virtual time; the agents integrate the share of the samples that
 are working. Their ratio is the share of reserved capacity that did work; work a partial step
 threw away is counted as wasted, not as work: what a sample cut short did since its last resume
-point, and all an earlier run of a sample did once the sample starts afresh (``restart``, a group
-past ``max_staleness``, or a sample that had ended in a group carried on).
+point, and all an earlier run of a sample did once the sample starts afresh (``restart``, which
+runs a carried group whole again, or a group past ``max_staleness``). Under ``resume`` a carried
+group keeps the samples that ended: they do not run again.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.episode import RESUME_POINTS, ResumePoint
-from rayapp.training.partial import PartialConfig, PartialRollouts
+from rayapp.training.partial import PartialConfig, PartialRollouts, group_index
 from rayapp.types import AgentResult, BatchRequest, EvaluatorSpec, Resource, Status, Task, TaskConfig, Token
 
 
@@ -175,8 +176,8 @@ def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Co
         since[key] = loop_time()
 
     async def run_fn(sample, ctx) -> AgentResult:
-        trace = traces[sample.task_id].samples[sample.index]
-        key = (sample.task_id, sample.index)
+        key = (sample.task_id, group_index(sample))  # a carried group runs only the samples not ended
+        trace = traces[key[0]].samples[key[1]]
         runs[key] += 1
         done = _resume_from(sample)
         if not done:  # afresh: whatever an earlier run of it did is thrown away
@@ -202,9 +203,9 @@ def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Co
         meter.wasted += share * (loop_time() - since[key])
 
     async def verify_fn(sample, result) -> dict[str, float]:
-        key = (sample.task_id, sample.index)
+        key = (sample.task_id, group_index(sample))
         try:
-            await asyncio.sleep(traces[sample.task_id].samples[sample.index].verify_s)
+            await asyncio.sleep(traces[key[0]].samples[key[1]].verify_s)
         except asyncio.CancelledError:
             cut_short(key)
             raise

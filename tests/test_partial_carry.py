@@ -19,9 +19,9 @@ from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.episode import RESUME_POINTS, EpisodeKey, ResumePoint, TurnRecord
 from rayapp.training import checkpoint as checkpoint_module
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.partial import PartialConfig, PartialRollouts
-from rayapp.types import AgentResult, EvaluatorSpec, Resource
+from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
+from rayapp.training.partial import SAMPLE_INDICES, PartialConfig, PartialRollouts, group_index
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status
 
 
 class Resuming(LongTail):
@@ -37,19 +37,21 @@ class Resuming(LongTail):
             ctx.record.turns = done
             ctx.record.turn_records = [msgspec.convert(t, TurnRecord) for t in point["turn_records"]]
             ctx.record.resume = msgspec.convert(point, ResumePoint)
-        self.started[(sample.task_id, sample.index)] += 1
+        key = (sample.task_id, group_index(sample))  # a carried group runs only its samples not ended
+        self.started[key] += 1
         hours = min(self.rng.lognormvariate(0, 1.1), 40.0)
         for turn in range(done + 1, TURNS + 1):
             await asyncio.sleep(hours * H / TURNS)
             ctx.record_turn(turn, "e")
             if turn < TURNS:
                 ctx.record.resume = ResumePoint(turn, [], 0, [], [], list(ctx.record.turn_records))
+        self.ended[key] += 1
         return AgentResult(tokens=[1, 2, 3], response_length=2)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), batch=st.integers(1, 4), over=st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0]),
-       policy=st.sampled_from(["restart", "resume"]), max_staleness=st.integers(0, 2), steps=st.integers(2, 5))
+       policy=st.sampled_from(["restart", "resume"]), max_staleness=st.integers(0, 4), steps=st.integers(2, 5))
 def test_no_group_is_lost_or_duplicated_across_steps(seed, batch, over, policy, max_staleness, steps):
     agent, source = (Resuming if policy == "resume" else LongTail)(seed=seed), Stream()
     pool = PlacementPool(parse_cluster_layout(LAYOUT, 8, 64))
@@ -75,6 +77,12 @@ def test_no_group_is_lost_or_duplicated_across_steps(seed, batch, over, policy, 
              for s in g]
     assert all(t == list(range(1, TURNS + 1)) for t in turns)  # a resumed episode repeats no done turn
     assert pool.snapshot() == before and pool.held == 0
+    n = source.group
+    everything = [g for r in results for g in r.groups] + [g.samples for g in partial.carried() if g.samples]
+    assert all([s.index for s in g] == list(range(n)) for g in everything)  # whole: 0..n-1, each once
+    assert not any(group_index(s) != s.index for g in everything for s in g)  # renumbering undone
+    if policy == "resume" and max_staleness >= steps - 1:  # no group aged out: none restarted whole
+        assert max(agent.ended.values(), default=0) <= 1  # a sample that ended is kept, never run again
 
 
 class FailingFinish(RolloutCheckpoint):
@@ -93,6 +101,63 @@ class FailingFinish(RolloutCheckpoint):
 
 
 CFG = PartialConfig(over_provision=2.0)
+KEEP = PartialConfig(over_provision=2.0, max_staleness=10, policy="resume")
+
+
+@pytest.mark.parametrize("seed", [3, 17])
+def test_resume_keeps_the_samples_that_ended_and_runs_only_the_others(seed):
+    agent, source = Resuming(seed=seed), Stream(group=4)
+    pool = PlacementPool(parse_cluster_layout(LAYOUT, 8, 64))
+    spec = EvaluatorSpec("x", FunctionAgent(agent.run, agent.verify), batch_size=1,
+                         resource=Resource(gpu=math.inf, concurrency=8), run_resource=Resource(gpu=0.25))
+    sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=2, progress=False))
+    partial, seen = PartialRollouts(sched, KEEP), []
+
+    async def on_done(task, samples):
+        seen.append((task.task_id, task.config.n_samples, [s.index for s in samples]))
+
+    async def run():
+        return [await partial.execute_rollout(i, on_done) for i in range(4)]
+
+    results = run_virtual(run())
+    kept = sum(r.metrics["rollout/partial/kept_samples"] for r in results)
+    assert kept > 0  # some carried group had samples that ended: the case under test happened
+    assert max(agent.ended.values()) == 1  # ... and none of them ran again
+    # the trainer's callback and the step's groups see whole groups, under the group's own task
+    assert all(n == 4 and idx == [0, 1, 2, 3] for _, n, idx in seen)
+    assert sorted(t for t, _, _ in seen) == sorted(ids([g for r in results for g in r.groups]))
+    # a kept sample keeps the weights that produced it: the staleness shows
+    assert max(r.metrics["rollout/partial/staleness_max"] for r in results) >= 1
+
+
+def test_restart_runs_a_carried_group_whole_again():
+    agent, source = Resuming(seed=3), Stream(group=4)
+    pool = PlacementPool(parse_cluster_layout(LAYOUT, 8, 64))
+    spec = EvaluatorSpec("x", FunctionAgent(agent.run, agent.verify), batch_size=1,
+                         resource=Resource(gpu=math.inf, concurrency=8), run_resource=Resource(gpu=0.25))
+    sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=2, progress=False))
+    partial = PartialRollouts(sched, PartialConfig(over_provision=2.0, max_staleness=10, policy="restart"))
+    results = run_virtual(partial.execute_rollout(0)), run_virtual(partial.execute_rollout(1))
+    assert results[1].metrics["rollout/partial/kept_samples"] == 0
+    assert all(r.metrics["rollout/partial/staleness_max"] == 0 for r in results)
+
+
+def test_kept_samples_survive_a_manager_restart(make_pool, tmp_path):
+    agent0 = Resuming(seed=3)
+    sched0, _ = make(make_pool, agent0, Stream(group=4), batch=2)
+    run_virtual(PartialRollouts(sched0, KEEP, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+    saved = RolloutCheckpoint(tmp_path).carried(0)
+    kept = {(g.task.task_id, s.index) for g in saved for s in g.samples if s.status.value != "pending"}
+    assert kept and all([s.index for s in g.samples] == [0, 1, 2, 3] for g in saved if g.samples)
+
+    agent1, source = Resuming(seed=4), Stream(group=4)
+    sched1, _ = make(make_pool, agent1, source, batch=2)
+    again = PartialRollouts(sched1, KEEP, RolloutCheckpoint(tmp_path))
+    later = [run_virtual(again.execute_rollout(i)) for i in (1, 2, 3)]
+    assert not kept & set(agent1.started)  # the new manager did not run a kept sample again
+    returned = [(s.task_id, s.index) for r in later for g in r.groups for s in g]
+    assert len(returned) == len(set(returned)) and kept <= set(returned) | {
+        (g.task.task_id, s.index) for g in again.carried() for s in g.samples}
 
 
 def test_a_finished_write_that_fails_then_succeeds_keeps_the_carried_groups(make_pool, tmp_path):
@@ -105,24 +170,28 @@ def test_a_finished_write_that_fails_then_succeeds_keeps_the_carried_groups(make
     assert not {g.task.task_id for g in carried} & set(ids(result.groups))
 
 
+@pytest.mark.parametrize("agent_type,cfg", [(LongTail, CFG), (Resuming, KEEP)])
 def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_and_repeats_nothing(
-        make_pool, tmp_path):
-    sched0, _ = make(make_pool, LongTail(seed=51), Stream(), batch=3)
-    first = run_virtual(PartialRollouts(sched0, CFG, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+        make_pool, tmp_path, agent_type, cfg):
+    sched0, _ = make(make_pool, agent_type(seed=51), Stream(group=4), batch=3)
+    first = run_virtual(PartialRollouts(sched0, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
     carried0 = {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
 
     # step 1 completes, but its FINISHED record (with what it carries on) cannot be written
-    sched1, _ = make(make_pool, LongTail(seed=52), Stream(), batch=3)
+    sched1, _ = make(make_pool, agent_type(seed=52), Stream(group=4), batch=3)
     ck = FailingFinish(tmp_path, rollout=1, fails=10 ** 6)
     with pytest.raises(RuntimeError, match=r"rollout 1: could not save the \d+ groups it carries on"):
-        run_virtual(PartialRollouts(sched1, CFG, ck).execute_rollout(1))
+        run_virtual(PartialRollouts(sched1, cfg, ck).execute_rollout(1))
     assert ck.tries == checkpoint_module.FINISH_TRIES
     assert RolloutCheckpoint(tmp_path).carried(1) is None  # nothing half-written
+    # under resume, step 1's own checkpoint holds parts of carried groups (their samples not ended)
+    parts = [g for g in RolloutCheckpoint(tmp_path).resume(1).groups.values() if SAMPLE_INDICES in g[0].metadata]
+    assert bool(parts) == (cfg.policy == "resume")
 
     # a new manager over the same folder: the trainer runs step 1 again, then step 2
-    source = Stream()
-    sched2, _ = make(make_pool, LongTail(seed=53), source, batch=3)
-    again = PartialRollouts(sched2, CFG, RolloutCheckpoint(tmp_path))
+    source = Stream(group=4)
+    sched2, _ = make(make_pool, agent_type(seed=53), source, batch=3)
+    again = PartialRollouts(sched2, cfg, RolloutCheckpoint(tmp_path))
     second = run_virtual(again.execute_rollout(1))
     assert second.metrics["rollout/resumed_groups"] == 3.0  # the groups step 1 finished are not run again
     assert carried0 <= {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
@@ -132,3 +201,26 @@ def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_an
     assert carried0 <= set(returned) | {g.task.task_id for g in again.carried()}
     assert sorted(returned + [g.task.task_id for g in again.carried()]) == sorted(
         f"t{i}" for i in range(source.cursor))
+    assert all([s.index for s in g] == [0, 1, 2, 3] for r in (first, second, third) for g in r.groups)
+
+
+def test_a_carried_group_whose_samples_all_ended_is_returned_without_running(make_pool, tmp_path):
+    agent, source = Resuming(seed=5), Stream(group=2)
+    task = (run_virtual(source.get_tasks(1)))[0]
+    ended = [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED,
+                    metadata={EpisodeKey.TURN_PLACEMENT.value: [{"turn": 1, "weight_version": "0"}]})
+             for i in (1, 0)]
+    ck = RolloutCheckpoint(tmp_path)
+    ck.begin(0, source.state_dict())
+    ck.finish(0, source.state_dict(), [CarriedGroup(task, 0, ended)])
+    sched, _ = make(make_pool, agent, source, batch=2)
+    seen = []
+
+    async def on_done(t, samples):
+        seen.append((t.task_id, [s.index for s in samples]))
+
+    result = run_virtual(PartialRollouts(sched, KEEP, RolloutCheckpoint(tmp_path)).execute_rollout(1, on_done))
+    assert ids(result.groups)[0] == task.task_id and [s.index for s in result.groups[0]] == [0, 1]
+    assert (task.task_id, [0, 1]) in seen and len(seen) == 2
+    assert not {k for k in agent.started if k[0] == task.task_id}  # nothing of it ran again
+    assert result.metrics["rollout/partial/staleness_max"] == 1.0

@@ -9,22 +9,35 @@ handed back as unfinished). Each step:
 - the carried groups come first, oldest first, then only as many new tasks as it takes to start
   ``ceil(rollout_batch_size x over_provision)`` groups;
 - the step completes after ``rollout_batch_size`` groups; the others are carried on: under
-  ``policy: restart`` each starts afresh in the next step (what it did is discarded); under
-  ``policy: resume`` each cut-short sample goes on from its last complete turn (its ``ResumePoint``,
-  handed to the agent in the task's ``RESUME_POINTS``: kept tokens, log-probs, mask and turn records
-  as they are; the cut turn is generated again), while a sample that ended, or one cut before a
-  point was kept, runs again; an agent that cannot rebuild its state (``resumable`` false: the
-  single-turn chat agent, whose one turn is all it has) starts afresh. A carried group restarts whatever the
-  policy once its attempt is older than ``max_staleness`` steps;
+  ``policy: restart`` each starts afresh in the next step, whole (what it did is discarded, the
+  samples that had ended too: a group returned under restart is all one step's weights, so its
+  staleness is always 0, which is what restart is for). Under ``policy: resume`` a carried group
+  keeps the samples that ended (completed or aborted: their results stand, and their turns keep
+  the weight versions that produced them, so their staleness shows), and the next step runs only
+  the others: the scheduler gets the group's task with ``n_samples`` the number still to run,
+  numbered 0..k-1, and ``SAMPLE_INDICES`` mapping them back (``group_index``). Each cut-short one
+  goes on from its last complete turn (its ``ResumePoint``, handed to the agent in the task's
+  ``RESUME_POINTS``, by the new index: kept tokens, log-probs, mask and turn records as they are;
+  the cut turn is generated again); one cut before a point was kept, or whose agent cannot rebuild
+  its state (``resumable`` false: the single-turn chat agent), starts afresh. The group is put
+  back together (its indices, its kept samples merged in, by index) before anything sees it: the
+  step's ``groups``, ``on_task_done``, what is carried again and the checkpoint's FINISHED record
+  (a step's own mid-way checkpoint holds what the scheduler ran, put back together the same way
+  when a rerun restores it). A carried group whose samples have all ended is complete as it is:
+  it is returned first (up to ``rollout_batch_size - 1`` of them; the scheduler runs the rest of
+  the step). A carried group restarts whole, whatever the policy, once its attempt is older than
+  ``max_staleness`` steps (what it kept is dropped), so nothing returned is staler than that;
 - nothing is lost or duplicated: every fetched task comes back exactly once, complete, or is still
   carried. With a checkpoint the carried groups are saved with the step's end (the FINISHED record),
   so a restarted manager takes them up again;
 - every turn of what a step returns or carries names the weights that produced it
   (``TurnRecord.weight_version``): the engine's report, else the step that ran it. The step's
-  metrics count ``rollout/partial/{carried,restarted,resumed,fetched}`` and the staleness of what
-  it returns (``rollout/partial/staleness_{mean,max}``: current step minus the step of the oldest
-  weights in each returned sample; an integer weight version is read as that step, as the trainer
-  loads new weights once a step).
+  metrics count ``rollout/partial/{carried,restarted,resumed,fetched}`` (groups; ``resumed``: carried
+  groups that keep anything), ``rollout/partial/kept_samples`` (ended samples the carried groups
+  bring in, not run again) and the staleness of what it returns
+  (``rollout/partial/staleness_{mean,max}``: current step minus the step of the oldest weights in
+  each returned sample; an integer weight version is read as that step, as the trainer loads new
+  weights once a step).
 """
 
 from __future__ import annotations
@@ -39,9 +52,11 @@ from rayapp.core.contracts import OnTaskDone, RolloutResult, UnfinishedGroup
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.episode import RESUME_POINTS, EpisodeKey
 from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint
-from rayapp.types import Sample, Task
+from rayapp.types import Sample, Status, Task
 
 PartialPolicy = Literal["restart", "resume"]
+# task metadata: a carried group's samples still to run, by their index in the step -> their index in the group
+SAMPLE_INDICES = "_partial_sample_indices"
 
 
 class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,8 +66,9 @@ class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_staleness: Annotated[int, Meta(ge=0, description="steps a carried group may go on from before it starts "
                                                          "afresh, whatever the policy")] = 1
     policy: Annotated[PartialPolicy, Meta(description=(
-        "what an unfinished group does in the next step: restart (run afresh, what it did is discarded) or "
-        "resume (each cut-short episode goes on from its last complete turn, where its agent can)"))] = "restart"
+        "what an unfinished group does in the next step: restart (run afresh and whole, what it did is "
+        "discarded) or resume (its samples that ended are kept, and each cut-short episode goes on from its last "
+        "complete turn, where its agent can)"))] = "restart"
 
 
 def _turns(sample: Sample) -> list[dict]:
@@ -79,16 +95,51 @@ def staleness(sample: Sample, rollout_id: int) -> int:
     return max(0, rollout_id - min(steps)) if steps else 0
 
 
-def _resumed(group: CarriedGroup) -> Task:
-    """The group's task, handing each cut-short sample its resume point (``RESUME_POINTS``, by
-    sample index); the task itself when none has one: the group starts afresh."""
-    points: list = [None] * group.task.config.n_samples
-    for s in group.samples:
-        if 0 <= s.index < len(points):
-            points[s.index] = s.metadata.get(EpisodeKey.RESUME.value)
-    if not any(points):
+def group_index(sample: Sample) -> int:
+    """``sample``'s index in its group. A carried group runs only its samples that have not ended,
+    numbered 0..k-1 in that step (``SAMPLE_INDICES`` maps them back); an agent that keys anything
+    to the sample (a trace, a seed) reads it here."""
+    indices = sample.metadata.get(SAMPLE_INDICES)
+    return indices[sample.index] if indices else sample.index
+
+
+def _ended(sample: Sample) -> bool:
+    return sample.status is not Status.PENDING
+
+
+def _to_run(group: CarriedGroup) -> Task | None:
+    """The task a carried group runs as: only its samples that have not ended (renumbered, with
+    ``SAMPLE_INDICES``), each cut-short one handed its resume point (``RESUME_POINTS``, by its new
+    index); the group's own task when it keeps nothing; None when nothing is left to run."""
+    todo = sorted((s for s in group.samples if not _ended(s)), key=lambda s: s.index)
+    if not group.samples or not todo:
+        return None if group.samples else group.task
+    metadata = dict(group.task.metadata)
+    points = [s.metadata.get(EpisodeKey.RESUME.value) for s in todo]
+    if any(points):
+        metadata[RESUME_POINTS] = points
+    config = group.task.config
+    if len(todo) < config.n_samples:
+        metadata[SAMPLE_INDICES] = [s.index for s in todo]
+        config = msgspec.structs.replace(config, n_samples=len(todo))
+    if metadata == group.task.metadata:
         return group.task
-    return msgspec.structs.replace(group.task, metadata={**group.task.metadata, RESUME_POINTS: points})
+    return msgspec.structs.replace(group.task, config=config, metadata=metadata)
+
+
+def _whole(group: CarriedGroup, samples: list[Sample]) -> list[Sample]:
+    """A carried group put back together from what its task ran (``samples``): their indices back
+    (in place; a sample already put back is left as it is) and the samples it kept merged in, by
+    index. A group whose samples are not exactly 0..n-1 is a bug here, and says so."""
+    for s in samples:
+        indices = s.metadata.pop(SAMPLE_INDICES, None)
+        if indices:
+            s.index = indices[s.index]
+    whole = sorted([*(s for s in group.samples if _ended(s)), *samples], key=lambda s: s.index)
+    if [s.index for s in whole] != list(range(group.task.config.n_samples)):
+        raise RuntimeError(f"task {group.task.task_id!r}: a carried group put back together has sample indices "
+                           f"{[s.index for s in whole]}, not 0..{group.task.config.n_samples - 1}")
+    return whole
 
 
 class PartialRollouts:
@@ -109,36 +160,53 @@ class PartialRollouts:
 
     async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
         """One partial step (module docstring): ``groups`` are the ``rollout_batch_size`` complete
-        groups in fetch order (carried ones first); the unfinished ones stay here for the next step."""
+        groups in fetch order (carried ones first), each whole; the unfinished ones stay here for
+        the next step."""
         size = self.scheduler.config.rollout_batch_size
         start = math.ceil(size * self.config.over_provision)
         carried = [self._attempt(g, rollout_id) for g in await self._carried_into(rollout_id)]
+        runs = [(g, _to_run(g)) for g in carried]
+        done_already = [g for g, t in runs if t is None]  # every sample ended: complete, nothing to run
+        ready, waiting = done_already[:size - 1], done_already[size - 1:]  # the scheduler must run one
+        ready_groups = [_whole(g, []) for g in ready]
+        running = [(g, t) for g, t in runs if t is not None]
+        by_id = {t.task_id: g for g, t in running}
         fetched: list[Task] = []
+        callback = on_task_done or self.scheduler.on_task_done
 
         async def fetch() -> list[Task]:
             fetched[:] = await self.scheduler.data_source.get_tasks(max(0, start - len(carried)))
-            return [_resumed(g) for g in carried] + list(fetched)
+            return [t for _, t in running] + list(fetched)
+
+        async def whole_done(task: Task, samples: list[Sample]) -> None:  # the trainer sees whole groups
+            g = by_id.get(task.task_id)
+            await callback(task, samples) if g is None else await callback(g.task, _whole(g, samples))
 
         def carry(result: RolloutResult) -> list[CarriedGroup]:
-            return [self._carried(u, carried, rollout_id) for u in result.unfinished]
+            return [self._carried(u, running, rollout_id) for u in result.unfinished] + waiting
 
+        for g, samples in zip(ready, ready_groups, strict=True):
+            if callback is not None:
+                await callback(g.task, samples)
+        kw = {"fetch": fetch, "complete_after": size - len(ready)}
+        hook = whole_done if callback is not None else None
         if self._resumable is not None:
-            result = await self._resumable.execute_rollout(rollout_id, on_task_done, fetch=fetch,
-                                                           complete_after=size, carry=carry)
+            result = await self._resumable.execute_rollout(rollout_id, hook, carry=carry, **kw)
         else:
-            result = await self.scheduler.execute_rollout(rollout_id, on_task_done, fetch=fetch,
-                                                          complete_after=size)
+            result = await self.scheduler.execute_rollout(rollout_id, hook, **kw)
         going_on = carry(result)
         self._carry = {rollout_id: going_on}
-        for g in result.groups:
+        groups = ready_groups + [
+            _whole(by_id[g[0].task_id], g) if g and g[0].task_id in by_id else g for g in result.groups]
+        for g in groups:
             stamp_versions(g, rollout_id)
-        ages = [staleness(s, rollout_id) for g in result.groups for s in g]
+        ages = [staleness(s, rollout_id) for g in groups for s in g]
         metrics = {"carried": len(going_on), "fetched": len(fetched),
-                   "restarted": sum(_resumed(g) is g.task for g in carried),
-                   "resumed": sum(_resumed(g) is not g.task for g in carried),
+                   "restarted": sum(t is g.task for g, t in runs), "resumed": sum(t is not g.task for g, t in runs),
+                   "kept_samples": sum(_ended(s) for g in carried for s in g.samples),
                    "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0)}
         result.metrics |= {f"rollout/partial/{k}": float(v) for k, v in metrics.items()}
-        return msgspec.structs.replace(result, unfinished=[])
+        return msgspec.structs.replace(result, groups=groups, unfinished=[])
 
     async def _carried_into(self, rollout_id: int) -> list[CarriedGroup]:
         """What step ``rollout_id - 1`` carried on: kept here, else its checkpoint's (a restarted
@@ -156,11 +224,14 @@ class PartialRollouts:
             return CarriedGroup(group.task, rollout_id)
         return group
 
-    def _carried(self, group: UnfinishedGroup, carried: list[CarriedGroup], rollout_id: int) -> CarriedGroup:
-        """An unfinished group of step ``rollout_id`` as the next step takes it up (its attempt
-        began when it was first carried in, or now)."""
-        # a carried group keeps its own task: the one it ran as held the resume points it was handed
-        task, since = (carried[group.index].task, carried[group.index].since) if group.index < len(carried) \
-            else (group.task, rollout_id)
-        stamp_versions(group.samples, rollout_id)
-        return CarriedGroup(task, since, [] if self.config.policy == "restart" else group.samples)
+    def _carried(self, group: UnfinishedGroup, running: list[tuple[CarriedGroup, Task]],
+                 rollout_id: int) -> CarriedGroup:
+        """An unfinished group of step ``rollout_id`` as the next step takes it up: whole (a carried
+        one put back together, its own task), its attempt begun when it was first carried in, or now."""
+        if group.index < len(running):
+            carried = running[group.index][0]
+            task, since, samples = carried.task, carried.since, _whole(carried, group.samples)
+        else:
+            task, since, samples = group.task, rollout_id, group.samples
+        stamp_versions(samples, rollout_id)
+        return CarriedGroup(task, since, [] if self.config.policy == "restart" else samples)

@@ -73,3 +73,15 @@ def test_load_strategy_by_short_name_or_dotted_path():
     for bad in ["nope", "rayapp.core.batching.nope", "no_such_module.fn", "rayapp.core.batching.STRATEGIES"]:
         with pytest.raises(ValueError, match="batching strategy"):
             load_strategy(bad)
+
+
+def test_strategies_group_and_size_by_evaluator_id_not_task_type():
+    # task_type "a" routed to evaluator "b" (and the other way round): each batch holds one evaluator's
+    # tasks and is sealed at that evaluator's batch_size
+    tasks = [Task(f"t{i}", "p", TaskConfig("a", evaluator_id="b" if i % 2 else "a")) for i in range(6)]
+    specs = {"a": spec("a", batch_size=3), "b": spec("b", batch_size=2)}
+    for strategy in (fifo_batching, budget_batching, longest_first_batching):
+        batches = strategy(tasks, specs)
+        assert all(len({t.evaluator_id for t in b.tasks}) == 1 for b in batches)
+        assert sorted(len(b.tasks) for b in batches) == [1, 2, 3]
+        assert {b.evaluator_id: len(b.tasks) for b in batches if len(b.tasks) > 1} == {"a": 3, "b": 2}

@@ -44,6 +44,7 @@ from rayapp.core.contracts import (
     StepStatus,
     UnfinishedGroup,
 )
+from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
@@ -220,8 +221,12 @@ class TaskScheduler:
         for i in todo:
             slots[id(tasks[i])].append(i)
         plan = []
-        for b in self.batching_strategy([tasks[i] for i in todo], self.specs):
+        # Keyed as the batches will be run: every evaluator_id the tasks carry, to the spec that runs it.
+        specs = {eid: self._resolve_spec_id(eid) for eid in dict.fromkeys(tasks[i].evaluator_id for i in todo)}
+        for b in self._strategy_batches([tasks[i] for i in todo], specs):
             where = f"batching strategy {self.batching_strategy!r}: batch {len(plan)}"
+            if not isinstance(b, Batch):
+                raise ValueError(f"{where} is a {type(b).__name__}, not a Batch")
             if not b.tasks:
                 raise ValueError(f"{where} is empty")
             if len({t.evaluator_id for t in b.tasks}) > 1:  # one batch runs under one spec's handler and budget
@@ -234,6 +239,14 @@ class TaskScheduler:
         if left:
             raise ValueError(f"batching strategy {self.batching_strategy!r}: {left} of its tasks are in no batch")
         return plan
+
+    def _strategy_batches(self, tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]:
+        """The strategy's answer; one that raises is one error naming it."""
+        try:
+            return list(self.batching_strategy(tasks, specs))
+        except Exception as e:
+            raise ValueError(f"batching strategy {self.batching_strategy!r} failed: {type(e).__name__}: "
+                             f"{clip(str(e))}") from e
 
     def _resolve_spec_id(self, evaluator_id: str) -> EvaluatorSpec:
         """Exact evaluator_id match, else one warning per unknown id and the first spec."""

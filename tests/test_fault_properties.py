@@ -13,7 +13,7 @@ import math
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from rayapp.core.batching import fifo_batching, longest_first_batching
@@ -36,6 +36,9 @@ H = 3600.0
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
 TERMINAL = {Status.COMPLETED, Status.TRUNCATED, Status.ABORTED}
 RUN_FAULTS = ["ok", "raise", "cancel", "exit", "interrupt", "hang", "garbage"]
+CALLBACK_FAULTS = {"raise": lambda: RuntimeError("collector broke"),
+                   "cancel": lambda: asyncio.CancelledError("the callback's own"),
+                   "exit": lambda: SystemExit(2), "interrupt": KeyboardInterrupt}
 
 
 class Journal:
@@ -142,7 +145,8 @@ sample_plan = st.tuples(st.sampled_from(RUN_FAULTS), st.integers(0, 3), st.integ
 scenario = st.fixed_dictionaries({
     "groups": st.lists(st.lists(sample_plan, min_size=1, max_size=3), min_size=1, max_size=5),
     "strategy": st.sampled_from(["fifo", "fifo", "longest_first", "drop", "duplicate"]),
-    "bad_callback": st.none() | st.integers(0, 4),
+    "bad_callback": st.none() | st.tuples(st.integers(0, 4), st.sampled_from([*CALLBACK_FAULTS, "hang"])),
+    "complete_after": st.none() | st.integers(1, 5),
     "cancel_at": st.none() | st.floats(0, 12),
     "cancel_twice": st.booleans(),
     "concurrency": st.integers(1, 3),
@@ -169,12 +173,18 @@ async def one_step(sc):
 
     async def on_done(task, samples):
         journal.note(f"callback {task.task_id}")
-        if sc["bad_callback"] is not None and task.task_id == f"t{sc['bad_callback']}":
-            raise RuntimeError("collector broke")
+        bad, fault = sc["bad_callback"] or (None, None)
+        if task.task_id != f"t{bad}":
+            return
+        if fault == "hang":
+            await asyncio.sleep(500 * H)
+            journal.note(f"callback {task.task_id} woke")
+            return
+        raise CALLBACK_FAULTS[fault]()
 
     sched = TaskScheduler([spec], Source(), WatchedPool(core, journal), config,
                           batching_strategy=STRATEGIES[sc["strategy"]], on_task_done=on_done)
-    step = asyncio.ensure_future(sched.execute_rollout(0))
+    step = asyncio.ensure_future(sched.execute_rollout(0, complete_after=sc["complete_after"]))
     if sc["cancel_at"] is not None:
         await asyncio.sleep(sc["cancel_at"] * H)
         step.cancel()
@@ -190,8 +200,10 @@ async def one_step(sc):
     except ValueError as e:
         assert sc["strategy"] in ("drop", "duplicate") and "batching strategy" in str(e)
         outcome = "refused"
-    except ExceptionGroup as e:
-        assert e.subgroup(lambda x: isinstance(x, RuntimeError) and "collector broke" in str(x)) is not None
+    except ExceptionGroup as e:  # the callback's error, as it raised it or wrapped when it was a BaseException
+        assert sc["bad_callback"] is not None
+        assert e.subgroup(lambda x: isinstance(x, RuntimeError) and ("collector broke" in str(x)
+                                                                     or "on_task_done" in str(x))) is not None
         outcome = "failed"
     ended = len(journal.events)
     frozen = msgspec.to_builtins(result) if result is not None else None
@@ -205,13 +217,16 @@ async def one_step(sc):
     if result is not None:
         assert msgspec.to_builtins(result) == frozen, "the result changed after it was returned"
         assert sc["strategy"] in ("fifo", "longest_first")
-        check_complete(result, plan)
+        check_complete(result, plan, len(tasks) if sc["complete_after"] is None else sc["complete_after"])
     return outcome
 
 
-def check_complete(result, plan):
-    seen = [(s.task_id, s.index) for g in result.groups for s in g]
-    assert sorted(seen) == sorted(plan), "a sample is missing or came back twice"
+def check_complete(result, plan, n_complete):
+    """Every group once, complete (all samples terminal) or, past ``complete_after``, unfinished."""
+    complete = [(s.task_id, s.index) for g in result.groups for s in g]
+    cut = [(s.task_id, s.index) for u in result.unfinished for s in u.samples]
+    assert sorted(complete + cut) == sorted(plan), "a sample is missing or came back twice"
+    assert len(result.groups) == min(n_complete, len(result.groups) + len(result.unfinished))
     for g in result.groups:
         for s in g:
             assert s.status in TERMINAL
@@ -223,24 +238,29 @@ def check_complete(result, plan):
                 assert s.status is Status.COMPLETED and s.reward == {"score": 1.0}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario)
 def test_every_sample_once_the_pool_whole_and_nothing_after_the_step(sc):
-    run_virtual(one_step(sc))
+    event(run_virtual(one_step(sc)))  # the outcomes' spread shows in --hypothesis-show-statistics
 
 
 # ---- the same invariants, one fault at a time ------------------------------------------------------
 
 def base(**over):
     sc = {"groups": [[("ok", 1, 1, False)] * 2, [("ok", 3, 2, False)] * 2, [("ok", 2, 1, False)]],
-          "strategy": "fifo", "bad_callback": None, "cancel_at": None, "cancel_twice": False, "concurrency": 2,
-          "batch_size": 2, "release": "early"}
+          "strategy": "fifo", "bad_callback": None, "complete_after": None, "cancel_at": None, "cancel_twice": False,
+          "concurrency": 2, "batch_size": 2, "release": "early"}
     return {**sc, **over}
 
 
 @pytest.mark.parametrize("sc, outcome", [
     (base(), "done"),
-    (base(bad_callback=0), "failed"),  # the other batch's episodes torn down before their tokens go back
+    (base(bad_callback=(0, "raise")), "failed"),  # the other batch's episodes torn down before their tokens go back
+    (base(bad_callback=(0, "cancel")), "failed"),  # a callback's own CancelledError fails the step, loudly
+    (base(bad_callback=(1, "exit")), "failed"),
+    (base(bad_callback=(2, "interrupt")), "failed"),
+    (base(bad_callback=(0, "hang"), cancel_at=5), "cancelled"),
+    (base(complete_after=1), "done"),
     (base(cancel_at=1.5), "cancelled"),
     (base(cancel_at=1.5, cancel_twice=True), "cancelled"),  # a second cancel does not cut a teardown short
     (base(groups=[[(f, 1, 1, False) for f in RUN_FAULTS]]), "done"),

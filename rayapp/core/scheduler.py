@@ -72,6 +72,22 @@ def interleave(per_dataset: Sequence[Sequence[Task]]) -> list[Task]:
     return [t for t in chain.from_iterable(zip_longest(*per_dataset)) if t is not None]
 
 
+async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> None:
+    """``group_done(i)``: the host's code (step log, ``on_task_done``). Whatever it raises fails the step;
+    a BaseException of its own (its own CancelledError, SystemExit, KeyboardInterrupt) as a RuntimeError,
+    so that it neither passes for a cancelled batch nor ends the process. The step's own cancellation
+    passes through."""
+    try:
+        await group_done(i)
+    except Exception:
+        raise
+    except BaseException as e:
+        task = asyncio.current_task()
+        if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
+            raise
+        raise RuntimeError(f"handing on group {i} (step log, on_task_done) raised {type(e).__name__}: {e}") from e
+
+
 class TaskScheduler:
     def __init__(
         self,
@@ -307,7 +323,7 @@ class TaskScheduler:
             if complete_after is not None and handing >= complete_after:
                 return  # the step is complete without it
             handing += 1
-            await group_done(i)
+            await _handed_on(group_done, i)
             st.tasks_done += 1  # counted once handed on: a callback that raised did not finish its task
             st.samples_done += len(groups[i].samples)
             bar.update(1)

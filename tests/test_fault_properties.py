@@ -35,7 +35,7 @@ from rayapp.types import (
 H = 3600.0
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
 TERMINAL = {Status.COMPLETED, Status.TRUNCATED, Status.ABORTED}
-RUN_FAULTS = ["ok", "raise", "cancel", "exit", "interrupt", "hang", "garbage"]
+RUN_FAULTS = ["ok", "raise", "cancel", "exit", "interrupt", "hang", "garbage", "swallow"]
 CALLBACK_FAULTS = {"raise": lambda: RuntimeError("collector broke"),
                    "cancel": lambda: asyncio.CancelledError("the callback's own"),
                    "exit": lambda: SystemExit(2), "interrupt": KeyboardInterrupt}
@@ -80,7 +80,12 @@ class Chaos:
                 self.j.note(f"closed {key}")
 
         ctx.keep("box", object(), close)
-        await asyncio.sleep(hours * H)
+        try:
+            await asyncio.sleep(hours * H)
+        except asyncio.CancelledError:
+            if fault != "swallow":
+                raise
+            self.j.note(f"swallowed the cancellation {key}")  # and goes on as if nothing happened
         self.j.note(f"ran {key}")
         if fault == "raise":
             raise RuntimeError("agent broke")
@@ -155,6 +160,22 @@ scenario = st.fixed_dictionaries({
 })
 
 
+async def ending(step, sc):
+    """How the step ended, checking that a failure says why: (outcome, its result when it returned)."""
+    try:
+        return "done", await step
+    except asyncio.CancelledError:
+        return "cancelled", None
+    except ValueError as e:
+        assert sc["strategy"] in ("drop", "duplicate") and "batching strategy" in str(e)
+        return "refused", None
+    except ExceptionGroup as e:  # the callback's error, as it raised it or wrapped when it was a BaseException
+        assert sc["bad_callback"] is not None
+        assert e.subgroup(lambda x: isinstance(x, RuntimeError) and ("collector broke" in str(x)
+                                                                     or "on_task_done" in str(x))) is not None
+        return "failed", None
+
+
 async def one_step(sc):
     journal = Journal()
     plan = {(f"t{i}", j): s for i, g in enumerate(sc["groups"]) for j, s in enumerate(g)}
@@ -185,26 +206,15 @@ async def one_step(sc):
     sched = TaskScheduler([spec], Source(), WatchedPool(core, journal), config,
                           batching_strategy=STRATEGIES[sc["strategy"]], on_task_done=on_done)
     step = asyncio.ensure_future(sched.execute_rollout(0, complete_after=sc["complete_after"]))
+    cancelled_at = None
     if sc["cancel_at"] is not None:
         await asyncio.sleep(sc["cancel_at"] * H)
+        cancelled_at = loop_time()
         step.cancel()
         if sc["cancel_twice"]:
             await asyncio.sleep(0.5 * H)  # lands in the middle of teardowns
             step.cancel()
-    outcome = result = None
-    try:
-        result = await step
-        outcome = "done"
-    except asyncio.CancelledError:
-        outcome = "cancelled"
-    except ValueError as e:
-        assert sc["strategy"] in ("drop", "duplicate") and "batching strategy" in str(e)
-        outcome = "refused"
-    except ExceptionGroup as e:  # the callback's error, as it raised it or wrapped when it was a BaseException
-        assert sc["bad_callback"] is not None
-        assert e.subgroup(lambda x: isinstance(x, RuntimeError) and ("collector broke" in str(x)
-                                                                     or "on_task_done" in str(x))) is not None
-        outcome = "failed"
+    outcome, result = await ending(step, sc)
     ended = len(journal.events)
     frozen = msgspec.to_builtins(result) if result is not None else None
     await asyncio.sleep(2000 * H)  # anything of the step still alive would act now
@@ -212,6 +222,8 @@ async def one_step(sc):
     assert journal.violations == []
     assert journal.live == {}, "an episode was never torn down"
     assert core.held == 0 and core.snapshot() == initial
+    if outcome == "cancelled":  # its episodes end there: none starts later, even after one swallowed it
+        assert not [e for t, e in journal.events if t > cancelled_at and e.startswith("start")]
     if outcome == "refused":
         assert not any(e.startswith("start") for _, e in journal.events)
     if result is not None:
@@ -231,7 +243,7 @@ def check_complete(result, plan, n_complete):
         for s in g:
             assert s.status in TERMINAL
             fault, _, _, verify_fails = plan[(s.task_id, s.index)]
-            if fault != "ok" or verify_fails:
+            if fault not in ("ok", "swallow") or verify_fails:
                 assert s.status is Status.ABORTED and s.remove_sample
                 assert s.metadata["_termination_reason"] in set(AbortReason)
             else:
@@ -264,6 +276,7 @@ def base(**over):
     (base(cancel_at=1.5), "cancelled"),
     (base(cancel_at=1.5, cancel_twice=True), "cancelled"),  # a second cancel does not cut a teardown short
     (base(groups=[[(f, 1, 1, False) for f in RUN_FAULTS]]), "done"),
+    (base(groups=[[("swallow", 2, 1, False)] * 3] * 2, concurrency=1, batch_size=2, cancel_at=1), "cancelled"),
     (base(strategy="drop"), "refused"),
     (base(strategy="duplicate"), "refused"),
 ])

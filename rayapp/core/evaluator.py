@@ -196,7 +196,7 @@ class Evaluator:
                 finished = _notifier(tg, done)
 
                 async def spawn() -> None:
-                    # Runs once this task first waits (or is done): the other workers start then, one
+                    # Runs once the first worker first waits (or is done): the other workers start then, one
                     # per sample still waiting, so samples that end without ever waiting need no task
                     # of their own; the tokens no worker will take are of no use to the batch.
                     n = min(workers - 1, len(queue))
@@ -207,10 +207,12 @@ class Evaluator:
 
                 for k in [k for k, n in enumerate(left) if n == 0]:  # an empty group is finished at once
                     finished(k)
+                # Every worker is a task of the group, none runs in this one: a cancellation reaches
+                # them all at once, not only after this task's own sample finished tearing down.
+                if workers:
+                    tg.create_task(self._work(queue, groups, left, finished))
                 if workers > 1:
                     tg.create_task(spawn())
-                if workers:
-                    await self._work(queue, groups, left, finished)  # the first worker is this task
         finally:
             self._deadlines.idle()
 
@@ -222,6 +224,8 @@ class Evaluator:
             while queue:
                 sample, k = queue.popleft()
                 await self._execute_sample(sample, groups[k], token)
+                if _step_cancelled():  # an agent swallowed the cancellation: the batch still ends here
+                    raise asyncio.CancelledError
                 left[k] -= 1
                 if left[k] == 0:
                     finished(k)

@@ -17,7 +17,12 @@ Invariants it keeps:
   every outcome (a cancelled sample stays PENDING with the record of the turns it did, and the
   agent's ``ResumePoint`` when it kept one);
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
-  ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
+  ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact. That
+  holds for whatever agent code raises (its own ``CancelledError``, ``SystemExit``,
+  ``KeyboardInterrupt``) and for a result or reward that breaks its types; only the step's own
+  cancellation (``Task.cancelling()``) ends the episode as cancelled;
+- agent code written as plain functions runs in a worker thread, so a phase's time limit holds even
+  when it blocks;
 - ``run``'s ``done(k)`` is awaited once per group, as soon as group ``k`` is finished; one that
   raises cancels the batch's samples, and ``run`` ends only once they have all ended.
 """

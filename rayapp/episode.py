@@ -7,6 +7,7 @@ metadata keys for the trainer are written from the record in one place, ``Episod
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -205,4 +206,15 @@ class EpisodeContext(msgspec.Struct):
         if self._exits is None:
             return
         self._kept.clear()
-        await self._exits.aclose()
+        # Teardown runs to its end even when the step is cancelled (again) meanwhile: its token must
+        # not go back to the pool while a sandbox on it is still being closed.
+        closing = asyncio.ensure_future(self._exits.aclose())
+        cancelled = False
+        while not closing.done():
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError:
+                cancelled = True
+        closing.result()  # a close that failed raises here
+        if cancelled:
+            raise asyncio.CancelledError

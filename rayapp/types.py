@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -198,11 +198,12 @@ class AgentResult(msgspec.Struct):
     """What an agent's run phase returns (spec §4); the evaluator copies the token data onto the
     sample. ``tokens`` is prompt + response as in Sample."""
 
-    tokens: list[int]
-    response_length: int
+    tokens: list[Annotated[int, Meta(ge=0, le=MAX_COUNT)]]  # token ids
+    response_length: Annotated[int, Meta(ge=0, le=MAX_COUNT)]
     response: str = ""
-    rollout_log_probs: list[float] = []
-    loss_mask: list[int] = []
+    # a sampled token's log-probability: finite and <= 0 (NaN or a positive one is an engine or agent bug)
+    rollout_log_probs: list[Annotated[float, Meta(ge=-FINITE, le=0)]] = []
+    loss_mask: list[Literal[0, 1]] = []
     turns: int = 1
     termination_reason: TerminationReason | None = None  # the agent's own
     truncated: bool = False

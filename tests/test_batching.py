@@ -1,7 +1,11 @@
 import pytest
+from conftest import run
 
+from rayapp.core.agent import FunctionAgent
 from rayapp.core.batching import budget_batching, fifo_batching, load_strategy, longest_first_batching
-from rayapp.types import EvaluatorSpec, Resource, Task, TaskConfig
+from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
+from rayapp.envs.arithmetic import verify
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Task, TaskConfig
 
 
 def task(i, ttype="a", n=1, expected_len=None):
@@ -73,3 +77,64 @@ def test_load_strategy_by_short_name_or_dotted_path():
     for bad in ["nope", "rayapp.core.batching.nope", "no_such_module.fn", "rayapp.core.batching.STRATEGIES"]:
         with pytest.raises(ValueError, match="batching strategy"):
             load_strategy(bad)
+
+
+def test_strategies_group_and_size_by_evaluator_id_not_task_type():
+    # task_type "a" routed to evaluator "b" (and the other way round): each batch holds one evaluator's
+    # tasks and is sealed at that evaluator's batch_size
+    tasks = [Task(f"t{i}", "p", TaskConfig("a", evaluator_id="b" if i % 2 else "a")) for i in range(6)]
+    specs = {"a": spec("a", batch_size=3), "b": spec("b", batch_size=2)}
+    for strategy in (fifo_batching, budget_batching, longest_first_batching):
+        batches = strategy(tasks, specs)
+        assert all(len({t.evaluator_id for t in b.tasks}) == 1 for b in batches)
+        assert sorted(len(b.tasks) for b in batches) == [1, 2, 3]
+        assert {b.evaluator_id: len(b.tasks) for b in batches if len(b.tasks) > 1} == {"a": 3, "b": 2}
+
+
+class Source:
+    def __init__(self, tasks):
+        self.tasks = tasks
+
+    async def get_tasks(self, n):
+        return list(self.tasks[:n])
+
+
+def test_batching_and_spec_resolution_agree_on_evaluator_id():
+    # one task_type, two evaluators: every sample runs under its own evaluator's handler, in batches its
+    # own spec sizes; an unknown evaluator is batched by the fallback spec it runs under
+    ran = []
+
+    def handler(name):
+        def agent(sample, ctx):
+            ran.append((name, sample.task_id))
+            return AgentResult(tokens=[1, 2], response_length=1)
+        return FunctionAgent(agent, lambda s, r: {"score": 1.0})
+
+    eids = ["A", "B", "A", "B", "B", "zzz"]
+    tasks = [Task(f"t{i}-{e}", "p", TaskConfig("shared", evaluator_id=e)) for i, e in enumerate(eids)]
+    seen_batches = []
+
+    def strategy(ts, specs):
+        batches = fifo_batching(ts, specs)
+        seen_batches.extend([t.task_id for t in b.tasks] for b in batches)
+        return batches
+
+    specs = [EvaluatorSpec("A", handler("A"), batch_size=5), EvaluatorSpec("B", handler("B"), batch_size=2)]
+    sched = TaskScheduler(specs, Source(tasks), None, SchedulerConfig(rollout_batch_size=6, progress=False),
+                          batching_strategy=strategy)
+    run(sched.execute_rollout(0))
+    assert sorted(ran) == sorted((e if e != "zzz" else "A", t.task_id) for e, t in zip(eids, tasks, strict=True))
+    assert seen_batches == [["t0-A", "t2-A"], ["t1-B", "t3-B"], ["t4-B"], ["t5-zzz"]]
+
+
+@pytest.mark.parametrize(("strategy", "message"), [
+    (lambda ts, specs: 1 / 0, r"failed: ZeroDivisionError"),
+    (lambda ts, specs: [list(ts)], r"batch 0 is a list, not a Batch"),
+])
+def test_a_strategy_that_raises_or_returns_no_batches_is_one_error_naming_it(strategy, message):
+    tasks = [Task("ta", "p", TaskConfig("a"))]
+    specs = [EvaluatorSpec("a", FunctionAgent(lambda s, c: AgentResult(tokens=[1, 2], response_length=1), verify))]
+    sched = TaskScheduler(specs, Source(tasks), None, SchedulerConfig(rollout_batch_size=1, progress=False),
+                          batching_strategy=strategy)
+    with pytest.raises(ValueError, match="batching strategy <function <lambda>.*" + message):
+        run(sched.execute_rollout(0))

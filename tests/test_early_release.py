@@ -219,7 +219,10 @@ def test_tokens_no_worker_needs_go_back_once_the_first_sample_waits():
     task = Task("t", "p", TaskConfig("x", n_samples=3))
     group = TaskRun(task, [Sample("t", i, "p") for i in range(3)], StoppingCriteria(), SamplingParams())
     toks = [Token(i, "n0", (0,), 0.25, 0.0, 0.0) for i in range(3)]
-    spec = EvaluatorSpec("x", FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), Resource(concurrency=3))
+    async def verify(sample, result):  # a coroutine: a plain function would wait for its thread
+        return {"score": 1.0}
+
+    spec = EvaluatorSpec("x", FunctionAgent(run_fn, verify), Resource(concurrency=3))
     run_virtual(Evaluator(spec, rollout_id=0, tokens=toks, release=release).run([group]))
     [used] = {tid for _, tid in ran}
     assert [i for i, _ in ran] == [0, 1, 2]

@@ -52,3 +52,12 @@ def test_failure_summary_counts_every_class():
     assert len(summary) == 8
     assert summary["success"] == summary["wrong_answer"] == summary["max_turns"] == summary["infra_conn"] == 1
     assert sum(summary.values()) == 4
+
+
+@pytest.mark.parametrize("score", [-1.0, 0.0, 0.25, 0.999, 1.0, 1.5])
+def test_accuracy_pass_at_k_and_the_failure_classes_agree_on_what_is_solved(score):
+    samples = [s("a0", score), s("a0", score)]
+    m = eval_metrics({"a": samples}, n_copies=2)
+    solved = failure_summary(samples)["success"] == 2
+    assert m["eval/a/accuracy"] == m["eval/a/pass@1"] == m["eval/a/pass@2"] == (1.0 if solved else 0.0)
+    assert solved == (score >= 1.0)

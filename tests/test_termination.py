@@ -65,7 +65,9 @@ def test_a_self_referencing_cause_chain_terminates():
 
 @pytest.mark.parametrize(("reward", "reason", "expected"), [
     ({"score": 1.0}, "stop", FailureClass.SUCCESS),
-    ({"score": 0.5}, "max_turns", FailureClass.SUCCESS),  # a positive score wins over the limit
+    ({"score": 1.0}, "max_turns", FailureClass.SUCCESS),  # solved wins over the limit
+    ({"score": 0.5}, "max_turns", FailureClass.MAX_TURNS),  # partial credit is not solved
+    ({"score": 0.5}, "stop", FailureClass.WRONG_ANSWER),
     ({"score": 0.0}, "stop", FailureClass.WRONG_ANSWER),
     ({"score": -1.0}, None, FailureClass.WRONG_ANSWER),
     ({"score": 0.0}, "max_turns", FailureClass.MAX_TURNS),

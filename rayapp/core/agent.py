@@ -9,6 +9,7 @@ hands to ``ctx.keep``, which closes it when the episode ends.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
@@ -24,7 +25,12 @@ class AgentHandler(Protocol):
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]: ...
 
 
-async def _maybe_await(value: Any) -> Any:
+async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``: awaited when a coroutine function, else in a worker thread (a blocking function
+    must not stall the loop, or no phase clock could stop it)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    value = await asyncio.to_thread(fn, *args)
     return await value if inspect.isawaitable(value) else value
 
 
@@ -40,7 +46,7 @@ class FunctionAgent:
         self.run_fn, self.verify_fn = run_fn, verify_fn
 
     async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
-        return await _maybe_await(self.run_fn(sample, ctx))
+        return await call_phase(self.run_fn, sample, ctx)
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
-        return await _maybe_await(self.verify_fn(sample, result))
+        return await call_phase(self.verify_fn, sample, result)

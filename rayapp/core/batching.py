@@ -1,9 +1,11 @@
 """Batch composition: the scheduler's one pluggable decision (spec §2).
 
 A strategy is any callable ``(tasks, specs) -> batches``; everything downstream is uniform. Every
-strategy keeps two invariants the scheduler relies on: each task lands in exactly one batch, and a
-batch holds tasks of one task_type only. ``specs`` is keyed by task_type, as ``fifo_batching``
-reads it.
+strategy keeps two invariants the scheduler checks before anything runs: each task lands in exactly
+one batch, and a batch holds tasks of one evaluator only (``Task.evaluator_id``, which defaults to
+the task_type). ``specs`` is keyed by evaluator_id, the spec that will run the task: the scheduler
+hands every id its tasks carry, an unknown one mapped to its fallback spec, so a strategy sizes a
+batch by the very spec that runs it.
 """
 
 from __future__ import annotations
@@ -18,19 +20,19 @@ BatchingStrategy = Callable[[list[Task], dict[str, EvaluatorSpec]], list[Batch]]
 
 
 def fifo_batching(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]:
-    """Group by task_type in encounter order, sealing a batch at the matching spec's batch_size."""
+    """Group by evaluator in encounter order, sealing a batch at its spec's batch_size."""
     batches: list[Batch] = []
     open_batch: dict[str, Batch] = {}
     for task in tasks:
-        ttype = task.config.task_type
-        batch_size = specs[ttype].batch_size if ttype in specs else None
-        if ttype not in open_batch:  # start a batch for this type
-            b = Batch(task_type=ttype)
-            open_batch[ttype] = b
+        eid = task.evaluator_id
+        batch_size = specs[eid].batch_size if eid in specs else None
+        if eid not in open_batch:  # start a batch for this evaluator
+            b = Batch(task_type=task.config.task_type)
+            open_batch[eid] = b
             batches.append(b)
-        open_batch[ttype].tasks.append(task)
-        if batch_size is not None and len(open_batch[ttype].tasks) >= batch_size:
-            del open_batch[ttype]  # seal -> the next task of this type opens a new one
+        open_batch[eid].tasks.append(task)
+        if batch_size is not None and len(open_batch[eid].tasks) >= batch_size:
+            del open_batch[eid]  # seal -> the next task of this evaluator opens a new one
     return batches
 
 
@@ -57,19 +59,19 @@ def budget_batching(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[
     batches: list[Batch] = []
     open_batch: dict[str, Batch] = {}
     for task in tasks:
-        ttype = task.config.task_type
-        spec = specs.get(ttype)
+        eid = task.evaluator_id
+        spec = specs.get(eid)
         cap = budget_tokens(spec.resource, spec.sample_resource) if spec else None
         size = spec.batch_size if spec else None
-        b = open_batch.get(ttype)
+        b = open_batch.get(eid)
         if b is not None and cap is not None and b.n_samples + task.config.n_samples > cap:
             b = None  # the budget is full: seal and open a new one
         if b is None:
-            b = open_batch[ttype] = Batch(task_type=ttype)
+            b = open_batch[eid] = Batch(task_type=task.config.task_type)
             batches.append(b)
         b.tasks.append(task)
         if size is not None and len(b.tasks) >= size:
-            del open_batch[ttype]
+            del open_batch[eid]
     return batches
 
 

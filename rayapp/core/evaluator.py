@@ -17,7 +17,12 @@ Invariants it keeps:
   every outcome (a cancelled sample stays PENDING with the record of the turns it did, and the
   agent's ``ResumePoint`` when it kept one);
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
-  ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact;
+  ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact. That
+  holds for whatever agent code raises (its own ``CancelledError``, ``SystemExit``,
+  ``KeyboardInterrupt``) and for a result or reward that breaks its types; only the step's own
+  cancellation (``Task.cancelling()``) ends the episode as cancelled;
+- agent code written as plain functions runs in a worker thread, so a phase's time limit holds even
+  when it blocks;
 - ``run``'s ``done(k)`` is awaited once per group, as soon as group ``k`` is finished; one that
   raises cancels the batch's samples, and ``run`` ends only once they have all ended.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,8 +39,9 @@ from typing import Any
 
 import msgspec
 
+from rayapp.core.agent import call_phase
 from rayapp.core.clock import loop_time
-from rayapp.core.convert import check
+from rayapp.core.convert import check, clip, show
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentTimeout, classify_abort
 from rayapp.episode import AbortRecord, EpisodeContext, EpisodeKey, Placement
@@ -77,6 +84,32 @@ def _checked(result: Any) -> AgentResult:
     if not isinstance(result, AgentResult):
         raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
     return check(result, "handler.run")
+
+
+def _step_cancelled() -> bool:
+    """Whether the running task was cancelled from outside (the step's cancellation, a failing
+    sibling, ``complete_after``), as opposed to an agent raising ``CancelledError`` on its own."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def checked_reward(reward: Any) -> dict[str, float]:
+    """The verify phase's reward dict, or a ValueError naming the entry that is not a finite number
+    (a bool, a string or NaN would reach the trainer as a reward)."""
+    if not isinstance(reward, dict) or "score" not in reward:
+        raise TypeError(f"handler.evaluate returned {show(reward)}, not a dict with a 'score'")
+    out: dict[str, float] = {}
+    for key, value in reward.items():
+        if not isinstance(key, str):
+            raise ValueError(f"reward key {show(key)} is not a string")
+        try:
+            number = math.nan if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
+        except OverflowError:  # an int past float's range
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"reward[{clip(repr(key))}]: expected a finite number, got {show(value)}")
+        out[key] = number
+    return out
 
 
 def _populate_token_data(sample: Sample, result: AgentResult) -> None:
@@ -168,7 +201,7 @@ class Evaluator:
                 finished = _notifier(tg, done)
 
                 async def spawn() -> None:
-                    # Runs once this task first waits (or is done): the other workers start then, one
+                    # Runs once the first worker first waits (or is done): the other workers start then, one
                     # per sample still waiting, so samples that end without ever waiting need no task
                     # of their own; the tokens no worker will take are of no use to the batch.
                     n = min(workers - 1, len(queue))
@@ -179,10 +212,12 @@ class Evaluator:
 
                 for k in [k for k, n in enumerate(left) if n == 0]:  # an empty group is finished at once
                     finished(k)
+                # Every worker is a task of the group, none runs in this one: a cancellation reaches
+                # them all at once, not only after this task's own sample finished tearing down.
+                if workers:
+                    tg.create_task(self._work(queue, groups, left, finished))
                 if workers > 1:
                     tg.create_task(spawn())
-                if workers:
-                    await self._work(queue, groups, left, finished)  # the first worker is this task
         finally:
             self._deadlines.idle()
 
@@ -194,6 +229,8 @@ class Evaluator:
             while queue:
                 sample, k = queue.popleft()
                 await self._execute_sample(sample, groups[k], token)
+                if _step_cancelled():  # an agent swallowed the cancellation: the batch still ends here
+                    raise asyncio.CancelledError
                 left[k] -= 1
                 if left[k] == 0:
                     finished(k)
@@ -251,29 +288,32 @@ class Evaluator:
         try:
             async with ctx:  # closes what the agent kept between the phases, whatever happens
                 limit = group.stopping.timeout_s
-                run = handler.run(sample, ctx)
+                run = call_phase(handler.run, sample, ctx)
                 result = _checked(await run if limit is None else await self._bounded(run, limit, phase))
                 ctx.record.turns = result.turns
                 ctx.record.termination_reason = result.termination_reason
                 if result.metadata:
                     sample.metadata.update(result.metadata)
                 phase = EpisodePhase.VERIFY
-                reward = await self._bounded(handler.evaluate(sample, result, ctx), self.spec.eval_timeout_s, phase)
-            if not isinstance(reward, dict) or "score" not in reward:
-                raise TypeError(f"handler.evaluate returned {reward!r}, not a dict with a 'score'")
+                verify = call_phase(handler.evaluate, sample, result, ctx)
+                reward = await self._bounded(verify, self.spec.eval_timeout_s, phase)
             _populate_token_data(sample, result)
-            sample.reward = {k: float(v) for k, v in reward.items()}
+            sample.reward = checked_reward(reward)
             sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
-        except asyncio.CancelledError:  # the step went on without it (complete_after): how far it got stays
-            sample.metadata.update(ctx.record.to_metadata())
-            if ctx.record.resume is not None:  # where a resumable agent can go on from
-                sample.metadata[EpisodeKey.RESUME.value] = msgspec.to_builtins(ctx.record.resume)
-            raise
-        except Exception as e:
-            self._abort(sample, ctx, e, phase, started)
+        except BaseException as e:  # agent code may raise anything: only the step's cancellation ends the step
+            if not _step_cancelled():
+                self._abort(sample, ctx, e, phase, started)
+            else:  # the step went on without it (complete_after) or failed: how far it got stays
+                sample.metadata.update(ctx.record.to_metadata())
+                if ctx.record.resume is not None:  # where a resumable agent can go on from
+                    sample.metadata[EpisodeKey.RESUME.value] = msgspec.to_builtins(ctx.record.resume)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                raise asyncio.CancelledError from e  # an agent that turned the cancellation into another error
         sample.metadata.update(ctx.record.to_metadata())
 
-    def _abort(self, sample: Sample, ctx: EpisodeContext, e: Exception, phase: EpisodePhase, started: float) -> None:
+    def _abort(self, sample: Sample, ctx: EpisodeContext, e: BaseException, phase: EpisodePhase,
+               started: float) -> None:
         reason, ended, token = classify_abort(e), loop_time(), ctx.token
         ctx.record.abort = AbortRecord(
             reason, phase, [started, ended], round(ended - started, 3), token.node if token else None,

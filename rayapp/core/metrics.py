@@ -2,7 +2,8 @@
 
 pass@k is the unbiased estimator of Chen et al. 2021 (the HumanEval paper): for a prompt with n
 samples of which c pass, ``1 - C(n-c, k) / C(n, k)``, averaged over prompts. Aborted samples stay
-in the counts as failures: dropping them would flatter the figures.
+in the counts as failures: dropping them would flatter the figures. "Passes" is ``is_solved``, the
+same test the failure classes' ``success`` uses.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from math import comb
 
-from rayapp.core.termination import FailureClass, classify_termination
+from rayapp.core.termination import FailureClass, classify_termination, is_solved
 from rayapp.episode import EpisodeKey
 from rayapp.types import Sample
 
@@ -25,13 +26,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def is_correct(sample: Sample, threshold: float = 1.0) -> bool:
-    return sample.reward.get("score", 0.0) >= threshold
+def is_correct(sample: Sample) -> bool:
+    """Solved, as the failure classes say (``termination.is_solved``)."""
+    return is_solved(sample.reward)
 
 
-def eval_metrics(
-    samples_by_dataset: dict[str, list[Sample]], n_copies: int, threshold: float = 1.0
-) -> dict[str, float]:
+def eval_metrics(samples_by_dataset: dict[str, list[Sample]], n_copies: int) -> dict[str, float]:
     """``eval/{name}/accuracy`` for every dataset and, when n_copies > 1, ``eval/{name}/pass@k``
     for k = 1 and k = n_copies (and the powers of two between)."""
     metrics: dict[str, float] = {}
@@ -39,14 +39,14 @@ def eval_metrics(
     for name, samples in samples_by_dataset.items():
         if not samples:
             continue
-        metrics[f"eval/{name}/accuracy"] = sum(is_correct(s, threshold) for s in samples) / len(samples)
+        metrics[f"eval/{name}/accuracy"] = sum(is_correct(s) for s in samples) / len(samples)
         metrics[f"eval/{name}/n_samples"] = float(len(samples))
         if n_copies > 1:
             groups: dict[str, list[Sample]] = defaultdict(list)
             for s in samples:
                 groups[s.task_id].append(s)
             for k in ks:
-                scores = [pass_at_k(len(g), sum(is_correct(s, threshold) for s in g), k)
+                scores = [pass_at_k(len(g), sum(is_correct(s) for s in g), k)
                           for g in groups.values() if len(g) >= k]
                 if scores:
                     metrics[f"eval/{name}/pass@{k}"] = sum(scores) / len(scores)

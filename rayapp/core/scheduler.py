@@ -44,6 +44,7 @@ from rayapp.core.contracts import (
     StepStatus,
     UnfinishedGroup,
 )
+from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
@@ -69,6 +70,22 @@ class DeadlockError(RuntimeError):
 def interleave(per_dataset: Sequence[Sequence[Task]]) -> list[Task]:
     """Round-robin across datasets: ABCABC..., then the longer ones' rest."""
     return [t for t in chain.from_iterable(zip_longest(*per_dataset)) if t is not None]
+
+
+async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> None:
+    """``group_done(i)``: the host's code (step log, ``on_task_done``). Whatever it raises fails the step;
+    a BaseException of its own (its own CancelledError, SystemExit, KeyboardInterrupt) as a RuntimeError,
+    so that it neither passes for a cancelled batch nor ends the process. The step's own cancellation
+    passes through."""
+    try:
+        await group_done(i)
+    except Exception:
+        raise
+    except BaseException as e:
+        task = asyncio.current_task()
+        if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
+            raise
+        raise RuntimeError(f"handing on group {i} (step log, on_task_done) raised {type(e).__name__}: {e}") from e
 
 
 class TaskScheduler:
@@ -220,8 +237,12 @@ class TaskScheduler:
         for i in todo:
             slots[id(tasks[i])].append(i)
         plan = []
-        for b in self.batching_strategy([tasks[i] for i in todo], self.specs):
+        # Keyed as the batches will be run: every evaluator_id the tasks carry, to the spec that runs it.
+        specs = {eid: self._resolve_spec_id(eid) for eid in dict.fromkeys(tasks[i].evaluator_id for i in todo)}
+        for b in self._strategy_batches([tasks[i] for i in todo], specs):
             where = f"batching strategy {self.batching_strategy!r}: batch {len(plan)}"
+            if not isinstance(b, Batch):
+                raise ValueError(f"{where} is a {type(b).__name__}, not a Batch")
             if not b.tasks:
                 raise ValueError(f"{where} is empty")
             if len({t.evaluator_id for t in b.tasks}) > 1:  # one batch runs under one spec's handler and budget
@@ -234,6 +255,14 @@ class TaskScheduler:
         if left:
             raise ValueError(f"batching strategy {self.batching_strategy!r}: {left} of its tasks are in no batch")
         return plan
+
+    def _strategy_batches(self, tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]:
+        """The strategy's answer; one that raises is one error naming it."""
+        try:
+            return list(self.batching_strategy(tasks, specs))
+        except Exception as e:
+            raise ValueError(f"batching strategy {self.batching_strategy!r} failed: {type(e).__name__}: "
+                             f"{clip(str(e))}") from e
 
     def _resolve_spec_id(self, evaluator_id: str) -> EvaluatorSpec:
         """Exact evaluator_id match, else one warning per unknown id and the first spec."""
@@ -294,7 +323,7 @@ class TaskScheduler:
             if complete_after is not None and handing >= complete_after:
                 return  # the step is complete without it
             handing += 1
-            await group_done(i)
+            await _handed_on(group_done, i)
             st.tasks_done += 1  # counted once handed on: a callback that raised did not finish its task
             st.samples_done += len(groups[i].samples)
             bar.update(1)

@@ -15,16 +15,16 @@ import re
 
 from rayapp.types import AbortReason, TerminationReason
 
-__all__ = ["AbortReason", "AgentTimeout", "EngineConnectionError", "EpisodeError", "FailureClass", "SandboxError",
-           "classify_abort", "classify_termination"]
+__all__ = ["SOLVED_SCORE", "AbortReason", "AgentTimeout", "EngineConnectionError", "EpisodeError", "FailureClass",
+           "SandboxError", "classify_abort", "classify_termination", "is_solved"]
 
 
 class FailureClass(enum.StrEnum):
     """One class per sample. The first two are the episode's own outcome; the next two are the
     agent's limits; the last four are aborts."""
 
-    SUCCESS = "success"  # positive score
-    WRONG_ANSWER = "wrong_answer"  # finished on its own, score <= 0
+    SUCCESS = "success"  # solved (``is_solved``)
+    WRONG_ANSWER = "wrong_answer"  # finished on its own, not solved
     MAX_TURNS = "max_turns"  # stopped by StoppingCriteria.max_turns
     MAX_CONTEXT = "max_context"  # stopped by max_context_len or a length cut (the class, not a reason)
     AGENT_TIMEOUT = "agent_timeout"
@@ -103,6 +103,18 @@ def classify_abort(error: BaseException | str) -> AbortReason:
     return AbortReason.INFRA_OTHER
 
 
+# The one meaning of "solved" (failure classes, eval accuracy, pass@k): full credit. A partial score
+# (0 < score < 1: some tests passed) is not a solved task.
+SOLVED_SCORE = 1.0
+
+
+def is_solved(reward: dict[str, float] | float | None) -> bool:
+    """Whether a reward (the dict's ``score``, or a bare number) reaches ``SOLVED_SCORE``; a missing
+    score solved nothing."""
+    score = reward.get("score", 0.0) if isinstance(reward, dict) else (reward or 0.0)
+    return score >= SOLVED_SCORE
+
+
 _ABORTS = frozenset(AbortReason)
 _LIMIT_REASONS = {
     TerminationReason.MAX_TURNS: FailureClass.MAX_TURNS,
@@ -114,12 +126,11 @@ _LIMIT_REASONS = {
 def classify_termination(reward: dict[str, float] | float | None, reason: str | None) -> FailureClass:
     """Fold a sample's (reward, termination reason) into one FailureClass.
 
-    Aborts win (their reason is a transport class); then a positive score is a success whatever
+    Aborts win (their reason is a transport class); then a solved one is a success whatever
     limit ended the episode; then the limit that stopped it; else a wrong answer. ``reason`` is
     what ``Sample.metadata`` carries: the enum's value or the enum itself."""
     if reason in _ABORTS:
         return FailureClass(reason)
-    score = reward.get("score", 0.0) if isinstance(reward, dict) else (reward or 0.0)
-    if score > 0:
+    if is_solved(reward):
         return FailureClass.SUCCESS
     return _LIMIT_REASONS.get(reason or "", FailureClass.WRONG_ANSWER)

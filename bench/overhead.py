@@ -2,7 +2,7 @@
 
 A full ``TaskScheduler.execute_rollout`` (fetch, distribute, batch, admission through the core
 ``PlacementPool``, one Evaluator per batch with early release, callbacks, metrics) over an agent
-that returns a fixed ``AgentResult`` at once, against a bare ``asyncio.gather`` of the same agent's
+that returns a fixed ``AgentResult`` at once (a coroutine that never waits), against a bare ``asyncio.gather`` of the same agent's
 run + evaluate calls for the same number of samples; both measured in the same run, best of
 ``--rounds``, and the ratio printed. The no-op row is the target (>= 30k samples/s, <= 3x the
 gather). Its samples never wait on the loop, so the Evaluator's first worker runs them all and
@@ -39,7 +39,9 @@ REWARD = {"score": 1.0}
 PER_SAMPLE = Resource(cpu=0.125)  # so each sample holds a real token of the pool
 
 
-def _run(sample: Sample, ctx: object) -> AgentResult:
+# Coroutines that never wait: a plain function would run in a worker thread (so that one that
+# blocks keeps its time limit), which is a cost of blocking code, not of the scheduler.
+async def _run(sample: Sample, ctx: object) -> AgentResult:
     return RESULT
 
 
@@ -48,7 +50,7 @@ async def _run_yielding(sample: Sample, ctx: object) -> AgentResult:
     return RESULT
 
 
-def _verify(sample: Sample, result: AgentResult) -> dict[str, float]:
+async def _verify(sample: Sample, result: AgentResult) -> dict[str, float]:
     return REWARD
 
 

@@ -202,13 +202,22 @@ class EpisodeContext(msgspec.Struct):
     async def __aenter__(self) -> EpisodeContext:
         return self
 
+    async def _close_kept(self) -> None:
+        """Close what the agent kept. It runs as a task of its own, where a SystemExit or
+        KeyboardInterrupt would stop the event loop itself: agent code's become a plain error here,
+        which aborts its sample like any other."""
+        try:
+            await self._exits.aclose()
+        except (SystemExit, KeyboardInterrupt) as e:
+            raise RuntimeError(f"closing what episode {self.rollout_id} kept raised {type(e).__name__}: {e}") from e
+
     async def __aexit__(self, *exc: object) -> None:
         if self._exits is None:
             return
         self._kept.clear()
         # Teardown runs to its end even when the step is cancelled (again) meanwhile: its token must
         # not go back to the pool while a sandbox on it is still being closed.
-        closing = asyncio.ensure_future(self._exits.aclose())
+        closing = asyncio.ensure_future(self._close_kept())
         cancelled = False
         while not closing.done():
             try:

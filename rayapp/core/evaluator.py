@@ -41,9 +41,9 @@ import msgspec
 
 from rayapp.core.agent import call_phase
 from rayapp.core.clock import loop_time
-from rayapp.core.convert import check, clip, show
+from rayapp.core.convert import InputError, check, clip, show
 from rayapp.core.deadlines import Deadlines
-from rayapp.core.termination import AgentTimeout, classify_abort
+from rayapp.core.termination import AgentOutputError, AgentTimeout, classify_abort
 from rayapp.episode import AbortRecord, EpisodeContext, EpisodeKey, Placement
 from rayapp.types import (
     AgentResult,
@@ -82,8 +82,11 @@ def _checked(result: Any) -> AgentResult:
     nothing): token ids that are not ints, a reason that is not a ``TerminationReason`` (a plain
     agent may give its value) abort the sample instead of reaching the trainer."""
     if not isinstance(result, AgentResult):
-        raise TypeError(f"handler.run returned {type(result).__name__}, not AgentResult")
-    return check(result, "handler.run")
+        raise AgentOutputError(f"handler.run returned {type(result).__name__}, not AgentResult")
+    try:
+        return check(result, "handler.run")
+    except InputError as e:
+        raise AgentOutputError(str(e)) from e
 
 
 def _step_cancelled() -> bool:
@@ -97,17 +100,17 @@ def checked_reward(reward: Any) -> dict[str, float]:
     """The verify phase's reward dict, or a ValueError naming the entry that is not a finite number
     (a bool, a string or NaN would reach the trainer as a reward)."""
     if not isinstance(reward, dict) or "score" not in reward:
-        raise TypeError(f"handler.evaluate returned {show(reward)}, not a dict with a 'score'")
+        raise AgentOutputError(f"handler.evaluate returned {show(reward)}, not a dict with a 'score'")
     out: dict[str, float] = {}
     for key, value in reward.items():
         if not isinstance(key, str):
-            raise ValueError(f"reward key {show(key)} is not a string")
+            raise AgentOutputError(f"reward key {show(key)} is not a string")
         try:
             number = math.nan if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
         except OverflowError:  # an int past float's range
             number = math.nan
         if not math.isfinite(number):
-            raise ValueError(f"reward[{clip(repr(key))}]: expected a finite number, got {show(value)}")
+            raise AgentOutputError(f"reward[{clip(repr(key))}]: expected a finite number, got {show(value)}")
         out[key] = number
     return out
 
@@ -116,12 +119,12 @@ def _populate_token_data(sample: Sample, result: AgentResult) -> None:
     """Copy the trainer's token data off the agent result, checking the shapes line up."""
     n = result.response_length
     if not 0 <= n <= len(result.tokens):
-        raise ValueError(f"response_length {n} outside 0..{len(result.tokens)} tokens")
+        raise AgentOutputError(f"response_length {n} outside 0..{len(result.tokens)} tokens")
     loss_mask = result.loss_mask if result.loss_mask else [1] * n
     if len(loss_mask) != n:
-        raise ValueError(f"loss_mask has {len(loss_mask)} entries for {n} response tokens")
+        raise AgentOutputError(f"loss_mask has {len(loss_mask)} entries for {n} response tokens")
     if result.rollout_log_probs and len(result.rollout_log_probs) != n:
-        raise ValueError(f"rollout_log_probs has {len(result.rollout_log_probs)} entries for {n} response tokens")
+        raise AgentOutputError(f"rollout_log_probs has {len(result.rollout_log_probs)} entries for {n} response tokens")
     sample.tokens = list(result.tokens)
     sample.response = result.response
     sample.response_length = n

@@ -51,6 +51,11 @@ class SandboxError(EpisodeError):
     reason = AbortReason.INFRA_SANDBOX
 
 
+class AgentOutputError(EpisodeError, ValueError):
+    """An agent's result or reward outside its bounds: infra_other, whatever words its message holds
+    (a reward key named "timeout_penalty" is no timeout)."""
+
+
 # Message patterns, most specific first: a message naming a sandbox OOM is a sandbox fault even
 # when it also says "killed after timeout".
 _MESSAGE_RULES: list[tuple[re.Pattern[str], AbortReason]] = [
@@ -72,6 +77,8 @@ _TYPE_RULES: list[tuple[type[BaseException], AbortReason]] = [
 
 
 def _by_type(exc: BaseException) -> AbortReason | None:
+    if isinstance(exc, AgentOutputError):
+        return AbortReason.INFRA_OTHER
     if isinstance(exc, EpisodeError) and type(exc).reason is not AbortReason.INFRA_OTHER:
         return type(exc).reason
     for kind, reason in _TYPE_RULES:

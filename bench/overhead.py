@@ -4,8 +4,8 @@ A full ``TaskScheduler.execute_rollout`` (fetch, distribute, batch, admission th
 ``PlacementPool``, one Evaluator per batch with early release, callbacks, metrics) over an agent
 that returns a fixed ``AgentResult`` at once (a coroutine that never waits), against a bare
 ``asyncio.gather`` of the same agent's run + evaluate calls for the same number of samples; both
-measured in the same run, best of ``--rounds``, and the ratio printed. The no-op row is the target (>= 30k samples/s, <= 3x the
-gather). Its samples never wait on the loop, so the Evaluator's first worker runs them all and
+measured in the same run, best of ``--rounds``, and the ratio printed. The no-op row is the target
+(>= 30k samples/s, <= 3x the gather). Its samples never wait on the loop, so the Evaluator's first worker runs them all and
 starts no task per sample; a second row with an agent that waits on the loop once per episode,
 as every real one does, shows the step with one task per sample (its concurrency here is the
 whole batch). Figures only; nothing here asserts on time (``tests/test_bench_smoke.py`` runs

@@ -5,11 +5,11 @@ A full ``TaskScheduler.execute_rollout`` (fetch, distribute, batch, admission th
 that returns a fixed ``AgentResult`` at once (a coroutine that never waits), against a bare
 ``asyncio.gather`` of the same agent's run + evaluate calls for the same number of samples; both
 measured in the same run, best of ``--rounds``, and the ratio printed. The no-op row is the target
-(>= 30k samples/s, <= 3x the gather). Its samples never wait on the loop, so the Evaluator's first worker runs them all and
-starts no task per sample; a second row with an agent that waits on the loop once per episode,
-as every real one does, shows the step with one task per sample (its concurrency here is the
-whole batch). Figures only; nothing here asserts on time (``tests/test_bench_smoke.py`` runs
-``--smoke``, seconds long, to see that it runs).
+(>= 30k samples/s, <= 3x the gather). Its samples never wait on the loop, so the Evaluator's first
+worker runs them all and starts no task per sample; a second row with an agent that waits on the
+loop once per episode, as every real one does, shows the step with one task per sample (its
+concurrency here is the whole batch). Figures only; nothing here asserts on time
+(``tests/test_bench_smoke.py`` runs ``--smoke``, seconds long, to see that it runs).
 
 Run from the repo root: ``.venv/bin/python bench/overhead.py [--samples N] [--group G] [--batch B]
 [--rounds R]``; ``--profile`` prints the scheduler run's top functions (cProfile) instead.

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -138,6 +139,8 @@ class ChaosManager:
 class Run:
     faults: list[tuple[str, float]] = field(default_factory=list)  # (kind, monotonic time) of each kill
     done: dict[int, float] = field(default_factory=dict)  # step id -> completion time
+    took: dict[int, float] = field(default_factory=dict)  # step id -> seconds from its first call
+    planned: int = 0
     results: dict[int, object] = field(default_factory=dict)
     failed_calls: Counter = field(default_factory=Counter)
 
@@ -153,9 +156,11 @@ def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> bool:
     if kind == "sandbox":
         return manager.kill_a_sandbox.remote().result(timeout_s=30)
     if kind == "node":  # a worker node dies; a fresh one with the same label joins for the next pool
-        cluster.remove_node(nodes["node-b"])
-        nodes["node-b"] = cluster.add_node(num_cpus=4, num_gpus=2, labels={NODE_LABEL: "node-b"},
-                                           node_ip_address="127.0.0.1")
+        # All nodes share 127.0.0.1, so the driver may be attached to a worker's raylet: spare that one.
+        mine = ray._private.worker.global_worker.node._raylet_socket_name
+        name = next(n for n in sorted(nodes) if nodes[n]._raylet_socket_name != mine)
+        cluster.remove_node(nodes[name])
+        nodes[name] = cluster.add_node(num_cpus=4, num_gpus=2, labels={NODE_LABEL: name}, node_ip_address="127.0.0.1")
         return True
     target = replica({"engine": "engine", "pool": "PlacementPoolService", "manager": "ChaosManager"}[kind])
     if target is None:
@@ -168,23 +173,25 @@ def chaos(plan: list[tuple[float, str]], t0: float, run: Run, stop: threading.Ev
     for at, kind in plan:
         if stop.wait(max(0.0, t0 + at - time.monotonic())):
             return
-        for _ in range(20):  # a sandbox (or replica) to kill may not exist at this very moment
+        for _ in range(60):  # a sandbox (or replica) to kill may not exist at this very moment
             try:
                 if inject(kind, cluster, nodes, manager):
                     run.faults.append((kind, time.monotonic()))
                     break
             except Exception as e:
-                print(f"  could not inject {kind} yet: {type(e).__name__}", flush=True)
+                print(f"  could not inject {kind} yet: {type(e).__name__}: {str(e)[:200]}", flush=True)
             if stop.wait(0.5):
                 return
 
 
 def drive(manager, steps: int, run: Run, step_timeout_s: float, attempts: int) -> None:
     for rid in range(steps):
+        began = time.monotonic()
         for _ in range(attempts):
             try:
                 run.results[rid] = manager.generate.remote(rid).result(timeout_s=step_timeout_s)
                 run.done[rid] = time.monotonic()
+                run.took[rid] = run.done[rid] - began
                 break
             except Exception as e:
                 run.failed_calls[type(e).__name__] += 1
@@ -254,19 +261,22 @@ def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: f
         reasons.update(str(s.metadata.get("_termination_reason")) for s in samples if s.status is Status.ABORTED)
     recover = [min((d for d in run.done.values() if d > t), default=float("nan")) - t for _, t in run.faults]
     kinds = Counter(k for k, _ in run.faults)
+    by_kind = ", ".join(f"{k} {kinds[k]}" for k in KINDS if kinds[k])
+    took = list(run.took.values()) or [0.0]
     return [
-        ("faults injected", f"{len(run.faults)} ({', '.join(f'{k} {kinds[k]}' for k in KINDS if kinds[k])})"),
+        ("faults injected", f"{len(run.faults)} of {run.planned} planned ({by_kind})"),
         ("steps completed", f"{len(run.results)} of {args.steps}"),
         ("step calls failed and retried", f"{sum(run.failed_calls.values())} {dict(run.failed_calls) or ''}".strip()),
         ("samples requested / returned", f"{requested} / {returned}"),
         ("samples by status", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))),
         ("aborted by class", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none"),
-        ("lost", str(lost + (requested - returned if len(run.results) < args.steps else 0))),
+        ("lost", str(lost)),
         ("duplicated", str(duplicated)),
         ("leaked placement groups", f"{len(groups)} {groups or ''}".strip()),
         ("leaked tokens", f"{held} (snapshot {'equals' if snap_ok else 'differs from'} the initial one)"),
         ("time to recover, s", ", ".join(f"{k} {r:.1f}" for (k, _), r in zip(run.faults, recover, strict=True))
          or "-"),
+        ("slowest step, s", f"{max(took):.1f} (median {statistics.median(took):.1f})"),
         ("wall time, s", f"{wall_s:.0f}"),
     ]
 
@@ -286,12 +296,13 @@ def main() -> int:
     try:
         initial = pool_handle.snapshot.remote().result(timeout_s=60)
         run, stop, t0 = Run(), threading.Event(), time.monotonic()
-        injector = threading.Thread(target=chaos, args=(plan_faults(a), t0, run, stop, cluster, nodes, manager),
-                                    daemon=True)
-        injector.start()
-        drive(manager, a.steps, run, step_timeout_s=120, attempts=8)
-        stop.set()
-        injector.join(timeout=60)
+        # Faults from the main thread: Cluster.remove_node/add_node use signals, which only it may.
+        driver = threading.Thread(target=lambda: (drive(manager, a.steps, run, 120, 8), stop.set()), daemon=True)
+        driver.start()
+        plan = plan_faults(a)
+        run.planned = len(plan)
+        chaos(plan, t0, run, stop, cluster, nodes, manager)
+        driver.join()
         wall_s = time.monotonic() - t0
         snap, placement = settle(pool_handle, initial)
         rows = table(run, a, snap == initial, placement.get("held_tokens", -1), leaked_groups(), wall_s)

@@ -1,8 +1,8 @@
 """Chaos run: rollout steps against the Ray app's parts while faults are injected at seeded random
 moments, then a table of what came back.
 
-    python bench/chaos.py            # ~3 minutes on 2 cores: 12 steps, 7 faults
-    python bench/chaos.py --smoke    # 2 steps, one fault
+    python bench/chaos.py            # ~3 minutes on 2 cores: 7 faults, at least 12 steps
+    python bench/chaos.py --smoke    # one engine kill, at least 2 steps (~30 s with the cluster's start)
 
 Real: a ``ray.cluster_utils.Cluster`` (a head and two worker nodes labelled ``rayapp.io/node``, logical
 GPUs), Serve deployments with the app's options (the PlacementPoolService replica on the head, a
@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import statistics
 import sys
 import threading
@@ -54,6 +55,7 @@ APP = "rayapp-chaos"
 NODES = ("node-a", "node-b")
 LAYOUT = '{"node-a": {"gpus": [0, 1], "cpu": 4, "memory_gb": 2}, "node-b": {"gpus": [0, 1], "cpu": 4, "memory_gb": 2}}'
 KINDS = ("engine", "sandbox", "pool", "manager", "node")
+MASK = re.compile(r"[0-9a-f]{12,}|\d+")  # ids and numbers, so that like aborts count together
 LIMITS = SandboxLimits(wall_seconds=30, cpu_seconds=10)
 
 # The manager replica's live sandbox hosts: the chaos driver asks the replica to kill one of them.
@@ -141,6 +143,8 @@ class Run:
     done: dict[int, float] = field(default_factory=dict)  # step id -> completion time
     took: dict[int, float] = field(default_factory=dict)  # step id -> seconds from its first call
     planned: int = 0
+    requested_steps: int = 0
+    aborts: Counter = field(default_factory=Counter)  # (node, error with its numbers masked)
     results: dict[int, object] = field(default_factory=dict)
     failed_calls: Counter = field(default_factory=Counter)
 
@@ -184,8 +188,11 @@ def chaos(plan: list[tuple[float, str]], t0: float, run: Run, stop: threading.Ev
                 return
 
 
-def drive(manager, steps: int, run: Run, step_timeout_s: float, attempts: int) -> None:
-    for rid in range(steps):
+def drive(manager, min_steps: int, faults_over: threading.Event, run: Run, step_timeout_s: float,
+          attempts: int) -> None:
+    """Steps 0, 1, ... until ``min_steps`` ran and every planned fault was injected."""
+    rid = 0
+    while rid < min_steps or not faults_over.is_set():
         began = time.monotonic()
         for _ in range(attempts):
             try:
@@ -196,6 +203,8 @@ def drive(manager, steps: int, run: Run, step_timeout_s: float, attempts: int) -
             except Exception as e:
                 run.failed_calls[type(e).__name__] += 1
                 time.sleep(1.0)
+        rid += 1
+    run.requested_steps = rid
 
 
 def start(args) -> tuple[Cluster, dict, object, object]:
@@ -248,7 +257,7 @@ def leaked_groups() -> list[str]:
 
 
 def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: float) -> list[tuple[str, str]]:
-    requested = args.steps * args.batch_size * args.n_samples
+    requested = run.requested_steps * args.batch_size * args.n_samples
     returned, lost, duplicated, statuses, reasons = 0, 0, 0, Counter(), Counter()
     for rid, result in run.results.items():
         samples = [s for g in result.groups for s in g]
@@ -259,13 +268,15 @@ def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: f
         duplicated += len(keys) - len(set(keys))
         statuses.update(s.status.value for s in samples)
         reasons.update(str(s.metadata.get("_termination_reason")) for s in samples if s.status is Status.ABORTED)
+        run.aborts.update((s.metadata["_abort"]["node"], MASK.sub("#", s.metadata["_abort"]["error"])[:110])
+                          for s in samples if s.status is Status.ABORTED)
     recover = [min((d for d in run.done.values() if d > t), default=float("nan")) - t for _, t in run.faults]
     kinds = Counter(k for k, _ in run.faults)
     by_kind = ", ".join(f"{k} {kinds[k]}" for k in KINDS if kinds[k])
     took = list(run.took.values()) or [0.0]
     return [
         ("faults injected", f"{len(run.faults)} of {run.planned} planned ({by_kind})"),
-        ("steps completed", f"{len(run.results)} of {args.steps}"),
+        ("steps completed", f"{len(run.results)} of {run.requested_steps}"),
         ("step calls failed and retried", f"{sum(run.failed_calls.values())} {dict(run.failed_calls) or ''}".strip()),
         ("samples requested / returned", f"{requested} / {returned}"),
         ("samples by status", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))),
@@ -283,7 +294,7 @@ def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: f
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=12, help="at least this many; more while faults remain")
     p.add_argument("--batch-size", type=int, default=4, help="tasks per step")
     p.add_argument("--n-samples", type=int, default=2, help="samples per task")
     p.add_argument("--seed", type=int, default=0)
@@ -291,17 +302,20 @@ def main() -> int:
     a = p.parse_args()
     if a.smoke:
         a.steps = 2
-    a.fault_window = (1.0, 3.0) if a.smoke else (5.0, 90.0)
+    a.fault_window = (1.0, 3.0) if a.smoke else (5.0, 75.0)
     cluster, nodes, manager, pool_handle = start(a)
     try:
         initial = pool_handle.snapshot.remote().result(timeout_s=60)
         run, stop, t0 = Run(), threading.Event(), time.monotonic()
         # Faults from the main thread: Cluster.remove_node/add_node use signals, which only it may.
-        driver = threading.Thread(target=lambda: (drive(manager, a.steps, run, 120, 8), stop.set()), daemon=True)
+        faults_over = threading.Event()
+        driver = threading.Thread(target=lambda: (drive(manager, a.steps, faults_over, run, 120, 8), stop.set()),
+                                  daemon=True)
         driver.start()
         plan = plan_faults(a)
         run.planned = len(plan)
         chaos(plan, t0, run, stop, cluster, nodes, manager)
+        faults_over.set()
         driver.join()
         wall_s = time.monotonic() - t0
         snap, placement = settle(pool_handle, initial)
@@ -314,10 +328,12 @@ def main() -> int:
     print(f"| {'chaos run':<{width}} | |\n|{'-' * (width + 2)}|---|")
     for k, v in rows:
         print(f"| {k:<{width}} | {v} |")
+    for (node, error), n in run.aborts.most_common(6):
+        print(f"  aborted on {node} x{n}: {error}")
     bad = {k: v for k, v in rows if k in ("lost", "duplicated") and v != "0"}
     bad |= {k: v for k, v in rows if k in ("leaked placement groups", "leaked tokens") and not v.startswith("0 ")
             and v != "0"}
-    return 1 if bad or len(run.results) < a.steps else 0
+    return 1 if bad or len(run.results) < run.requested_steps else 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def model_place(state: dict, order: list[str], per_sample: Resource):
     best = None
     for idx, name in enumerate(order):
         s = state[name]
-        if s["cpu_milli"] < cpu or s["memory_mib"] < mem:
+        if s["cordoned"] or s["cpu_milli"] < cpu or s["memory_mib"] < mem:
             continue
         free = sorted((f, g) for g, f in s["gpu_units"].items() if f >= u)  # (free, gpu id) ascending
         if k > 1:
@@ -203,6 +203,22 @@ class PoolModel(RuleBasedStateMachine):
             asyncio.run(self.pool.release_tokens(bad))
         assert self.pool.snapshot() == before
 
+    @rule(data=st.data(), on=st.booleans())
+    def cordon(self, data, on):
+        """A node's reservation is lost (or back): placement skips it, capacity and the free view leave
+        it out, and nothing it holds changes."""
+        node = data.draw(st.sampled_from(self.order))
+        before = self.pool.snapshot()
+        was = before[node]["cordoned"]
+        assert (self.pool.cordon(node) if on else self.pool.uncordon(node)) == (was != on)
+        after = self.pool.snapshot()
+        assert after[node]["cordoned"] is on
+        assert {n: {**s, "cordoned": None} for n, s in after.items()} == {
+            n: {**s, "cordoned": None} for n, s in before.items()}
+        assert set(self.pool.free()) == {n for n, s in after.items() if not s["cordoned"]}
+        with pytest.raises(PoolError, match="no node"):
+            self.pool.cordon("nowhere")
+
     @rule(owner=st.sampled_from(["m1", "m2"]))
     def release_owner(self, owner):
         mine = [n for n, (o, _, _) in self.batches.items() if o == owner]
@@ -218,6 +234,8 @@ class PoolModel(RuleBasedStateMachine):
         for owner in ("m1", "m2"):
             asyncio.run(self.pool.release_owner(owner))
         self.batches = {}
+        for node in self.order:
+            self.pool.uncordon(node)
         assert self.pool.snapshot() == self.initial
 
     @invariant()
@@ -233,6 +251,15 @@ class PoolModel(RuleBasedStateMachine):
             assert all(0 <= f <= cap["gpu_units"][g] for g, f in s["gpu_units"].items())
             assert 0 <= s["cpu_milli"] <= cap["cpu_milli"]
             assert 0 <= s["memory_mib"] <= cap["memory_mib"]
+
+    @invariant()
+    def capacity_leaves_cordoned_nodes_out(self):
+        """capacity_for is the sum over the nodes not cordoned of what each holds alone."""
+        snap = self.pool.snapshot()
+        for per_sample in (Resource(gpu=0.25, cpu=0.5), Resource(gpu=2.0), Resource(cpu=1, memory_gb=1)):
+            alone = [PlacementPool({n: self.spec[n]}).capacity_for(per_sample) for n in self.order
+                     if not snap[n]["cordoned"]]
+            assert self.pool.capacity_for(per_sample) == sum(alone)
 
     def teardown(self):
         if hasattr(self, "pool"):

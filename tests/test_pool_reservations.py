@@ -348,3 +348,4 @@ def test_release_tokens_after_release_owner_freed_the_batch_is_tolerated_like_re
         asyncio.run(main())
     finally:
         assert pool.snapshot() == initial
+

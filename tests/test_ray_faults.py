@@ -106,7 +106,7 @@ def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):
     from rayapp.actors.pool import PlacementPoolService, run_in_bundle
     from rayapp.actors.pool_client import PoolClient
     from rayapp.actors.sandbox import open_sandbox
-    from rayapp.core.termination import SandboxError
+    from rayapp.core.termination import AbortReason, SandboxError, classify_abort
     from rayapp.types import BatchRequest
 
     actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=5.0)
@@ -119,14 +119,19 @@ def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):
         try:
             assert await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60) == 3  # the bundle works
             ray.util.remove_placement_group(ray.util.get_placement_group(tokens[0].placement_group))
-            with pytest.raises(SandboxError, match=r"bundle rayapp/node/127\.0\.0\.1\[\d\] on 127\.0\.0\.1 is"):
+            with pytest.raises(SandboxError, match=r"bundle rayapp/node/127\.0\.0\.1@\w+\[\d\] on 127\.0\.0\.1 is"):
                 await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60)
             with pytest.raises(SandboxError, match=r"is (lost|gone)"):
                 await open_sandbox(tokens[1])
             placement = await client.placement()
-            assert placement["lost_nodes"] == ["127.0.0.1"]
+            assert placement["lost_nodes"] == ["127.0.0.1"] and placement["cordoned"] == ["127.0.0.1"]
         finally:
             await client.release_batch(tokens)
+        # Sent again once the group is removed (as a restarted pool removes it): the same class.
+        for attempt in (run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60), open_sandbox(tokens[1])):
+            with pytest.raises(SandboxError, match=r"is (lost|gone)") as info:
+                await attempt
+            assert classify_abort(info.value) is AbortReason.INFRA_SANDBOX
 
     asyncio.run(scenario())
     ray.kill(actor)

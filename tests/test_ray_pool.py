@@ -24,7 +24,16 @@ def pool(ray_session):
     ray.kill(actor)
 
 
-GROUP = "rayapp/node/127.0.0.1"
+class _NodeGroup(str):
+    """Equal to the node's group name of any service: rayapp/node/127.0.0.1@<incarnation>."""
+
+    def __eq__(self, other):
+        return isinstance(other, str) and other.startswith(self + "@")
+
+    __hash__ = str.__hash__
+
+
+GROUP = _NodeGroup("rayapp/node/127.0.0.1")
 
 
 def live_groups(ray):
@@ -162,7 +171,7 @@ def test_a_restarted_service_removes_what_its_predecessor_left_and_makes_its_own
     old = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
     budget = Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1)
     # the old service still holds a batch when the new one starts
-    ray.get(old.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="held")), timeout=30)
+    stale = ray.get(old.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="held")), timeout=30)
     # a group left by the one-group-per-batch design (it cannot fit: the node group holds every GPU)
     stray = ray.util.placement_group([{"GPU": 1}], name="rayapp/rollout0/b0/math/1")
     (old_id,) = [i for i, (name, _) in live_groups(ray).items() if name == GROUP]
@@ -171,8 +180,17 @@ def test_a_restarted_service_removes_what_its_predecessor_left_and_makes_its_own
         tokens = ray.get(new.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="fresh")), timeout=30)
         (new_id,) = [i for i, (name, state) in live_groups(ray).items() if name == GROUP and state == "CREATED"]
         assert new_id != old_id and live_groups(ray) == {new_id: (GROUP, "CREATED")}
+        old_name = ray.get(old.__ray_call__.remote(lambda self: self.groups.names["127.0.0.1"]), timeout=30)
+        assert {t.placement_group for t in tokens} != {old_name}  # the new service's own group
+        # the old service's samples cannot run in the new group unaccounted: a lost bundle, infra_sandbox
+        from rayapp.actors.pool import run_in_bundle
+        from rayapp.core.termination import SandboxError, classify_abort
+
+        with pytest.raises(SandboxError, match="is gone") as info:
+            asyncio.run(run_in_bundle(stale[0], sum, [1, 2], timeout_s=30))
+        assert classify_abort(info.value).value == "infra_sandbox"
         assert ray.util.placement_group_table(stray)["state"] == "REMOVED"
-        assert {t.placement_group for t in tokens} == {GROUP}
+        assert all(t.placement_group == GROUP for t in tokens)
         ray.get(new.release_batch.remote(tokens), timeout=30)
     finally:
         ray.kill(old)
@@ -214,28 +232,6 @@ def test_releasing_a_foreign_or_partial_batch_is_refused(ray_session, pool):
         ray.get(pool.release_batch.remote(tokens[:2]), timeout=30)
     ray.get(pool.release_batch.remote(tokens), timeout=30)
 
-
-def test_node_resolution_and_layout_from_cluster_are_pure():
-    from rayapp.actors.pool import NodeResolutionError, layout_from_cluster, resolve_nodes
-
-    nodes = [
-        {"Alive": True, "NodeID": "aa", "NodeManagerAddress": "10.0.0.1", "Labels": {},
-         "Resources": {"CPU": 16.0, "GPU": 2.0, "memory": 64 * 2**30}},
-        {"Alive": True, "NodeID": "bb", "NodeManagerAddress": "10.0.0.2", "Labels": {"rayapp.io/node": "gpu-b"},
-         "Resources": {"CPU": 8.0, "GPU": 1.0, "memory": 32 * 2**30}},
-        {"Alive": True, "NodeID": "cc", "NodeManagerAddress": "10.0.0.2", "Labels": {},
-         "Resources": {"CPU": 4.0, "memory": 8 * 2**30}},
-        {"Alive": False, "NodeID": "dd", "NodeManagerAddress": "10.0.0.9", "Labels": {}, "Resources": {"CPU": 4.0}},
-    ]
-    layout = layout_from_cluster(nodes)
-    assert list(layout) == ["10.0.0.1", "gpu-b", "cc"]
-    assert layout["10.0.0.1"].gpus == (0, 1) and layout["10.0.0.1"].memory_gb == 64
-    assert layout_from_cluster(nodes, num_cpus=2)["gpu-b"].cpu == 2
-    assert resolve_nodes(["10.0.0.1", "gpu-b", "cc"], nodes) == {"10.0.0.1": "aa", "gpu-b": "bb", "cc": "cc"}
-    with pytest.raises(NodeResolutionError, match=r"'10\.0\.0\.2' matches 2 Ray nodes"):
-        resolve_nodes(["10.0.0.2"], nodes)
-    with pytest.raises(NodeResolutionError, match=r"'10\.0\.0\.9' matches no live Ray node"):
-        resolve_nodes(["10.0.0.9"], nodes)
 
 
 def test_acquire_cancelled_while_waiting_holds_nothing(ray_session, pool):
@@ -294,14 +290,55 @@ def test_a_service_stopped_in_order_removes_its_groups(ray_session):
     assert live_groups(ray) == {}
 
 
-def test_a_node_group_read_off_the_live_cluster_never_asks_for_more_than_the_node_has():
-    from rayapp.actors.pool import layout_from_cluster, node_bundles
 
-    # Ray detects odd amounts (bytes of memory free at start, CPU in steps of 1e-4): rounding them to
-    # the ledger's units must go down, or Ray can never make the node's group and the pool cannot start.
-    for memory, cpu in ((17180917759, 7.9996), (16 * 2**30 + 2**19, 6.0005), (3 * 2**30 - 1, 1.0)):
-        node = {"Alive": True, "NodeID": "aa", "NodeManagerAddress": "127.0.0.1", "Labels": {},
-                "Resources": {"CPU": cpu, "GPU": 4.0, "memory": memory}}
-        (spec,) = layout_from_cluster([node]).values()
-        rest = node_bundles(spec)[-1]
-        assert rest.get("memory", 0) <= memory and rest.get("CPU", 0) <= cpu + 1e-12, (rest, memory, cpu)
+def test_an_acquire_whose_caller_gave_up_is_withdrawn_or_its_grant_freed(ray_session, pool):
+    from rayapp.actors.pool_client import PoolClient
+
+    budget = Resource(gpu=4, concurrency=16, cpu=8, memory_gb=4)
+    client = PoolClient(pool, "gone", call_timeout_s=0.5)
+
+    async def scenario():
+        held = await client.acquire_batch(BatchRequest(budget, QUARTER, 16, label="hog"))
+        # Its caller stops waiting while it is parked: the client's cancel withdraws it.
+        with pytest.raises(TimeoutError):
+            await client.acquire_batch(BatchRequest(budget, QUARTER, 4, label="parked", timeout_s=0.5))
+        for _ in range(100):
+            if not (await client.placement())["waiting"]:
+                break
+            await asyncio.sleep(0.05)
+        assert (await client.placement())["waiting"] == 0
+        await client.release_batch(held)
+        # Granted, but its caller is gone by the time the answer lands: cancel(request_id) frees it.
+        tokens = await pool.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="late", owner="gone"), "r-late")
+        assert tokens and await pool.cancel.remote("r-late") == "released"
+        assert (await client.placement())["batches"] == {}
+
+    asyncio.run(scenario())
+
+
+def test_an_owner_that_stops_renewing_has_its_batches_freed_after_the_lease(ray_session):
+    ray = ray_session
+    from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_client import PoolClient
+
+    actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=10.0,
+                                                                        state_poll_s=0.2, lease_s=2.0)
+    try:
+        budget = Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1)
+        live = PoolClient(actor, "live", renew_s=0.3)
+
+        async def scenario():
+            await live.acquire_batch(BatchRequest(budget, QUARTER, 4, label="kept"))
+            # a manager that hangs: it got its batch, then never calls again
+            await actor.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="hung", owner="hung"))
+            for _ in range(100):
+                owners = {b["owner"] for b in (await live.placement())["batches"].values()}
+                if owners == {"live"}:
+                    break
+                await asyncio.sleep(0.1)
+            return owners
+
+        assert asyncio.run(scenario()) == {"live"}  # the renewing client keeps its batch
+        assert ray.get(actor.release_owner.remote("live"), timeout=30) == 1
+    finally:
+        ray.kill(actor)

@@ -164,7 +164,7 @@ TOKENS = [Token(1, "n", (0,), 0.5, 1.0, 1.0, "rayapp/x/1", 0)]
 def test_pool_client_sends_one_request_stamped_with_its_owner():
     seen = []
 
-    async def acquire_batch(request):
+    async def acquire_batch(request, request_id):
         seen.append(request)
         return TOKENS
 
@@ -187,3 +187,24 @@ def test_pool_client_cancels_a_call_it_stops_waiting_for():
     with pytest.raises(TimeoutError):
         run(PoolClient(handle, owner="m", call_timeout_s=0.05).release_batch(TOKENS))
     assert handle.responses[0].cancelled
+
+
+def test_pool_client_retries_a_release_that_got_no_answer_and_logs_it(caplog):
+    from rayapp.core.pool import PoolError
+
+    calls = []
+
+    async def flaky(tokens):
+        calls.append(tokens)
+        if len(calls) == 1:
+            raise WorkerCrashedError()
+        if len(calls) == 2:
+            await asyncio.sleep(3600)  # no answer within the bound
+
+    client = PoolClient(FakeHandle(release_batch=flaky), owner="m", call_timeout_s=0.05)
+    run(client.release_batch(TOKENS))
+    assert calls == [TOKENS] * 3
+    assert sum("retrying" in r.getMessage() for r in caplog.records) == 2
+    refused = PoolClient(FakeHandle(release_batch=raising(PoolError("released whole"))), owner="m")
+    with pytest.raises(PoolError):
+        run(refused.release_batch(TOKENS))  # a refusal is not retried

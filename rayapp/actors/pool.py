@@ -4,7 +4,9 @@ The core pool decides (all-or-nothing, best-fit, FIFO, spec §3). Ray cannot gro
 placement group, and making one per batch costs a Ray round trip plus, now and then, a ~1 s wait for
 resources a removed group gives back; so the service reserves the whole layout once, at start-up,
 all-or-nothing, and the ledger sub-allocates it. Each layout node gets one group, named
-``rayapp/node/<node>`` and pinned to its Ray node with a ``ray.io/node-id`` bundle label selector:
+``rayapp/node/<node>@<incarnation>`` (the service's own, so a token of a previous service never
+resolves to this one's group: its work fails as a lost bundle instead of running unaccounted here)
+and pinned to its Ray node with a ``ray.io/node-id`` bundle label selector:
 
 * bundle ``p`` for each of the node's GPUs, ``{"GPU": 1}``: the layout's GPU at position ``p``;
 * a last bundle with the node's CPU and memory, ``{"CPU", "memory"}``.
@@ -25,15 +27,18 @@ Ray counts GPU in steps of 1e-4: finer GPU shares than that are not supported.
 
 A node that dies loses its group's bundles: work running there fails (``SandboxError`` through
 ``rayapp.actors.remote``), and work sent there later fails at once instead of waiting; the other
-nodes' groups carry on. The ledger keeps the dead node's capacity (the layout is the contract), so
-samples placed there keep aborting as infra faults until the service restarts on a layout without it;
-``placement()`` lists such nodes under ``lost_nodes``. At start-up the service removes every group
+nodes' groups carry on. The service reads its groups' states every ``state_poll_s`` seconds (a
+background task it owns, and before admitting when the last reading is older than that) and cordons
+a node whose group is not CREATED: no new token goes there, it leaves ``capacity_for`` (a batch that
+can no longer fit fails at once), and it is uncordoned if its group is CREATED again. Only the
+samples that held tokens there when it died abort; ``placement()`` lists such nodes under
+``lost_nodes`` and ``cordoned``. At start-up the service removes every group
 named with the ``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
 design), then makes its own. Ray ties a group to the job that made it, not to the actor, so a crashed
 service's groups live on until the next one starts; a service stopped in order removes its own.
 
-Layout node names resolve to Ray nodes by the ``rayapp.io/node`` label, the node id, or the node's
-IP, in that order; a name that matches no live node, or several, is an error at start-up.
+Layout node names resolve to Ray nodes as ``rayapp.actors.nodes`` says; with no layout, the pool
+reads one off what the live cluster leaves free (``layout_from_cluster``).
 """
 
 from __future__ import annotations
@@ -41,84 +46,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
+import uuid
 from typing import Any
 
 import msgspec
 import ray
+from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayapp.actors.nodes import layout_from_cluster, resolve_nodes
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
-from rayapp.core.pool import PlacementPool
+from rayapp.core.leases import LEASE_S, LeasedPool
 from rayapp.core.termination import AgentTimeout, SandboxError
 from rayapp.core.units import CPU_UNIT, MEM_UNIT, to_units
 from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 
 log = logging.getLogger(__name__)
 
-NODE_LABEL = "rayapp.io/node"  # optional node label naming a node in the cluster layout
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it; bundles are pinned with it
-GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>
+GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>@<incarnation>
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
 RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
-
-
-class NodeResolutionError(ValueError):
-    pass
-
-
-def _alive(ray_nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [n for n in ray_nodes if n.get("Alive", n.get("alive", False))]
-
-
-def _node_name(node: dict[str, Any], ip_count: dict[str, int]) -> str:
-    label = (node.get("Labels") or {}).get(NODE_LABEL)
-    ip = node["NodeManagerAddress"]
-    return label or (ip if ip_count[ip] == 1 else node["NodeID"])
-
-
-def layout_from_cluster(ray_nodes: list[dict[str, Any]], num_cpus: float | None = None,
-                        memory_gb: float | None = None) -> dict[str, NodeSpec]:
-    """A cluster layout read off the live cluster (``ray.nodes()``): each node's whole GPUs, its CPUs
-    and memory, unless ``num_cpus``/``memory_gb`` (the --env-num-cpus / --env-memory-gb flags) say
-    otherwise. Nodes are named by their rayapp.io/node label, else their IP, else their id."""
-    alive = _alive(ray_nodes)
-    ip_count: dict[str, int] = {}
-    for n in alive:
-        ip_count[n["NodeManagerAddress"]] = ip_count.get(n["NodeManagerAddress"], 0) + 1
-    layout = {}
-    for n in alive:
-        res = n.get("Resources", {})
-        if not any(res.get(k, 0) > 0 for k in ("GPU", "CPU", "memory")):
-            continue
-        layout[_node_name(n, ip_count)] = NodeSpec(
-            gpus=tuple(range(int(res.get("GPU", 0)))),
-            cpu=float(num_cpus if num_cpus is not None else _down(res.get("CPU", 0), CPU_UNIT)),
-            memory_gb=float(memory_gb if memory_gb is not None else _down(res.get("memory", 0) / 2**30, MEM_UNIT)),
-        )
-    if not layout:
-        raise NodeResolutionError("the live Ray cluster has no node with GPUs, CPUs or memory")
-    return layout
-
-
-def resolve_nodes(names: list[str], ray_nodes: list[dict[str, Any]]) -> dict[str, str]:
-    """Layout node name -> Ray node id, by label, then node id, then IP; exactly one match each."""
-    alive = _alive(ray_nodes)
-    out = {}
-    for name in names:
-        for key in (lambda n: (n.get("Labels") or {}).get(NODE_LABEL), lambda n: n["NodeID"],
-                    lambda n: n["NodeManagerAddress"]):
-            matches = [n["NodeID"] for n in alive if key(n) == name]
-            if matches:
-                break
-        if len(matches) != 1:
-            why = "no live Ray node" if not matches else f"{len(matches)} Ray nodes"
-            raise NodeResolutionError(
-                f"cluster layout node {name!r} matches {why}; name nodes by IP or node id, or start them "
-                f"with the label {NODE_LABEL}={name}")
-        out[name] = matches[0]
-    return out
+STATE_POLL_S = 2.0  # how often the service reads its groups' states (a lost node is cordoned within this)
+STATE_READ_TIMEOUT_S = 10.0  # one reading of the placement group table from the GCS
 
 
 class PlacementError(RuntimeError):
@@ -131,12 +84,6 @@ def node_bundles(spec: NodeSpec) -> list[dict[str, float]]:
     rest = {"CPU": _cpu(spec.cpu), "memory": _memory(spec.memory_gb)}
     rest = {k: v for k, v in rest.items() if v > 0} or {"CPU": MIN_BUNDLE_CPU}
     return [{"GPU": 1.0} for _ in spec.gpus] + [rest]
-
-
-def _down(value: float, scale: int) -> float:
-    """A live node's amount rounded DOWN to the ledger's unit: its node group (in those units) must
-    never ask Ray for more than the node has, whatever odd byte count Ray detected."""
-    return math.floor(value * scale) / scale
 
 
 def _cpu(cores: float) -> float:
@@ -165,6 +112,28 @@ def remove_leftovers() -> list[str]:
     return gone
 
 
+def free_per_node(settle_s: float = 5.0) -> dict[str, dict[str, float]]:
+    """Ray's available resources per node id once a previous service's groups are gone: they are
+    removed here (``remove_leftovers``), and Ray's view is read again until it shows their bundles
+    back (``settle_s`` at most), so they count as free and nothing else does."""
+    owed: dict[str, dict[str, float]] = {}
+    for info in ray.util.placement_group_table().values():
+        if info.get("name", "").startswith(GROUP_PREFIX) and info.get("state") == "CREATED":
+            for index, bundle in info.get("bundles", {}).items():
+                node = owed.setdefault(info.get("bundles_to_node_id", {}).get(index, ""), {})
+                for k, v in bundle.items():
+                    node[k] = node.get(k, 0) + v
+    before = available_resources_per_node()
+    remove_leftovers()
+    deadline = time.monotonic() + settle_s
+    while True:
+        now = available_resources_per_node()
+        if all(now.get(n, {}).get(k, 0) >= before.get(n, {}).get(k, 0) + v - 1e-6
+               for n, need in owed.items() if n for k, v in need.items()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+
 class NodeGroups:
     """The core pool's reservation hook on Ray: one long-lived group per layout node, made all or
     nothing by ``start``; ``reserve`` maps each token to its bundle (its first GPU's, or the node's
@@ -172,7 +141,8 @@ class NodeGroups:
 
     def __init__(self, layout: dict[str, NodeSpec], node_ids: dict[str, str]):
         self.layout, self.node_ids = layout, node_ids
-        self.names = {node: f"{GROUP_PREFIX}node/{node}" for node in layout}
+        incarnation = uuid.uuid4().hex[:8]
+        self.names = {node: f"{GROUP_PREFIX}node/{node}@{incarnation}" for node in layout}
         self._gpu_pos = {node: {g: p for p, g in enumerate(spec.gpus)} for node, spec in layout.items()}
         self.groups: dict[str, PlacementGroup] = {}
 
@@ -267,28 +237,76 @@ async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: flo
 
 
 class PlacementPoolService:
-    """Hosted as one Serve replica (or a plain Ray actor in tests): the core pool over one placement
-    group per layout node, reserved when it starts (``pg_ready_timeout_s`` bounds that; a layout Ray
-    cannot hold is a PlacementError then). Every method is ``async``: Serve runs a plain ``def`` in a
+    """Hosted as one Serve replica (or a plain Ray actor in tests): the core pool (``LeasedPool``:
+    cancellable request ids, owner leases of ``lease_s`` seconds) over one placement group per layout
+    node, reserved when it starts (``pg_ready_timeout_s`` bounds that; a layout Ray cannot hold is a
+    PlacementError then). Every method is ``async``: Serve runs a plain ``def`` in a
     worker thread, and the pool and its waiting acquires belong to the replica's event loop."""
 
     def __init__(self, cluster_layout: Any = None, num_cpus: float | None = None, memory_gb: float | None = None,
-                 pg_ready_timeout_s: float = 10.0):
+                 pg_ready_timeout_s: float = 10.0, state_poll_s: float = STATE_POLL_S, lease_s: float | None = LEASE_S):
         nodes = ray.nodes()
         layout = parse_cluster_layout(cluster_layout, num_cpus or 0.0, memory_gb or 0.0)
-        if layout is None:
-            layout = layout_from_cluster(nodes, num_cpus, memory_gb)
+        if layout is None:  # only what the engine replicas started before the pool leave free
+            layout = layout_from_cluster(nodes, num_cpus, memory_gb, free_per_node())
         self.layout = layout
         self.node_ids = resolve_nodes(list(layout), nodes)
         self.groups = NodeGroups(layout, self.node_ids)
         self.groups.start(pg_ready_timeout_s)
-        self.pool = PlacementPool(layout, self.groups)
+        self.pool = LeasedPool(layout, self.groups, lease_s=lease_s)
+        self.state_poll_s = state_poll_s
+        self._polled = -math.inf  # loop time of the last reading of the groups' states
+        self._watch: asyncio.Task | None = None
+        self._reading: asyncio.Task | None = None  # the read of the groups' states in flight
         log.info("placement pool over %d nodes: %s", len(layout), layout)
+
+    async def _refresh(self, max_age_s: float) -> dict[str, str] | None:
+        """Read the groups' states unless the last reading is younger than ``max_age_s``, and cordon
+        (or uncordon) each node by its group's state. The states read, or None when fresh enough.
+        Callers that find the reading stale at once share one read."""
+        if asyncio.get_running_loop().time() - self._polled < max_age_s:
+            return None
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.get_running_loop().create_task(self._read_states())
+        return await asyncio.shield(self._reading)
+
+    async def _read_states(self) -> dict[str, str]:
+        states = await asyncio.wait_for(asyncio.to_thread(self.groups.states), STATE_READ_TIMEOUT_S)
+        self._polled = asyncio.get_running_loop().time()
+        for node, state in states.items():
+            if state == "CREATED" and self.pool.uncordon(node):
+                log.warning("node %s: its placement group is CREATED again; uncordoned", node)
+            elif state != "CREATED" and self.pool.cordon(node):
+                log.warning("node %s: its placement group is %s (node lost?); cordoned, no new tokens go there",
+                            node, state)
+        return states
+
+    async def _watch_groups(self) -> None:
+        while True:
+            try:
+                await self._refresh(0.0)
+            except Exception as e:  # GCS slow or restarting: keep the last reading, try again
+                log.warning("reading the pool's placement group states failed: %s", e)
+            try:
+                await self.pool.expire_leases()
+            except Exception as e:  # the expired batches' ledger part is back already; log the rest
+                log.warning("freeing the batches of expired leases failed: %s", e)
+            await asyncio.sleep(self.state_poll_s)
+
+    async def _ready(self) -> None:
+        """Before admitting: the watcher runs (started on the replica's loop at its first call), and
+        the states are no older than ``state_poll_s``."""
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_groups())
+        await self._refresh(self.state_poll_s)
 
     def __del__(self) -> None:
         # Ray removes a group when the job that made it ends, not when this actor dies: a replica
         # stopped in order (Serve calls __del__) gives its groups back now; a crashed one's are
         # removed by the next service at start-up.
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
         groups = getattr(self, "groups", None)
         if groups is not None:
             try:
@@ -296,8 +314,17 @@ class PlacementPoolService:
             except Exception as e:  # Ray already gone (interpreter shutdown): nothing left to free
                 log.debug("removing the pool's placement groups failed: %s", e)
 
-    async def acquire_batch(self, request: BatchRequest) -> list[Token]:
-        return await self.pool.acquire_batch(request)
+    async def acquire_batch(self, request: BatchRequest, request_id: str | None = None) -> list[Token]:
+        await self._ready()
+        return await self.pool.acquire_batch(request, request_id)
+
+    async def cancel(self, request_id: str) -> str:
+        """The caller of ``request_id`` is gone: withdraw its acquire or free what it was granted."""
+        return await self.pool.cancel(request_id)
+
+    async def renew(self, owner: str) -> None:
+        """``owner`` is alive: its batches are kept another lease period."""
+        self.pool.renew(owner)
 
     async def release_tokens(self, tokens: list[Token]) -> None:
         await self.pool.release_tokens(tokens)
@@ -310,13 +337,15 @@ class PlacementPoolService:
         return await self.pool.release_owner(owner)
 
     async def max_tokens_for(self, per_sample: Resource) -> int:
+        await self._ready()
         return self.pool.capacity_for(per_sample)
 
     async def placement(self) -> dict[str, Any]:
         """Who holds what: each held batch's tokens (node, GPU ids, fraction, placement group and
-        bundle), each node's group and its state, the nodes whose group Ray lost, and the ledger's
-        free view."""
-        states = self.groups.states()
+        bundle), each node's group and its state, the nodes whose group Ray lost, those cordoned, and
+        the ledger's free view (cordoned nodes left out)."""
+        await self._ready()
+        states = await self._refresh(0.0)
         return {
             "batches": {b.name: {"owner": b.owner, "tokens": [
                 {"node": t.node, "node_id": self.node_ids[t.node], "gpu_ids": list(t.gpu_ids), "gpu": t.gpu,
@@ -325,6 +354,7 @@ class PlacementPoolService:
             "groups": {n: {"placement_group": self.groups.names[n], "node_id": self.node_ids[n], "state": states[n],
                            "bundles": node_bundles(spec)} for n, spec in self.layout.items()},
             "lost_nodes": sorted(n for n, state in states.items() if state != "CREATED"),
+            "cordoned": self.pool.cordoned,
             "free": {n: msgspec.structs.asdict(r) for n, r in self.pool.free().items()},
             "held_tokens": self.pool.held,
             "waiting": self.pool.waiting,

@@ -14,8 +14,11 @@ Invariants kept (tests check them after every step):
 * ``free + sum(held tokens)`` equals capacity per GPU, per node CPU and per node memory.
 * A failed call (bad request, bad release, unplaceable batch) leaves the ledger as it was: releases
   are validated whole before any is applied; acquires roll back.
-* ``_order`` holds exactly one key per node, and that key encodes the node's current free figures,
-  so the top of ``_order`` is always the node the greedy rule picks first.
+* ``_order`` holds exactly one key per node that is not cordoned, and that key encodes the node's
+  current free figures, so the top of ``_order`` is always the node the greedy rule picks first.
+* A cordoned node (``cordon``: its Ray group was lost) gets no new tokens and counts for nothing in
+  ``capacity_for`` and ``free``; tokens it already holds go back as usual, so its figures stay exact
+  and ``uncordon`` puts it back as it is.
 
 Pure Python; never imports ray.
 """
@@ -65,6 +68,8 @@ class Ledger:
         self._held: dict[int, tuple[Token, int, tuple[int, ...], int, int, int]] = {}
         self._next_id = 0
         self._max_cache: dict[Resource, int] = {}
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._cordoned: set[int] = set()  # node indices left out of _order (their group is lost)
 
     # ---- ordered structure -------------------------------------------------------------------
     def _key(self, i: int) -> int:
@@ -77,7 +82,9 @@ class Ledger:
         """Move node ``i`` to its new place in ``_order``: the only node a token touched."""
         new = self._key(i)
         old = self._keys[i]
-        if new != old:
+        if i in self._cordoned:
+            self._keys[i] = new  # not in _order: uncordon puts this key back
+        elif new != old:
             self._order.remove(old)
             self._order.add(new)
             self._keys[i] = new
@@ -180,9 +187,43 @@ class Ledger:
             recs.append(rec)
         self._release_records(recs)
 
+    # ---- cordoned nodes ------------------------------------------------------------------------
+    def _node(self, node: str, what: str) -> int:
+        i = self._index.get(node) if isinstance(node, str) else None
+        if i is None:
+            raise PoolError(f"{what}: no node {str(node)[:80]!r} in the layout (nodes: {self._names[:8]})")
+        return i
+
+    def cordon(self, node: str) -> bool:
+        """Place no new token on ``node`` (its reservation is lost) and leave it out of ``capacity_for``
+        and ``free``; what it holds still goes back as usual. Whether it was not cordoned already."""
+        i = self._node(node, "cordon")
+        if i in self._cordoned:
+            return False
+        self._cordoned.add(i)
+        self._order.remove(self._keys[i])
+        self._max_cache.clear()
+        return True
+
+    def uncordon(self, node: str) -> bool:
+        """Undo ``cordon`` (the node's reservation is back). Whether it was cordoned."""
+        i = self._node(node, "uncordon")
+        if i not in self._cordoned:
+            return False
+        self._cordoned.discard(i)
+        self._order.add(self._keys[i])
+        self._max_cache.clear()
+        return True
+
+    @property
+    def cordoned(self) -> list[str]:
+        """The cordoned nodes, in layout order."""
+        return [name for i, name in enumerate(self._names) if i in self._cordoned]
+
     # ---- capacity and views ------------------------------------------------------------------
     def capacity_for(self, per_sample: Resource) -> int:
-        """The most ``per_sample`` tokens the empty pool holds at once (the deadlock check's figure)."""
+        """The most ``per_sample`` tokens the empty pool holds at once on the nodes not cordoned (the
+        deadlock check's figure)."""
         cached = self._max_cache.get(per_sample)
         if cached is not None:
             return cached
@@ -190,6 +231,8 @@ class Ledger:
         total = 0
         _, cpu_cap, mem_cap = self._capacity
         for i in range(self._n):
+            if i in self._cordoned:
+                continue
             n_gpus = len(self._gpu_ids[i])
             slots = UNBOUNDED
             if k == 1:
@@ -216,20 +259,25 @@ class Ledger:
 
     def snapshot(self) -> dict:
         """Exact state in integer units, per node: free units per GPU id, free milli-cores, free MiB,
-        tokens held. Equal snapshots mean equal ledgers."""
+        tokens held, whether it is cordoned. Equal snapshots mean equal ledgers."""
         return {
             name: {
                 "gpu_units": dict(zip(self._gpu_ids[i], self._gpus[i], strict=True)),
                 "cpu_milli": self._cpu[i],
                 "memory_mib": self._mem[i],
                 "held": self._held_on[i],
+                "cordoned": i in self._cordoned,
             }
             for i, name in enumerate(self._names)
         }
 
     def free(self) -> dict[str, Resource]:
-        """Free GPU (summed over the node's GPUs), CPU and memory per node, for logs."""
-        return self._view(self._gpu_free, self._cpu, self._mem)
+        """Free GPU (summed over the node's GPUs), CPU and memory per node that is not cordoned: what
+        new tokens can still get."""
+        view = self._view(self._gpu_free, self._cpu, self._mem)
+        for i in self._cordoned:
+            del view[self._names[i]]
+        return view
 
     def capacity(self) -> dict[str, Resource]:
         """Total GPU, CPU and memory per node (``free()`` of the empty pool)."""

@@ -74,13 +74,15 @@ class HeldBatch(msgspec.Struct, frozen=True):
 
 
 class _Waiter:
-    """One parked ``acquire_batch`` call; ``event`` is set when it should retry."""
+    """One parked ``acquire_batch`` call; ``event`` is set when it should retry, or when ``error``
+    says it never can (a node it needed was cordoned)."""
 
-    __slots__ = ("event", "owner", "task")
+    __slots__ = ("error", "event", "n", "owner", "request", "task")
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, request: BatchRequest, n: int) -> None:
         self.event = asyncio.Event()
-        self.owner = owner
+        self.owner, self.request, self.n = request.owner, request, n
+        self.error: PoolError | None = None
         self.task = asyncio.current_task()
 
 
@@ -117,6 +119,31 @@ class PlacementPool(Ledger):
         if tokens:
             self._wake_head()
 
+    # ---- cordoned nodes ------------------------------------------------------------------------
+    def cordon(self, node: str) -> bool:
+        """``Ledger.cordon``; then every waiter whose batch can no longer fit on the nodes left fails at
+        once with a PoolError (the rule ``acquire_batch`` applies up front), instead of waiting."""
+        changed = super().cordon(node)
+        if changed:
+            for w in self._queue:
+                if w.error is None and w.n > self.capacity_for(w.request.per_sample):
+                    w.error = self._never_fits(w.request, w.n)
+                    w.event.set()
+        return changed
+
+    def uncordon(self, node: str) -> bool:
+        """``Ledger.uncordon``; wakes the first waiter, which may fit now."""
+        changed = super().uncordon(node)
+        if changed:
+            self._wake_head()
+        return changed
+
+    def _never_fits(self, request: BatchRequest, n: int) -> PoolError:
+        cap = self.capacity_for(request.per_sample)
+        lost = f" ({len(self._cordoned)} nodes cordoned: {self.cordoned[:8]})" if self._cordoned else ""
+        return PoolError(f"acquire_batch {request.label}: {n} tokens of {request.per_sample!r} can never fit; "
+                         f"the whole pool holds {cap}{lost}")
+
     # ---- batches: waiting, reservations, owners ----------------------------------------------
     def _wake_head(self) -> None:
         """Tell the first waiter to retry. Only the head retries: a later small batch must not
@@ -134,16 +161,16 @@ class PlacementPool(Ledger):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                     or not timeout >= 0):
             raise PoolError(f"timeout_s: expected seconds >= 0 or None, got {timeout!r}")
-        cap = self.capacity_for(request.per_sample)
-        if n > cap:  # would wait forever and block every later waiter behind it
-            raise PoolError(f"acquire_batch {request.label}: {n} tokens of {request.per_sample!r} can never fit; "
-                            f"the whole pool holds {cap}")
-        waiter = _Waiter(request.owner)
+        if n > self.capacity_for(request.per_sample):  # would wait forever and block every later waiter
+            raise self._never_fits(request, n)
+        waiter = _Waiter(request, n)
         self._queue.append(waiter)
         refused = 0
         try:
             async with asyncio.timeout(timeout) as deadline:
                 while True:
+                    if waiter.error is not None:
+                        raise waiter.error
                     # Clear before trying: a release that lands during the try sets it again.
                     waiter.event.clear()
                     backoff = None
@@ -183,7 +210,14 @@ class PlacementPool(Ledger):
         except BaseException:
             self._rollback(tokens)  # the hook's contract: it holds nothing now
             raise
-        if got is None:
+        if got is None or any(self._index[t.node] in self._cordoned for t in tokens):
+            if got is not None:  # a node was cordoned while the hook realised the grant: place it anew
+                try:
+                    await self._reservations.release(got)
+                finally:
+                    self._rollback(tokens)
+                self._wake_head()
+                return None
             self._rollback(tokens)
             return _REFUSED
         if not _realises(got, tokens):

@@ -1,7 +1,7 @@
 """A multi-node fake cluster (ray.cluster_utils.Cluster) in its own pytest process: tokens land on
 the nodes the ledger chose, in each node's long-lived group, cross-node batches spread, and a node
 removed mid-run turns its samples into infra aborts while the step still returns every sample, the
-other node's group keeps working and the ledger ends where it began."""
+other node's group keeps working, the dead node is cordoned and the next step runs on the survivors."""
 
 import asyncio
 import os
@@ -79,8 +79,9 @@ def test_tokens_land_on_the_chosen_nodes_and_batches_spread(cluster):
     assert all(resolved[ledger_node] == ray_node for ledger_node, ray_node, _ in seen), seen
     assert {ledger_node for ledger_node, _, _ in seen} == {"node-a", "node-b"}  # one batch spread over both
     # each sample's work ran in its node's long-lived group, the one the pool reserved at start-up
+    names = ray.get(pool.__ray_call__.remote(lambda self: self.groups.names), timeout=60)
     groups = {pg["name"]: i for i, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
-    assert all(group_id == groups[f"rayapp/node/{ledger_node}"] for ledger_node, _, group_id in seen), seen
+    assert all(group_id == groups[names[ledger_node]] for ledger_node, _, group_id in seen), seen
     assert ray.get(pool.snapshot.remote(), timeout=60) == initial
     assert placement["batches"] == {}
     ray.kill(pool)
@@ -105,24 +106,23 @@ def test_a_node_removed_mid_run_aborts_its_samples_and_the_step_returns_them_all
     assert len(samples) == 4
     aborted = [s for s in samples if s.status is Status.ABORTED]
     assert aborted and all(s.metadata["_placement"]["node"] == "node-b" for s in aborted)
-    assert all(s.metadata["_termination_reason"].startswith("infra_") for s in aborted)
+    assert all(s.metadata["_termination_reason"] == "infra_sandbox" for s in aborted)
     assert all(s.remove_sample and s.loss_mask == [0] for s in aborted)
     assert all(s.status is Status.COMPLETED for s in samples if s.metadata["_placement"]["node"] == "node-a")
-    assert ray.get(pool.snapshot.remote(), timeout=60) == initial
     placement = ray.get(pool.placement.remote(), timeout=60)
     assert placement["lost_nodes"] == ["node-b"] and placement["groups"]["node-a"]["state"] == "CREATED"
+    # node-b is cordoned: out of the free view, its tokens all back, nothing else changed
+    assert placement["cordoned"] == ["node-b"] and set(placement["free"]) == {"node-a"}
+    cordoned = {**initial, "node-b": {**initial["node-b"], "cordoned": True}}
+    assert ray.get(pool.snapshot.remote(), timeout=60) == cordoned
 
-    # The ledger keeps node-b's capacity: the next step's samples placed there abort at once as
-    # infra faults (their bundle is gone), and node-a's group goes on working.
+    # The next step runs entirely on the surviving node: nothing is placed on node-b, nothing aborts.
     seen.clear()
     sched_next = TaskScheduler([make_spec(0.0, seen)], ArithmeticSource(seed=2), PoolClient(pool, "t2"),
                                SchedulerConfig(rollout_batch_size=4, progress=False))
     after = [s for g in asyncio.run(asyncio.wait_for(sched_next.execute_rollout(1), 120)).groups for s in g]
     assert len(after) == 4
-    on_a = [s for s in after if s.metadata["_placement"]["node"] == "node-a"]
-    on_b = [s for s in after if s.metadata["_placement"]["node"] == "node-b"]
-    assert on_a and all(s.status is Status.COMPLETED for s in on_a)
-    assert on_b and all(s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_sandbox"
-                        for s in on_b)
-    assert ray.get(pool.snapshot.remote(), timeout=60) == initial
+    assert all(s.status is Status.COMPLETED and s.metadata["_placement"]["node"] == "node-a" for s in after)
+    assert {ledger_node for ledger_node, _, _ in seen} == {"node-a"}
+    assert ray.get(pool.snapshot.remote(), timeout=60) == cordoned
     ray.kill(pool)

@@ -40,7 +40,8 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from rayapp.actors.app import HEAD, POOL_MAX_ONGOING
-from rayapp.actors.pool import GROUP_PREFIX, NODE_LABEL, PlacementPoolService, run_in_bundle
+from rayapp.actors.nodes import NODE_LABEL
+from rayapp.actors.pool import GROUP_PREFIX, PlacementPoolService, run_in_bundle
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.remote import bounded
 from rayapp.actors.sandbox import open_sandbox
@@ -249,11 +250,12 @@ def settle(pool_handle, initial: dict, timeout_s: float = 60.0) -> tuple[dict, d
 
 
 def leaked_groups() -> list[str]:
-    """Live rayapp groups beyond one per layout node (the pool's own): a batch's, or a dead pool's."""
+    """Live rayapp groups beyond one per layout node (``rayapp/node/<node>@<incarnation>``, the pool's
+    own): a batch's, or a dead pool incarnation's."""
     live = [pg["name"] for pg in ray.util.placement_group_table().values()
             if pg["name"].startswith(GROUP_PREFIX) and pg["state"] != "REMOVED"]
-    own = Counter(n for n in live if n in {f"{GROUP_PREFIX}node/{node}" for node in NODES})
-    return [n for n in live if n not in own] + [n for n, k in own.items() for _ in range(k - 1)]
+    own = Counter(n.split("@")[0] for n in live if n.split("@")[0] in {f"{GROUP_PREFIX}node/{node}" for node in NODES})
+    return [n for n in live if n.split("@")[0] not in own] + [n for n, k in own.items() for _ in range(k - 1)]
 
 
 def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: float) -> list[tuple[str, str]]:

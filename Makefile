@@ -45,6 +45,7 @@ bench: $(STAMP) $(VENV)/.bench
 	$(BIN)/python bench/ray_pool.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sim.py --plot docs
+	$(BIN)/python bench/chaos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

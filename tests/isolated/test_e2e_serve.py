@@ -91,7 +91,7 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     assert {s["dataset"] for s in samples} <= {"arithmetic", "math", "humaneval", "swe"}
     assert len({s["dataset"] for s in samples}) >= 3
     for s in samples:
-        assert s["status"] in {"completed", "truncated"}, s
+        assert s["status"] in {"completed", "truncated"}, (s["dataset"], s["reason"], s["abort"])
         # loss mask and log-probs cover the response exactly; only model tokens carry loss
         assert s["response_length"] == s["logprobs"] == s["loss_mask"] >= s["loss_sum"] > 0, s
         assert s["tokens"] > s["response_length"]

@@ -31,6 +31,23 @@ class ExecSandbox:
         self.closed += 1
 
 
+def cut_short(episode, ready):
+    """Run the ``episode`` coroutine until ``ready()`` (polled, bounded: a failure must not hang),
+    then cancel it and see it end cancelled."""
+    async def go():
+        task = asyncio.create_task(episode)
+        for _ in range(1000):
+            if ready():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())
+
+
 def bash_call(command):
     return '<tool_call>{"name": "bash", "arguments": {"command": "' + command + '"}}</tool_call>'
 
@@ -57,17 +74,8 @@ def test_a_cut_short_episode_resumes_from_its_last_complete_turn(tok, model_dir)
     first.generate = generate
     c1 = ctx(max_turns=5)
 
-    async def cut():
-        task = asyncio.create_task(ToolAgent(first, verify, tools=["calculator", "bash"], sandbox_factory=factory)
-                                   .run(sample(), c1))
-        while len(first.sent) < 2 or c1.record.turns != 2:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    run(cut())
+    cut_short(ToolAgent(first, verify, tools=["calculator", "bash"], sandbox_factory=factory).run(sample(), c1),
+              lambda: len(first.sent) >= 2 and c1.record.turns == 2)
     point = c1.record.resume
     assert point is not None and point.turns == 2 and [r.turn for r in point.turn_records] == [1, 2]
     assert [(t.name, t.arguments) for t in point.tool_calls] == [("bash", {"command": "touch a"})]
@@ -131,18 +139,9 @@ def test_a_cut_short_dagger_roll_in_resumes_with_its_labels_and_per_turn_weights
     student.generate = generate
     c1 = context()
 
-    async def cut():
-        task = asyncio.create_task(DAggerAgent(student, teacher, verify).run(sample(), c1))
-        for _ in range(1000):  # until the third turn is under way (bounded: a failure must not hang)
-            if c1.record.turns == 2 and len(teacher.sent) == 2:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    run(cut())
+    # until the third turn is under way
+    cut_short(DAggerAgent(student, teacher, verify).run(sample(), c1),
+              lambda: c1.record.turns == 2 and len(teacher.sent) == 2)
     point = c1.record.resume
     assert point.turns == 2 and [lab.turn for lab in point.dagger_labels] == [1, 2]
 

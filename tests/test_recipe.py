@@ -3,6 +3,7 @@ variables, and the wiring of a recipe into evaluator specs."""
 
 
 import pickle
+import re
 
 import pytest
 import yaml
@@ -98,10 +99,15 @@ ENGINE = r"\$\.engines\.student\."
      r"\$\.scheduler\.batching: batching strategy 'no_such_pkg\.mod\.fn': cannot import"),
 ])
 def test_the_bounds_on_the_types_and_the_cross_field_rules_name_the_path(mutate, message):
+    _refused(mutate, message, "x.yaml")
+
+
+def _refused(mutate, message, source):
+    """The local recipe changed by ``mutate`` is one RecipeError naming ``source`` and ``message``."""
     args = _local()
     mutate(args)
-    with pytest.raises(RecipeError, match=r'^recipe "x\.yaml": ' + message):
-        parse_recipe(args, source="x.yaml")
+    with pytest.raises(RecipeError, match=f'^recipe "{re.escape(source)}": ' + message):
+        parse_recipe(args, source=source)
 
 
 def test_a_recipe_error_is_the_input_error_of_the_one_door():
@@ -179,10 +185,7 @@ def test_the_wiring_copies_each_evaluator_field_by_name():
      r'\$\.pool\.cluster_layout: cluster layout "<inline>": \$: expected an object'),
 ])
 def test_every_number_enum_and_dataset_key_is_checked_at_parse_time(mutate, message):
-    args = _local()
-    mutate(args)
-    with pytest.raises(RecipeError, match=r'^recipe "my/recipe\.yaml": ' + message):
-        parse_recipe(args, source="my/recipe.yaml")
+    _refused(mutate, message, "my/recipe.yaml")
 
 
 def test_a_recipe_file_is_loaded_through_the_same_door_and_errors_name_it(tmp_path):

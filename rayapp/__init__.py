@@ -21,7 +21,9 @@ from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.pool import HeldBatch, PlacementPool, PoolError, Reservations, budget_tokens
 from rayapp.core.scheduler import DeadlockError, TaskScheduler, interleave
 from rayapp.core.termination import (
+    SOLVED_SCORE,
     AbortReason,
+    AgentOutputError,
     AgentTimeout,
     EngineConnectionError,
     EpisodeError,
@@ -29,6 +31,7 @@ from rayapp.core.termination import (
     SandboxError,
     classify_abort,
     classify_termination,
+    is_solved,
 )
 from rayapp.envs.agents.base import BaseAgent
 from rayapp.envs.agents.chat import ChatAgent
@@ -40,7 +43,7 @@ from rayapp.episode import EpisodeContext, EpisodeRecord
 from rayapp.training.artifacts import read_jsonl
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
-from rayapp.training.partial import PartialConfig, PartialRollouts
+from rayapp.training.partial import PartialConfig, PartialRollouts, group_index
 from rayapp.types import (
     AgentResult,
     Batch,
@@ -62,10 +65,12 @@ from rayapp.types import (
 )
 
 __all__ = [
+    "SOLVED_SCORE",
     "STRATEGIES",
     "AbortCap",
     "AbortReason",
     "AgentHandler",
+    "AgentOutputError",
     "AgentResult",
     "AgentTimeout",
     "BaseAgent",
@@ -135,7 +140,9 @@ __all__ = [
     "eval_metrics",
     "failure_summary",
     "fifo_batching",
+    "group_index",
     "interleave",
+    "is_solved",
     "load_strategy",
     "longest_first_batching",
     "make_sandbox",

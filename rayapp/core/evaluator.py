@@ -97,7 +97,7 @@ def _step_cancelled() -> bool:
 
 
 def checked_reward(reward: Any) -> dict[str, float]:
-    """The verify phase's reward dict, or a ValueError naming the entry that is not a finite number
+    """The verify phase's reward dict, or an AgentOutputError naming the entry that is not a finite number
     (a bool, a string or NaN would reach the trainer as a reward)."""
     if not isinstance(reward, dict) or "score" not in reward:
         raise AgentOutputError(f"handler.evaluate returned {show(reward)}, not a dict with a 'score'")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from rayapp.core.clock import loop_time, run_virtual
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.episode import RESUME_POINTS, ResumePoint
+from rayapp.episode import RESUME_POINTS, ResumePoint, TurnRecord
 from rayapp.training.partial import PartialConfig, PartialRollouts, group_index
 from rayapp.types import AgentResult, BatchRequest, EvaluatorSpec, Resource, Status, Task, TaskConfig, Token
 
@@ -155,18 +156,40 @@ class MeteredPool:
         return getattr(self.pool, name)
 
 
-def _resume_from(sample) -> int:
-    """Turns a carried sample already did (partial rollouts, ``policy: resume``): its resume point's,
-    handed in the task's ``RESUME_POINTS``; 0 when it starts afresh."""
+def _resume_from(sample) -> tuple[int, float]:
+    """Where a carried sample goes on from (partial rollouts, ``policy: resume``), by its resume
+    point handed in the task's ``RESUME_POINTS``: the turns it did, and the engine seconds its cut
+    turn had done (the record of that turn, as a real agent keeps the cut turn's tokens); (0, 0)
+    when it starts afresh."""
     points = sample.metadata.pop(RESUME_POINTS, None) or []
     point = points[sample.index] if sample.index < len(points) else None
-    return point["turns"] if point else 0
+    if not point:
+        return 0, 0.0
+    cut = [r["engine_s"] for r in point.get("turn_records", []) if r["turn"] == point["turns"] + 1]
+    return point["turns"], sum(cut)
+
+
+async def _engine_turn(ctx, turn: int, engine_s: float, done_s: float, keep: Callable[[], None]) -> None:
+    """The engine's part of a turn, ``done_s`` of it done before a cut. Cut again, the engine
+    aborts the request and what it made is kept (``keep()``), as the real agents keep the cut
+    turn's tokens."""
+    started = loop_time()
+    try:
+        await asyncio.sleep(engine_s - done_s)
+    except asyncio.CancelledError:
+        made = done_s + loop_time() - started
+        ctx.record.resume = ResumePoint(turn - 1, [], 0, [], [], [TurnRecord(turn, "sim", engine_s=made)])
+        keep()
+        raise
+    ctx.record_turn(turn, "sim", engine_s=engine_s)
 
 
 def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Counter) -> EvaluatorSpec:
     """An EvaluatorSpec whose budget admits a whole batch at once; its agent sleeps the trace. Like
-    the real multi-turn agent, it keeps a resume point after each turn but the last (the turn and
-    the tool call that followed it), and a sample handed one goes on from there."""
+    the real agents, it keeps a resume point after each turn but the last (the turn and the tool
+    call that followed it) and one in a turn cut while the engine worked (what the engine made is
+    kept), and a sample handed one goes on from there. Cut in a tool call or in verify, what it did
+    since its last point is lost (the real agents cannot keep a half-run tool call either)."""
     share = PER_SAMPLE.gpu
     since: dict[tuple[str, int], float] = {}  # when the work not yet kept began (start, or the last point)
     kept: dict[tuple[str, int], float] = {}  # GPU share x s of a sample's work its resume point keeps
@@ -179,15 +202,14 @@ def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Co
         key = (sample.task_id, group_index(sample))  # a carried group runs only the samples not ended
         trace = traces[key[0]].samples[key[1]]
         runs[key] += 1
-        done = _resume_from(sample)
-        if not done:  # afresh: whatever an earlier run of it did is thrown away
+        done, done_s = _resume_from(sample)
+        if not done and not done_s:  # afresh: whatever an earlier run of it did is thrown away
             meter.wasted += kept.pop(key, 0.0)
         since[key] = loop_time()
         meter.change(busy=share)
         try:
             for turn, (engine_s, tool_s) in enumerate(trace.turns[done:], done + 1):
-                await asyncio.sleep(engine_s)
-                ctx.record_turn(turn, "sim", engine_s=engine_s)
+                await _engine_turn(ctx, turn, engine_s, done_s if turn == done + 1 else 0.0, lambda: keep(key))
                 if tool_s:
                     await asyncio.sleep(tool_s)
                 if turn < len(trace.turns):

@@ -11,7 +11,7 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -73,9 +73,11 @@ class DaggerLabel(msgspec.Struct):
 class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
     """Where a cut-short episode can go on from (partial rollouts, ``policy: resume``): its token
     data after its last complete turn (the observation that followed included) and what rebuilds
-    its environment. A resumed episode keeps these tokens, log-probs, mask and turn records as they
-    are and generates its next turn again; an agent that cannot rebuild its state ignores it and
-    starts afresh."""
+    its environment, and, when the cut came mid-turn, the tokens that turn had generated
+    (``partial``: the last ``partial`` of ``tokens``, with their log-probs and mask; the turn
+    record of the weights that made them is the last of ``turn_records``). A resumed episode keeps
+    all of these as they are and goes on with turn ``turns + 1`` from there; an agent that cannot
+    rebuild its state ignores the point and starts afresh."""
 
     turns: int  # model turns done
     tokens: list[int]  # prompt + response so far
@@ -85,6 +87,15 @@ class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
     turn_records: list[TurnRecord] = []
     tool_calls: list[ToolReplay] = []  # the sandbox tool calls made, in order
     dagger_labels: list[DaggerLabel] = []  # a DAgger roll-in's teacher labels of the kept turns
+    partial: Annotated[int, msgspec.Meta(ge=0)] = 0  # tokens of the cut turn at the end of ``tokens``
+
+    def with_cut_turn(self, output_ids: list[int], logprobs: list[float], record: TurnRecord,
+                      weight: int = 1) -> ResumePoint:
+        """This point with the tokens a cut turn generated after it (loss weight ``weight``)."""
+        return msgspec.structs.replace(
+            self, tokens=[*self.tokens, *output_ids], loss_mask=[*self.loss_mask, *[weight] * len(output_ids)],
+            rollout_log_probs=[*self.rollout_log_probs, *logprobs], turn_records=[*self.turn_records, record],
+            partial=self.partial + len(output_ids))
 
 
 class AbortRecord(msgspec.Struct):
@@ -181,9 +192,14 @@ class EpisodeContext(msgspec.Struct):
         """Count model turn ``turn`` as done and record who answered it, where, how long the engine
         took (``engine_s``) and with which weights (``weight_version``, as the engine names them)."""
         self.record.turns = turn
+        self.record.turn_records.append(self.turn_record(turn, engine, actor, engine_s=engine_s,
+                                                         weight_version=weight_version))
+
+    def turn_record(self, turn: int, engine: str, actor: Actor | None = None, *,
+                    engine_s: float | None = None, weight_version: str | None = None) -> TurnRecord:
+        """The record of model turn ``turn`` (``record_turn``), without counting the turn as done."""
         where = (self.token.node, list(self.token.gpu_ids)) if self.token is not None else (None, None)
-        self.record.turn_records.append(TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s,
-                                                   weight_version=weight_version or None))
+        return TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s, weight_version=weight_version or None)
 
     def keep(self, name: str, resource: R, close: Callable[[], Awaitable[Any]]) -> R:
         """Hold ``resource`` under ``name`` until the episode ends; ``close()`` is awaited then."""

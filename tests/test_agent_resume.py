@@ -96,10 +96,13 @@ def test_a_cut_short_episode_resumes_from_its_last_complete_turn(tok, model_dir)
 
 
 def test_an_agent_that_cannot_resume_starts_afresh(tok, model_dir):
+    class Fresh(ChatAgent):
+        resumable = False
+
     s = sample()
     s.metadata[RESUME_POINTS] = [{"turns": 1, "tokens": [1, 2], "prompt_len": 1, "loss_mask": [1],
                                   "rollout_log_probs": [0.0]}]
-    assert ChatAgent(ScriptedEngine(tok, model_dir, []), verify).resume_point(s) is None
+    assert Fresh(ScriptedEngine(tok, model_dir, []), verify).resume_point(s) is None
     assert RESUME_POINTS not in s.metadata
 
 

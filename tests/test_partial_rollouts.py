@@ -246,7 +246,7 @@ def test_staleness_is_measured_from_the_engines_weight_versions(make_pool):
 def test_a_restarted_manager_takes_up_the_carried_groups_from_the_checkpoint(make_pool, tmp_path):
     agent, source = LongTail(seed=11), Stream()
     sched, _ = make(make_pool, agent, source, batch=3)
-    cfg = PartialConfig(over_provision=2.0)
+    cfg = PartialConfig(over_provision=2.0, policy="restart")
     first = run_virtual(PartialRollouts(sched, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
     carried = [g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)]
     assert len(carried) == 3 and not set(carried) & set(ids(first.groups))
@@ -284,7 +284,7 @@ def test_the_recipe_turns_partial_rollouts_on_and_refuses_a_bad_setting(tmp_path
     args["scheduler"] = {**args.get("scheduler", {}), "partial": {"over_provision": 1.5, "max_staleness": 2},
                          "checkpoint_dir": str(tmp_path)}
     cfg = parse_recipe(args)
-    assert cfg.scheduler.partial == PartialConfig(over_provision=1.5, max_staleness=2, policy="restart")
+    assert cfg.scheduler.partial == PartialConfig(over_provision=1.5, max_staleness=2, policy="resume")
 
     async def not_called(*a, **kw):
         raise AssertionError("the wiring must not run or open anything")

@@ -16,10 +16,11 @@ handed back as unfinished). Each step:
   the weight versions that produced them, so their staleness shows), and the next step runs only
   the others: the scheduler gets the group's task with ``n_samples`` the number still to run,
   numbered 0..k-1, and ``SAMPLE_INDICES`` mapping them back (``group_index``). Each cut-short one
-  goes on from its last complete turn (its ``ResumePoint``, handed to the agent in the task's
+  goes on from where it was cut (its ``ResumePoint``, handed to the agent in the task's
   ``RESUME_POINTS``, by the new index: kept tokens, log-probs, mask and turn records as they are;
-  the cut turn is generated again); one cut before a point was kept, or whose agent cannot rebuild
-  its state (``resumable`` false: the single-turn chat agent), starts afresh. The group is put
+  a turn cut mid-generation was aborted at the engine and goes on from the tokens it had made,
+  one cut in a tool call or a DAgger roll-in's turn is generated again); one cut before a point
+  was kept, or whose agent cannot rebuild its state (``resumable`` false), starts afresh. The group is put
   back together (its indices, its kept samples merged in, by index) before anything sees it: the
   step's ``groups``, ``on_task_done``, what is carried again and the checkpoint's FINISHED record
   (a step's own mid-way checkpoint holds what the scheduler ran, put back together the same way
@@ -66,9 +67,9 @@ class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_staleness: Annotated[int, Meta(ge=0, description="steps a carried group may go on from before it starts "
                                                          "afresh, whatever the policy")] = 1
     policy: Annotated[PartialPolicy, Meta(description=(
-        "what an unfinished group does in the next step: restart (run afresh and whole, what it did is "
-        "discarded) or resume (its samples that ended are kept, and each cut-short episode goes on from its last "
-        "complete turn, where its agent can)"))] = "restart"
+        "what an unfinished group does in the next step: resume (its samples that ended are kept, and each "
+        "cut-short episode goes on from where it was cut: its last complete turn and the tokens its cut turn had "
+        "generated, where its agent can) or restart (run afresh and whole, what it did is discarded)"))] = "resume"
 
 
 def _turns(sample: Sample) -> list[dict]:

@@ -13,10 +13,12 @@ Token data it guarantees, whatever happens in the episode:
 
 Resume (partial rollouts): after each complete turn (its observation included) the agent keeps a
 ``ResumePoint`` in the episode record: the token data so far, the turn records, the sandbox tool
-calls made, and the DAgger labels asked so far (a roll-in's). A sample handed one (``RESUME_POINTS``
+calls made, and the DAgger labels asked so far (a roll-in's). A turn cut short mid-generation adds
+the tokens the engine had made to it (``ChatAgent.generate``). A sample handed one (``RESUME_POINTS``
 in its metadata) keeps those tokens, log-probs, mask, turns and labels as they are, rebuilds its
-sandbox by replaying the calls in a fresh one, and goes on with the turn that was cut short,
-generated again.
+sandbox by replaying the calls in a fresh one, and goes on with the turn that was cut short: from
+its kept tokens, or generated again when none were kept (a DAgger roll-in's turn always is: its
+label is the teacher's answer to the turn's whole state).
 
 Environment tokens come from the model's own chat template: the text the template adds for a tool
 message (plus the next generation prompt) after a closed assistant turn. This assumes a template
@@ -30,9 +32,8 @@ from typing import Any
 
 import msgspec
 
-from rayapp.core.clock import loop_time
-from rayapp.core.termination import EngineConnectionError, SandboxError
-from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, run_inline
+from rayapp.core.termination import SandboxError
+from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, cut_tail, run_inline
 from rayapp.envs.agents.tools import (
     SANDBOX_TOOLS,
     TOOLS,
@@ -43,7 +44,7 @@ from rayapp.envs.agents.tools import (
     with_tool_stops,
 )
 from rayapp.episode import EpisodeContext, ResumePoint, ToolReplay
-from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
+from rayapp.inference.client import FinishReason, GenerateOutput
 from rayapp.types import AgentResult, Sample, TerminationReason
 
 # sandbox_factory(sample, ctx) -> an open Sandbox (closed after the run phase, or with keep_sandbox
@@ -103,10 +104,11 @@ class ToolAgent(ChatAgent):
 
     async def _episode(self, tok: Any, prompt: list[int], sample: Sample, ctx: EpisodeContext,
                        sandbox: Any, point: ResumePoint | None = None) -> AgentResult:
-        data, calls = _TokenData(list(prompt)), []
-        if point is not None:  # the kept turns, as they were
-            data.ids, data.mask = list(point.tokens), list(point.loss_mask)
-            data.logprobs = list(point.rollout_log_probs)
+        data, calls, tail = _TokenData(list(prompt)), [], cut_tail(point)
+        if point is not None:  # the kept turns, as they were (the cut turn's tokens go on in ``tail``)
+            kept = len(point.tokens) - point.partial
+            data.ids, data.mask = point.tokens[:kept], point.loss_mask[:len(point.loss_mask) - point.partial]
+            data.logprobs = point.rollout_log_probs[:len(point.rollout_log_probs) - point.partial]
             ctx.record.turns, ctx.record.turn_records = point.turns, list(point.turn_records)
             ctx.record.dagger_labels = list(point.dagger_labels)
             calls, ctx.record.resume = list(point.tool_calls), point  # cut short again at once: still from here
@@ -123,11 +125,9 @@ class ToolAgent(ChatAgent):
             if room is not None:
                 cap = min(room, cap or room)
             # a copy: the request is this turn's state, whoever keeps it (a DAgger label records it)
-            req = GenerateRequest(list(data.ids), msgspec.structs.replace(sampling, max_new_tokens=cap),
-                                  stop_token_ids=[tok.eos_token_id])
-            out, weight = await self.act(req, turn, sample, ctx)
-            if out.finish_reason is FinishReason.ABORT:
-                raise EngineConnectionError(f"engine aborted request {out.request_id}")
+            turn_sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
+            out, weight = await self.turn(tok, list(data.ids), tail, turn_sampling, turn, sample, ctx)
+            tail = ([], [])
             data.add(out.output_ids, weight, out.logprobs)
             final_text = out.text
             if out.finish_reason is FinishReason.LENGTH:
@@ -165,14 +165,6 @@ class ToolAgent(ChatAgent):
         if room is not None and len(env) > room:
             return env[:room], True
         return env, False
-
-    async def act(self, req: GenerateRequest, turn: int, sample: Sample,
-                  ctx: EpisodeContext) -> tuple[GenerateOutput, int]:
-        """One model turn: the engine's output and the loss weight of its tokens (1: train on them)."""
-        started = loop_time()
-        out = await self.engine.generate(req)
-        ctx.record_turn(turn, out.engine, engine_s=loop_time() - started, weight_version=out.weight_version)
-        return out, 1
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
         if not self.keep_sandbox:

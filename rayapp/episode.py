@@ -1,7 +1,8 @@
 """One episode's typed record and context (spec §4): what the evaluator hands an agent for one sample
 (``EpisodeContext``: its token, its resolved settings, the resources it keeps between run and verify)
 and what the episode did (``EpisodeRecord``: turns with their engine, placement, timing and weight
-version; the abort record; DAgger labels; the point a cut-short episode may resume from). The spec's
+version; the abort record; DAgger labels; the point a cut-short episode may resume from; its
+timing). The spec's
 metadata keys for the trainer are written from the record in one place, ``EpisodeRecord.to_metadata``.
 """
 
@@ -98,6 +99,20 @@ class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
             partial=self.partial + len(output_ids))
 
 
+class EpisodeTiming(msgspec.Struct, omit_defaults=True):
+    """When one sample's episode waited and worked, on the evaluator's event-loop clock (seconds):
+    its batch asked the pool (``queued``) and was granted (``admitted``; both unset when the batch
+    ran ungated), the episode began on its token (``started``), how long its run and verify phases
+    took (unset when it did not get through them) and when it ended, however it ended."""
+
+    started: float
+    queued: float | None = None
+    admitted: float | None = None
+    run_s: float | None = None
+    verify_s: float | None = None
+    ended: float | None = None
+
+
 class AbortRecord(msgspec.Struct):
     """What a failure summary needs of an aborted episode."""
 
@@ -124,6 +139,7 @@ class EpisodeKey(enum.StrEnum):
     DAGGER_LABELS = "_dagger_labels"
     ABORT = "_abort"
     RESUME = "_resume"  # a cut-short sample's ResumePoint (partial rollouts), and a resumed one's start
+    TIMING = "_timing"  # EpisodeTiming: its batch's admission wait, its phases' durations
 
 
 class EpisodeRecord(msgspec.Struct):
@@ -138,6 +154,7 @@ class EpisodeRecord(msgspec.Struct):
     dagger_labels: list[DaggerLabel] = []
     abort: AbortRecord | None = None
     resume: ResumePoint | None = None  # a resumable agent's state after its last complete turn
+    timing: EpisodeTiming | None = None
 
     def to_metadata(self) -> dict[str, Any]:
         """The spec's metadata keys of this record (``EpisodeKey``), plain data, set ones only."""
@@ -163,6 +180,8 @@ class EpisodeRecord(msgspec.Struct):
                 out[EpisodeKey.TURN_ACTOR.value] = actors
         if self.dagger_labels:
             out[EpisodeKey.DAGGER_LABELS.value] = msgspec.to_builtins(self.dagger_labels)
+        if self.timing is not None:
+            out[EpisodeKey.TIMING.value] = msgspec.to_builtins(self.timing)
         return out
 
 

@@ -250,9 +250,12 @@ def test_a_plain_string_reason_becomes_the_enum_and_the_metadata_holds_plain_val
     run(Evaluator(spec(FunctionAgent(lambda s, c: res, verify)), rollout_id=0, tokens=tokens(1)).run(groups))
     meta = groups[0].samples[0].metadata
     assert verified[0].termination_reason is TerminationReason.LENGTH  # the verifier sees the checked result
+    timing = meta.pop("_timing")
     assert meta == {"_placement": {"node": "node0", "gpu_ids": [0], "gpu": 0.5}, "_turns": 2,
                     "_termination_reason": "length"}
     assert type(meta["_termination_reason"]) is str
+    assert set(timing) == {"started", "run_s", "verify_s", "ended"}  # ungated by a scheduler: no admission
+    assert timing["started"] <= timing["started"] + timing["run_s"] + timing["verify_s"] <= timing["ended"]
 
 
 class Kept:

@@ -44,7 +44,7 @@ from rayapp.core.clock import loop_time
 from rayapp.core.convert import InputError, check, clip, show
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentOutputError, AgentTimeout, classify_abort
-from rayapp.episode import AbortRecord, EpisodeContext, EpisodeKey, Placement
+from rayapp.episode import AbortRecord, EpisodeContext, EpisodeKey, EpisodeTiming, Placement
 from rayapp.types import (
     AgentResult,
     EpisodePhase,
@@ -158,8 +158,10 @@ class Evaluator:
         iteration: dict[str, Any] | None = None,
         step: StepKind = StepKind.ROLLOUT,
         release: ReleaseTokens | None = None,
+        admission: tuple[float, float] | None = None,
     ):
         self.spec = spec
+        self.admission = admission  # when the batch asked the pool and when it was granted (loop clock)
         self.rollout_id = rollout_id
         self.iteration, self.step = dict(iteration or {}), StepKind(step)
         self.release = release
@@ -288,6 +290,7 @@ class Evaluator:
         if token is not None:
             ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
         handler, phase, started = self.spec.handler, EpisodePhase.RUN, loop_time()
+        timing = ctx.record.timing = EpisodeTiming(started, *(self.admission or ()))
         try:
             async with ctx:  # closes what the agent kept between the phases, whatever happens
                 limit = group.stopping.timeout_s
@@ -297,13 +300,15 @@ class Evaluator:
                 ctx.record.termination_reason = result.termination_reason
                 if result.metadata:
                     sample.metadata.update(result.metadata)
-                phase = EpisodePhase.VERIFY
+                phase, timing.run_s = EpisodePhase.VERIFY, loop_time() - started
                 verify = call_phase(handler.evaluate, sample, result, ctx)
                 reward = await self._bounded(verify, self.spec.eval_timeout_s, phase)
+                timing.verify_s = loop_time() - started - timing.run_s
             _populate_token_data(sample, result)
             sample.reward = checked_reward(reward)
             sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
         except BaseException as e:  # agent code may raise anything: only the step's cancellation ends the step
+            timing.ended = loop_time()
             if not _step_cancelled():
                 self._abort(sample, ctx, e, phase, started)
             else:  # the step went on without it (complete_after) or failed: how far it got stays
@@ -313,6 +318,8 @@ class Evaluator:
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 raise asyncio.CancelledError from e  # an agent that turned the cancellation into another error
+        else:
+            timing.ended = loop_time()
         sample.metadata.update(ctx.record.to_metadata())
 
     def _abort(self, sample: Sample, ctx: EpisodeContext, e: BaseException, phase: EpisodePhase,

@@ -48,6 +48,7 @@ from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
+from rayapp.core.stats import sample_statistics
 from rayapp.types import (
     Batch,
     BatchRequest,
@@ -65,6 +66,13 @@ log = logging.getLogger(__name__)
 
 class DeadlockError(RuntimeError):
     """A spec asks for more placement tokens than the pool can ever provide."""
+
+
+def _step_times(prefix: str, n_samples: int, began: float, fetched: float) -> dict[str, float]:
+    """How long the step took (``time/step_s``), its fetch (``time/fetch_s``), samples per second."""
+    took = loop_time() - began
+    return {f"{prefix}/time/step_s": took, f"{prefix}/time/fetch_s": fetched - began,
+            f"{prefix}/samples_per_s": n_samples / took if took > 0 else 0.0}
 
 
 def interleave(per_dataset: Sequence[Sequence[Task]]) -> list[Task]:
@@ -144,8 +152,9 @@ class TaskScheduler:
             raise ValueError(f"complete_after must be an int >= 1, got {complete_after!r}")
         # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
         state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
+        began = loop_time()
         fetched = fetch() if fetch is not None else self.data_source.get_tasks(self.config.rollout_batch_size)
-        tasks = list(await fetched)
+        tasks, fetched_at = list(await fetched), loop_time()
         groups = self._distribute(rollout_id, tasks)
         finished = dict(await step_log.finished(tasks)) if step_log is not None else {}
         if not set(finished) <= set(range(len(tasks))):
@@ -170,6 +179,8 @@ class TaskScheduler:
         unfinished = [UnfinishedGroup(i, tasks[i], groups[i].samples if i not in finished else finished[i])
                       for i in range(len(tasks)) if i not in complete]
         metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
+        metrics |= _step_times("rollout", sum(map(len, samples)), began, fetched_at)
+        metrics |= sample_statistics("rollout", chain.from_iterable(samples))
         return RolloutResult(rollout_id, samples, metrics, state, unfinished=unfinished)
 
     async def execute_eval(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> EvalResult:
@@ -177,7 +188,7 @@ class TaskScheduler:
         if not self.eval_datasets:
             raise ValueError("execute_eval needs eval_datasets")
         state = self.iteration.eval_state(rollout_id) if self.iteration else {}
-        per_dataset = []
+        began, per_dataset = loop_time(), []
         for name, tasks in self.eval_datasets.items():
             copies = []
             for task in tasks:
@@ -200,6 +211,8 @@ class TaskScheduler:
         for g in groups:  # split apart by _eval_dataset_name
             by_name[g.task.metadata[TaskKey.EVAL_DATASET_NAME]].extend(g.samples)
         metrics = eval_metrics(by_name, self.config.n_samples_per_eval_prompt)
+        metrics |= _step_times("eval", sum(len(g.samples) for g in groups), began, began)
+        metrics |= sample_statistics("eval", (s for g in groups for s in g.samples))
         return EvalResult(rollout_id, metrics, by_name, state)
 
     def _distribute(self, rollout_id: int, tasks: list[Task]) -> list[TaskRun]:
@@ -354,6 +367,7 @@ class TaskScheduler:
         spec = self._resolve_spec(batch)
         st = self._status
         tokens: list[Token] | None = None
+        queued = loop_time()
         if self.pool is not None:
             try:
                 tokens = await self.pool.acquire_batch(BatchRequest(
@@ -367,7 +381,8 @@ class TaskScheduler:
         try:
             early = tokens is not None and self.config.release == "early"
             evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, iteration=iteration, step=kind,
-                                  release=self.pool.release_tokens if early else None)
+                                  release=self.pool.release_tokens if early else None,
+                                  admission=(queued, loop_time()) if tokens is not None else None)
 
             async def done(k: int) -> None:
                 await finished(indices[k])

@@ -1,0 +1,74 @@
+"""Step statistics a trainer logs as they are (``wandb.log(metrics)``, a tensorboard writer): flat
+keys ``{prefix}/{name}/{stat}``, one ``name`` per dataset (the sample's ``_eval_dataset_name`` or
+``_dataset_name``; ``default`` when it came from a plain data source).
+
+Per name: ``n_samples``; ``reward_{mean,std,min,max}`` of the ``score`` and
+``response_length_{mean,std,min,max}``, both over the samples that did not abort (an aborted
+dummy's score 0 and length 1 say nothing of the policy); ``truncated_rate`` and ``abort_rate``
+over all of them; and from each sample's own ``_timing`` (``episode.EpisodeTiming``), the mean and
+max of ``wait_s`` (its batch's admission wait), ``run_s``, ``verify_s`` and ``episode_s`` (start to
+end, teardown included). A statistic with no sample to take it from is left out, never faked as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+from rayapp.episode import EpisodeKey
+from rayapp.types import Sample, Status, TaskKey
+
+DEFAULT_NAME = "default"
+
+
+def name_of(sample: Sample) -> str:
+    m = sample.metadata
+    return str(m.get(TaskKey.EVAL_DATASET_NAME.value) or m.get(TaskKey.DATASET_NAME.value) or DEFAULT_NAME)
+
+
+def _spread(key: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return {f"{key}_mean": mean, f"{key}_std": std, f"{key}_min": min(values), f"{key}_max": max(values)}
+
+
+def _mean_max(key: str, values: list[float]) -> dict[str, float]:
+    return {f"{key}_mean": sum(values) / len(values), f"{key}_max": max(values)} if values else {}
+
+
+def _timings(samples: list[Sample]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = defaultdict(list)
+    for s in samples:
+        t = s.metadata.get(EpisodeKey.TIMING.value)
+        if not t:
+            continue
+        if t.get("queued") is not None and t.get("admitted") is not None:
+            out["wait_s"].append(t["admitted"] - t["queued"])
+        for phase in ("run_s", "verify_s"):
+            if t.get(phase) is not None:
+                out[phase].append(t[phase])
+        if t.get("ended") is not None:
+            out["episode_s"].append(t["ended"] - t["started"])
+    return out
+
+
+def sample_statistics(prefix: str, samples: Iterable[Sample]) -> dict[str, float]:
+    """The per-dataset statistics of ``samples`` (module docstring), keyed ``{prefix}/{name}/...``."""
+    by_name: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_name[name_of(s)].append(s)
+    metrics: dict[str, float] = {}
+    for name, group in by_name.items():
+        ran = [s for s in group if s.status is not Status.ABORTED]
+        stats = {"n_samples": float(len(group)),
+                 "truncated_rate": sum(s.status is Status.TRUNCATED for s in group) / len(group),
+                 "abort_rate": (len(group) - len(ran)) / len(group)}
+        stats |= _spread("reward", [float(s.reward["score"]) for s in ran if "score" in s.reward])
+        stats |= _spread("response_length", [float(s.response_length) for s in ran])
+        for key, values in _timings(group).items():
+            stats |= _mean_max(key, values)
+        metrics |= {f"{prefix}/{name}/{k}": v for k, v in stats.items()}
+    return metrics

@@ -101,11 +101,13 @@ class ResumePoint(msgspec.Struct, forbid_unknown_fields=True):
 
 class EpisodeTiming(msgspec.Struct, omit_defaults=True):
     """When one sample's episode waited and worked, on the evaluator's event-loop clock (seconds):
-    its batch asked the pool (``queued``) and was granted (``admitted``; both unset when the batch
-    ran ungated), the episode began on its token (``started``), how long its run and verify phases
-    took (unset when it did not get through them) and when it ended, however it ended."""
+    its batch (``batch``, the scheduler's label) asked the pool (``queued``) and was granted
+    (``admitted``; both unset when the batch ran ungated), the episode began on its token
+    (``started``), how long its run and verify phases took (unset when it did not get through
+    them) and when it ended, however it ended."""
 
     started: float
+    batch: str | None = None
     queued: float | None = None
     admitted: float | None = None
     run_s: float | None = None

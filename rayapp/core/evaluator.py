@@ -158,9 +158,11 @@ class Evaluator:
         iteration: dict[str, Any] | None = None,
         step: StepKind = StepKind.ROLLOUT,
         release: ReleaseTokens | None = None,
+        batch: str | None = None,
         admission: tuple[float, float] | None = None,
     ):
         self.spec = spec
+        self.batch = batch  # the scheduler's label of the batch, recorded in each sample's timing
         self.admission = admission  # when the batch asked the pool and when it was granted (loop clock)
         self.rollout_id = rollout_id
         self.iteration, self.step = dict(iteration or {}), StepKind(step)
@@ -290,7 +292,7 @@ class Evaluator:
         if token is not None:
             ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
         handler, phase, started = self.spec.handler, EpisodePhase.RUN, loop_time()
-        timing = ctx.record.timing = EpisodeTiming(started, *(self.admission or ()))
+        timing = ctx.record.timing = EpisodeTiming(started, self.batch, *(self.admission or ()))
         try:
             async with ctx:  # closes what the agent kept between the phases, whatever happens
                 limit = group.stopping.timeout_s

@@ -382,7 +382,7 @@ class TaskScheduler:
             early = tokens is not None and self.config.release == "early"
             evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, iteration=iteration, step=kind,
                                   release=self.pool.release_tokens if early else None,
-                                  admission=(queued, loop_time()) if tokens is not None else None)
+                                  batch=label, admission=(queued, loop_time()) if tokens is not None else None)
 
             async def done(k: int) -> None:
                 await finished(indices[k])

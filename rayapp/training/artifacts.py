@@ -17,6 +17,9 @@ Files under ``{root}/eval_details/``, one set per iteration ``id``:
   (``FilterReport.summary``: input and kept counts, ``dropped`` and ``dropped_groups`` by filter and
   reason, the abort share); ``metrics`` are the step's as returned.
 
+Beside ``eval_details/``, ``timeline/{train|eval}_{id}.trace.json`` (and ``.png``) is each step's
+placement timeline (``training.timeline``).
+
 Crash safety, the guarantee every file here keeps: a file never holds half a line.
 - Streamed JSONL (``append_sample``) is written one record per write, flushed per record, fsynced
   on close. If a write fails part-way the file is cut back to the last whole line before the error
@@ -45,6 +48,7 @@ from rayapp.core.metrics import failure_summary
 from rayapp.core.termination import classify_termination
 from rayapp.episode import EpisodeKey
 from rayapp.training.files import atomic_write
+from rayapp.training.timeline import write_timeline
 from rayapp.types import Sample, Task, TaskKey
 
 log = logging.getLogger(__name__)
@@ -284,6 +288,12 @@ class EvalDetailsWriter:
         self.paths(rollout_id)  # validates the id
         return atomic_write(self.dir / f"train_{rollout_id}.summary.json",
                             _json(rollout_summary(rollout_id, result, filters)))
+
+    def write_timeline(self, kind: str, rollout_id: int, samples: list[Sample]) -> dict[str, Path]:
+        """The step's placement timeline (``training.timeline``): ``timeline/{kind}_{id}.trace.json``
+        beside ``eval_details/``, and its PNG when matplotlib is there."""
+        self.paths(rollout_id)  # validates the id
+        return write_timeline(samples, self.dir.parent / "timeline", f"{kind}_{rollout_id}")
 
     def close(self) -> None:
         """Flush, fsync and close every open stream."""

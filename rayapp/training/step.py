@@ -4,9 +4,10 @@
   (``reuse.py``); then the roll-in metrics, counted before any filter drops a sample (every roll-in
   the teacher paid for counts); then the survivorship filters (rejection, then finish-only; the
   abort cap warns); then the artifacts: the trajectory files by kind, the checkpoint folder, the
-  train summary (of every sample before the filters, with the filters' drops by reason).
-- eval: a run whose finished groups stream into ``eval_details/``, then the complete files; a
-  failed eval closes its streamed files, and a later run of the same id rewrites them.
+  train summary (of every sample before the filters, with the filters' drops by reason) and the
+  placement timeline (``timeline.py``).
+- eval: a run whose finished groups stream into ``eval_details/``, then the complete files and the
+  timeline; a failed eval closes its streamed files, and a later run of the same id rewrites them.
 
 Steps are idempotent (``step_results.py``): a repeated or concurrent request for a rollout or eval
 id gets that step's result, waiting for the one in flight, and never runs it twice at once; with a
@@ -131,7 +132,17 @@ class StepRunner:
                                                msgspec.structs.replace(ran, metrics=result.metrics),
                                                report.summary() if report is not None else None)
                 artifacts["train_summary"] = str(path)
+                artifacts |= await self._timeline("train", rollout_id, [s for g in ran.groups for s in g])
             return msgspec.structs.replace(result, artifacts=artifacts)
+
+    async def _timeline(self, kind: str, rollout_id: int, samples: list[Sample]) -> dict[str, str]:
+        """The step's placement timeline files; one that cannot be drawn is logged, never fails the step."""
+        try:
+            paths = await asyncio.to_thread(self.details.write_timeline, kind, rollout_id, samples)
+        except Exception:
+            log.exception("%s %d: could not write its placement timeline", kind, rollout_id)
+            return {}
+        return {k: str(p) for k, p in paths.items()}
 
     async def _run_or_reuse(self, rollout_id: int) -> RolloutResult:
         """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
@@ -164,4 +175,6 @@ class StepRunner:
                 self.details.close_stream(rollout_id)  # here, not in a thread: it must happen if cancelled
                 raise
             paths = await asyncio.to_thread(self.details.write_eval, rollout_id, result)
-            return msgspec.structs.replace(result, artifacts={k: str(p) for k, p in paths.items()})
+            artifacts = {k: str(p) for k, p in paths.items()}
+            artifacts |= await self._timeline("eval", rollout_id, [s for ss in result.samples.values() for s in ss])
+            return msgspec.structs.replace(result, artifacts=artifacts)

@@ -11,6 +11,8 @@ replica, not sent through the router to one of them.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from rayapp.actors.remote import bounded, is_lost
@@ -55,18 +57,29 @@ class InferenceEngine:
             backend.shutdown()
 
 
+# observe(engine, method, seconds, error or None): each call's latency and outcome (metrics)
+Observe = Callable[[str, str, float, BaseException | None], None]
+
+
 class EngineClient:
     """What an agent holds: calls one engine deployment through its handle, every call bounded."""
 
-    def __init__(self, handle: Any, name: str = "engine", timeout_s: float = 300.0):
-        self.handle, self.name, self.timeout_s = handle, name, timeout_s
+    def __init__(self, handle: Any, name: str = "engine", timeout_s: float = 300.0, observe: Observe | None = None):
+        self.handle, self.name, self.timeout_s, self.observe = handle, name, timeout_s, observe
         self._info: dict | None = None
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        bound = timeout_s or self.timeout_s
-        return await bounded(
-            getattr(self.handle, method).remote(*args), bound, lost=self._unreachable,
-            late=lambda: AgentTimeout(f"engine {self.name}.{method} gave no answer within {bound:.0f}s"))
+        bound, started, error = timeout_s or self.timeout_s, time.monotonic(), None
+        try:
+            return await bounded(
+                getattr(self.handle, method).remote(*args), bound, lost=self._unreachable,
+                late=lambda: AgentTimeout(f"engine {self.name}.{method} gave no answer within {bound:.0f}s"))
+        except Exception as e:  # a cancellation is no error of the engine's
+            error = e
+            raise
+        finally:
+            if self.observe is not None:
+                self.observe(self.name, method, time.monotonic() - started, error)
 
     def _unreachable(self, error: BaseException) -> EngineConnectionError:
         return EngineConnectionError(f"engine {self.name} unreachable: {error}")

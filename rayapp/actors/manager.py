@@ -9,18 +9,23 @@ Ray handles become clients with bounded calls, and results become HTTP answers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Path
+from fastapi import FastAPI, Path, Request
+from fastapi.responses import JSONResponse
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
+from rayapp.actors.http import ERRORS, error_response, exception_response
+from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
+from rayapp.training.step_jobs import StepConflict, StepJobs
 from rayapp.training.step_results import MAX_STEP_ID
 
 # A step id in the path: out of range is a 422 before anything runs (the handle's ValueError, over HTTP).
@@ -36,20 +41,33 @@ class SchedulerRolloutManager:
     def __init__(self, recipe: dict[str, Any], engines: dict[str, Any], pool: Any | None = None,
                  owner: str = "rayapp-manager"):
         self.cfg = apply_env(parse_recipe(recipe), os.environ)
+        self.metrics = RayappMetrics()
         self.pool_client = PoolClient(pool, owner) if pool is not None else None
-        self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s)
+        self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s,
+                                           observe=self.metrics.engine_call)
                         for name, h in engines.items()}
         # A replica that replaced a crashed one first frees what its predecessor still held.
         release = self.pool_client.release_owner if self.pool_client is not None else None
         self.steps = build_step_runner(self.cfg, self.engines, self.pool_client, executor=run_in_bundle,
                                        open_sandbox=open_sandbox, release_previous=release)
+        self.steps.observers.append(self.metrics)
+        self.jobs = StepJobs()
+        self._gauges: asyncio.Task | None = None
+
+    def _watch(self) -> None:
+        """Start refreshing the gauges (in the replica's loop, which the constructor may not run in)."""
+        if self._gauges is None or self._gauges.done():
+            placement = self.pool_client.placement if self.pool_client is not None else None
+            self._gauges = asyncio.ensure_future(poll(self.metrics, self.steps.status, placement))
 
     async def generate(self, rollout_id: int) -> RolloutResult:
         """Rollout step ``rollout_id``: run once; a repeated or concurrent call gets the same result
         (``rayapp.training.step_results``)."""
+        self._watch()
         return await self.steps.rollout(rollout_id)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
+        self._watch()
         return await self.steps.evaluate(rollout_id)
 
     async def update_weights_from_disk(self, engine: str, path: str) -> list[dict]:
@@ -73,16 +91,62 @@ class SchedulerRolloutManager:
     def healthz(self) -> dict[str, bool]:
         return {"ok": True}
 
-    @api.post("/rollout/{rollout_id}")
-    async def http_rollout(self, rollout_id: int = STEP_ID) -> dict[str, Any]:
-        result = await self.generate(rollout_id)
-        samples = [s for g in result.groups for s in g]
-        return {"rollout_id": rollout_id, "samples": len(samples), "metrics": result.metrics,
-                "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples))}
+    @api.post("/rollout/{rollout_id}", status_code=202, responses=ERRORS)
+    async def http_rollout(self, request: Request, rollout_id: int = STEP_ID) -> JSONResponse:
+        """Start rollout step ``rollout_id`` (or join it); poll this URL with GET for its summary."""
+        return self._start("rollout", rollout_id, request, lambda: self.generate(rollout_id))
 
-    @api.post("/eval/{rollout_id}")
-    async def http_eval(self, rollout_id: int = STEP_ID) -> dict[str, Any]:
+    @api.get("/rollout/{rollout_id}", responses=ERRORS)
+    async def http_rollout_status(self, rollout_id: int = STEP_ID) -> JSONResponse:
+        """Rollout step ``rollout_id``: running (with the step's progress), done (its summary) or its error."""
+        return self._poll("rollout", rollout_id)
+
+    @api.post("/eval/{rollout_id}", status_code=202, responses=ERRORS)
+    async def http_eval(self, request: Request, rollout_id: int = STEP_ID) -> JSONResponse:
+        """Start eval step ``rollout_id`` (or join it); poll this URL with GET for its metrics."""
         if not self.cfg.eval:
-            raise HTTPException(404, "this recipe has no eval datasets")
-        result = await self.evaluate(rollout_id)
-        return {"rollout_id": rollout_id, "metrics": result.metrics}
+            return error_response(404, "NotFound", "this recipe has no eval datasets")
+        return self._start("eval", rollout_id, request, lambda: self.evaluate(rollout_id))
+
+    @api.get("/eval/{rollout_id}", responses=ERRORS)
+    async def http_eval_status(self, rollout_id: int = STEP_ID) -> JSONResponse:
+        """Eval step ``rollout_id``: running, done (its metrics) or its error."""
+        return self._poll("eval", rollout_id)
+
+    def _start(self, kind: str, rollout_id: int, request: Request, run: Any) -> JSONResponse:
+        try:
+            job = self.jobs.start(kind, rollout_id, run)
+        except StepConflict as e:
+            return error_response(409, "Conflict", str(e))
+        url = str(request.url)
+        return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": job.state, "poll": url},
+                            status_code=202, headers={"Location": url})
+
+    def _poll(self, kind: str, rollout_id: int) -> JSONResponse:
+        job = self.jobs.get(kind, rollout_id)
+        if job is None:
+            return error_response(404, "NotFound", f"no {kind} {rollout_id} was asked for here: POST it first")
+        if job.state == "running":
+            return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": "running",
+                                 "progress": self.steps.status()})
+        if job.state == "cancelled":
+            return error_response(503, "Cancelled", f"{kind} {rollout_id} was cancelled: POST it again")
+        if job.error is not None:
+            return exception_response(job.error)
+        return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": "done", **summary(job.result)})
+
+
+def summary(result: RolloutResult | EvalResult) -> dict[str, Any]:
+    """What a poll of a finished step answers: its size and metrics, not its samples."""
+    if isinstance(result, EvalResult):
+        return {"samples": sum(len(s) for s in result.samples.values()), "metrics": result.metrics,
+                "artifacts": result.artifacts}
+    samples = [s for g in result.groups for s in g]
+    return {"groups": len(result.groups), "samples": len(samples), "metrics": result.metrics,
+            "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples)),
+            "artifacts": result.artifacts}
+
+
+@api.exception_handler(Exception)
+async def _unhandled(request: Request, error: Exception) -> JSONResponse:
+    return exception_response(error)

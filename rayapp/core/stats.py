@@ -72,3 +72,28 @@ def sample_statistics(prefix: str, samples: Iterable[Sample]) -> dict[str, float
             stats |= _mean_max(key, values)
         metrics |= {f"{prefix}/{name}/{k}": v for k, v in stats.items()}
     return metrics
+
+
+Observation = tuple[str, float, dict[str, str]]  # (metric, value, tags): a counter's increment or a histogram's value
+
+
+def observations(kind: str, samples: Iterable[Sample]) -> list[Observation]:
+    """What a metrics exporter records of finished samples: per sample ``samples_total`` (tags kind,
+    dataset, status), ``aborts_total`` (with the abort's reason), ``response_tokens_total``, and from
+    its timing ``admission_wait_seconds`` and ``episode_phase_seconds`` (phase run or verify)."""
+    out: list[Observation] = []
+    for s in samples:
+        tags = {"kind": kind, "dataset": name_of(s)}
+        out.append(("samples_total", 1.0, {**tags, "status": str(s.status)}))
+        if s.status is Status.ABORTED:
+            reason = str(s.metadata.get(EpisodeKey.TERMINATION_REASON.value) or "unknown")
+            out.append(("aborts_total", 1.0, {**tags, "reason": reason}))
+        elif s.response_length:
+            out.append(("response_tokens_total", float(s.response_length), tags))
+        t = s.metadata.get(EpisodeKey.TIMING.value) or {}
+        if t.get("queued") is not None and t.get("admitted") is not None:
+            out.append(("admission_wait_seconds", t["admitted"] - t["queued"], tags))
+        for phase in ("run", "verify"):
+            if t.get(f"{phase}_s") is not None:
+                out.append(("episode_phase_seconds", t[f"{phase}_s"], {**tags, "phase": phase}))
+    return out

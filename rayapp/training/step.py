@@ -27,11 +27,11 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
@@ -40,7 +40,7 @@ from rayapp.training.filters import AbortCap, Filter, FilterReport, apply_filter
 from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
 from rayapp.training.step_results import StepResults
-from rayapp.types import Sample
+from rayapp.types import Sample, Status, Task
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,25 @@ def filter_step(result: RolloutResult, filters: Sequence[Filter],
     return msgspec.structs.replace(result, groups=report.groups, metrics=metrics), report
 
 
+class StepObserver(Protocol):
+    """What watches the steps (a metrics exporter): every finished group's samples as they come,
+    and each step's metrics once it ran (not when a finished step is served again)."""
+
+    def samples(self, kind: str, samples: list[Sample]) -> None: ...
+
+    def step(self, kind: str, metrics: dict[str, float]) -> None: ...
+
+
+def summary_line(kind: str, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> str:
+    """The one INFO line a step logs: its size, outcomes, mean score and time."""
+    aborted = sum(s.status is Status.ABORTED for s in samples)
+    scores = [s.reward["score"] for s in samples if s.status is not Status.ABORTED and "score" in s.reward]
+    mean = f"{sum(scores) / len(scores):.3f}" if scores else "n/a"
+    took, rate = metrics.get(f"{kind}/time/step_s", 0.0), metrics.get(f"{kind}/samples_per_s", 0.0)
+    return (f"{kind} {rollout_id}: {len(samples)} samples, {aborted} aborted, mean score {mean}, "
+            f"{took:.1f}s ({rate:.2f} samples/s)")
+
+
 class StepRunner:
     """The step pipeline around one TaskScheduler (module docstring). ``trajectory_dir`` unset:
     every rollout is fresh and nothing is saved; ``reuse`` unset: the policy is read from the
@@ -87,6 +106,7 @@ class StepRunner:
             self._rollouts = ResumableRollouts(scheduler, checkpoint)
         self._lock = asyncio.Lock()
         self.results = StepResults(checkpoint.dir if checkpoint is not None else None)
+        self.observers: list[StepObserver] = []
 
     @property
     def busy(self) -> bool:
@@ -123,6 +143,7 @@ class StepRunner:
             ran = await self._run_or_reuse(rollout_id)
             ran.metrics.update(roll_in_metrics(ran.groups))  # before the filters: every roll-in counts
             result, report = filter_step(ran, self.filters, self.abort_cap)
+            self._step_ran("rollout", rollout_id, [s for g in ran.groups for s in g], result.metrics)
             artifacts = dict(result.artifacts)
             folder = self.checkpoint.folder(rollout_id) if self.checkpoint is not None else None
             if folder is not None and folder.exists():  # not when the step was reused
@@ -134,6 +155,30 @@ class StepRunner:
                 artifacts["train_summary"] = str(path)
                 artifacts |= await self._timeline("train", rollout_id, [s for g in ran.groups for s in g])
             return msgspec.structs.replace(result, artifacts=artifacts)
+
+    def _observed(self, kind: str, then: OnTaskDone | None = None) -> OnTaskDone | None:
+        """The step's group callback: ``then`` (streaming details), then the observers, whose
+        failures are logged and never fail the step."""
+        if not self.observers:
+            return then
+
+        async def done(task: Task, samples: list[Sample]) -> None:
+            if then is not None:
+                await then(task, samples)
+            for o in self.observers:
+                try:
+                    o.samples(kind, samples)
+                except Exception:
+                    log.exception("step observer %r failed on a group of %s", o, kind)
+        return done
+
+    def _step_ran(self, kind: str, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> None:
+        log.info("%s", summary_line(kind, rollout_id, samples, metrics))
+        for o in self.observers:
+            try:
+                o.step(kind, metrics)
+            except Exception:
+                log.exception("step observer %r failed on %s %d", o, kind, rollout_id)
 
     async def _timeline(self, kind: str, rollout_id: int, samples: list[Sample]) -> dict[str, str]:
         """The step's placement timeline files; one that cannot be drawn is logged, never fails the step."""
@@ -147,11 +192,11 @@ class StepRunner:
     async def _run_or_reuse(self, rollout_id: int) -> RolloutResult:
         """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
         if self.trajectory_dir is None:
-            return await self._rollouts.execute_rollout(rollout_id)
+            return await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"))
         ran: list[RolloutResult] = []
 
         async def run() -> list[list[Sample]]:
-            ran.append(await self._rollouts.execute_rollout(rollout_id))
+            ran.append(await self._rollouts.execute_rollout(rollout_id, self._observed("rollout")))
             return ran[0].groups
 
         groups, decision = await rollout_or_reuse(rollout_id, self.trajectory_dir, run, self.reuse)
@@ -165,15 +210,19 @@ class StepRunner:
         async with self._lock:
             await self._begin()
             if self.details is None:
-                return await self.scheduler.execute_eval(rollout_id)
+                result = await self.scheduler.execute_eval(rollout_id, self._observed("eval"))
+                self._step_ran("eval", rollout_id, [s for ss in result.samples.values() for s in ss], result.metrics)
+                return result
             # samples stream into eval_details/{id}.jsonl as they finish (an earlier run's files
             # removed first); the complete files and the summary replace them at the end
             await asyncio.to_thread(self.details.start_eval, rollout_id)
             try:
-                result = await self.scheduler.execute_eval(rollout_id, self.details.on_task_done(rollout_id))
+                result = await self.scheduler.execute_eval(
+                    rollout_id, self._observed("eval", self.details.on_task_done(rollout_id)))
             except BaseException:
                 self.details.close_stream(rollout_id)  # here, not in a thread: it must happen if cancelled
                 raise
+            self._step_ran("eval", rollout_id, [s for ss in result.samples.values() for s in ss], result.metrics)
             paths = await asyncio.to_thread(self.details.write_eval, rollout_id, result)
             artifacts = {k: str(p) for k, p in paths.items()}
             artifacts |= await self._timeline("eval", rollout_id, [s for ss in result.samples.values() for s in ss])

@@ -2,6 +2,7 @@
 process calling the manager's handles, the HTTP control surface, the dashboard's placement-group
 API, and a clean stop. Runs in its own pytest process (it starts its own Ray cluster)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -44,9 +45,38 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
+def http(url: str, method: str = "GET") -> tuple[int, dict]:
+    """Status and JSON body of a request, errors included."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metrics_port(address: str) -> int:
+    code = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='error', log_to_driver=False); "
+            "print(ray.nodes()[0]['MetricsExportPort'])")
+    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """rayapp's series on Ray's metrics endpoint (127.0.0.1), summed over their tags, by name{tags}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ray_rayapp_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     os.environ.update(LOCAL_ENV)
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray's own name): fresh metrics
     tmp = tmp_path_factory.mktemp("e2e")
     temp_dir = Path(f"/tmp/rayapp-e2e-{os.getpid()}")
     cfg = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())
@@ -60,15 +90,19 @@ def app(tmp_path_factory):
     log = tmp / "serve.log"
     with local_app(recipe, temp_dir, log, dashboard_port=dash, timeout_s=600) as (address, proc):
         yield {"address": address, "http": f"http://127.0.0.1:{http_port}/rayapp", "dash": dash, "proc": proc,
-               "temp_dir": temp_dir, "log": log, "details": details / "eval_details"}
+               "temp_dir": temp_dir, "log": log, "details": details / "eval_details",
+               "timeline": details / "timeline", "metrics": metrics_port(address)}
 
 
 def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_groups(app):
     groups_seen: set[str] = set()
     stop = threading.Event()
+    scraped: list[dict[str, float]] = []
 
-    def watch():  # the dashboard's state API, polled while the driver runs
+    def watch():  # the dashboard's state API and Ray's metrics endpoint, polled while the driver runs
         while not stop.is_set():
+            with contextlib.suppress(OSError):
+                scraped.append(scrape(app["metrics"]))
             try:
                 data = get_json(f"http://127.0.0.1:{app['dash']}/api/v0/placement_groups?limit=1000")
                 for pg in data["data"]["result"]["result"]:
@@ -106,6 +140,23 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     summary = json.loads((app["details"] / "0.summary.json").read_text())
     assert sum(summary["failure_classes"].values()) == 16, summary
     assert (app["details"] / "train_0.summary.json").exists()
+    # each step's placement timeline, a Chrome trace with a process per node and the pool queue
+    trace = json.loads((app["timeline"] / "train_0.trace.json").read_text())
+    processes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert "pool queue" in processes and len(processes) >= 2
+    assert len([e for e in trace["traceEvents"] if e.get("cat") == "run"]) == 16
+    assert (app["timeline"] / "eval_0.trace.json").exists()
+    # Prometheus metrics on Ray's endpoint, seen while the steps ran
+    seen = {k: v for m in scraped for k, v in m.items()}
+    series = {name.split("{")[0] for name in seen}
+    assert {"ray_rayapp_samples_total", "ray_rayapp_episode_phase_seconds_bucket", "ray_rayapp_batches",
+            "ray_rayapp_pool_resource", "ray_rayapp_engine_request_seconds_count",
+            "ray_rayapp_admission_wait_seconds_count"} <= series, sorted(series)
+    done = max(sum(v for k, v in m.items() if k.startswith("ray_rayapp_samples_total{")) for m in scraped)
+    assert done >= 16  # the rollout's samples, counted as they finished
+    gpus = [v for k, v in seen.items() if k.startswith("ray_rayapp_pool_resource{")
+            and 'resource="gpu"' in k and 'state="capacity"' in k]
+    assert gpus and sum(gpus) == 4  # the four logical GPUs of the head
     # the dashboard shows the pool's reservation, one group per node; which batch holds what is /placement's
     assert any(name.startswith("rayapp/node/") for name in groups_seen), groups_seen
     assert not any(name.startswith(("rayapp/rollout", "rayapp/eval")) for name in groups_seen), groups_seen
@@ -114,30 +165,31 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
 def test_http_control_surface(app):
     assert get_json(f"{app['http']}/healthz") == {"ok": True}
     for bad in ("-1", "2147483648", "99999999999999999999"):  # step ids are 0 .. 2**31-1
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(urllib.request.Request(f"{app['http']}/rollout/{bad}", method="POST"), timeout=30)
-        assert e.value.code == 422, bad
-
-    def post(answers):  # runs a whole step, then answers
-        with urllib.request.urlopen(urllib.request.Request(f"{app['http']}/rollout/7", method="POST"),
-                                    timeout=600) as r:
-            answers.append(json.loads(r.read()))
+        status, body = http(f"{app['http']}/rollout/{bad}", "POST")
+        assert status == 422 and "detail" in body, bad
+    assert http(f"{app['http']}/rollout/6")[0] == 404  # never asked for
 
     before = get_json(f"{app['http']}/status")["steps_run"]["rollout"]
-    answers: list[dict] = []
-    posts = [threading.Thread(target=post, args=(answers,)) for _ in range(2)]
-    for t in posts:
-        t.start()
-    for t in posts:
-        t.join(timeout=700)
-    summary = answers[0]
-    assert len(answers) == 2 and answers[1] == summary  # two concurrent requests, one step: the same result
-    assert summary["rollout_id"] == 7 and summary["samples"] == 16
+    answers = [http(f"{app['http']}/rollout/7", "POST") for _ in range(2)]  # 202 at once; the second joins
+    assert [a[0] for a in answers] == [202, 202] and answers[0][1]["poll"] == answers[1][1]["poll"]
+    assert answers[0][1]["poll"].endswith("/rayapp/rollout/7")
+    status, body = http(f"{app['http']}/rollout/8", "POST")  # another rollout while 7 runs: a conflict
+    assert status == 409 and body["error"] == "Conflict" and "rollout 7 is in flight" in body["message"]
+    deadline = time.monotonic() + 600
+    while (poll := http(answers[0][1]["poll"]))[1].get("state") == "running" and time.monotonic() < deadline:
+        assert poll[0] == 200 and "progress" in poll[1]
+        time.sleep(1)
+    status, summary = poll
+    assert status == 200 and summary["state"] == "done", summary
+    assert summary["rollout_id"] == 7 and summary["samples"] == 16 and "rollout/time/step_s" in summary["metrics"]
     status = get_json(f"{app['http']}/status")
-    assert status["steps_run"]["rollout"] == before + 1 and status["steps_served"]["rollout"] >= 1
+    assert status["steps_run"]["rollout"] == before + 1  # two POSTs, one step
     assert status["busy"] is False and status["phase"] == "rollout done" and status["tasks_done"] == 8
     placement = get_json(f"{app['http']}/placement")
     assert placement["gated"] is True and placement["held_tokens"] == 0 and placement["batches"] == {}
+    spec = get_json(f"{app['http']}/openapi.json")  # the API documents itself
+    assert {"/rollout/{rollout_id}", "/eval/{rollout_id}", "/status", "/placement"} <= set(spec["paths"])
+    assert {"202", "409", "503"} <= set(spec["paths"]["/rollout/{rollout_id}"]["post"]["responses"])
 
 
 def test_the_app_stops_cleanly(app):

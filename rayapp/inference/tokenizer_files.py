@@ -29,12 +29,26 @@ class TokenizerFilesError(ValueError):
     """A tokenizer folder that cannot be carried, or a file set that cannot be written; names why."""
 
 
+def local_folder(name: str | os.PathLike) -> Path | None:
+    """``name`` as a folder on this node: itself, or, for a Hugging Face id the engine downloaded,
+    its snapshot in this node's hub cache; None when neither is here."""
+    if Path(name).is_dir():
+        return Path(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(os.fspath(name), local_files_only=True))
+    except Exception:  # not an id, not cached, or no huggingface_hub: nothing local to carry
+        return None
+
+
 def read_tokenizer_files(folder: str | os.PathLike) -> dict[str, bytes]:
-    """The files of the model folder ``folder`` a tokenizer may read, by relative POSIX path: every
-    regular file up to ``MAX_DEPTH`` levels deep except weights (by suffix) and hidden files. Empty
-    when ``folder`` is not a local folder (a hub id: the agents then load it by that name)."""
-    root = Path(folder)
-    if not root.is_dir():
+    """The files of the model folder ``folder`` (or cached hub id, ``local_folder``) a tokenizer may
+    read, by relative POSIX path: every regular file up to ``MAX_DEPTH`` levels deep except weights
+    (by suffix) and hidden files. Empty when there is no such folder here (the agents then load the
+    tokenizer by that name)."""
+    root = local_folder(folder)
+    if root is None:
         return {}
     files: dict[str, bytes] = {}
     total = 0

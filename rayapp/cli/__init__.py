@@ -6,6 +6,7 @@
 - ``rayapp schema [--serve-config]``: the recipe's JSON Schema (or the whole file's), for editors;
 - ``rayapp init [dir]``: a shipped recipe written to ``dir/rollout.yaml``;
 - ``rayapp run <recipe> [-- driver options]``: validate, a local Ray head, ``serve run``, the driver;
+- ``rayapp driver [-- driver options]``: the shipped training driver against a running app;
 - ``rayapp demo``: ``run`` of the embedded default with the tiny CPU model.
 
 A recipe is a file path or the name of a shipped recipe (``local``, ``dagger_local``, ``swe_dagger``,
@@ -15,6 +16,7 @@ A recipe is a file path or the name of a shipped recipe (``local``, ``dagger_loc
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 
@@ -31,7 +33,7 @@ from rayapp.cli.local import (
     stop_cluster,
     wait_for_app,
 )
-from rayapp.cli.run import demo, init, resolve_recipe, run, shipped_recipes
+from rayapp.cli.run import DRIVER, demo, init, resolve_recipe, run, shipped_recipes
 
 __all__ = ["LOCAL_ENV", "LOCAL_ENV_WHY", "ROOT", "_bin", "build_parser", "demo", "free_port", "init", "local_app",
            "main", "ray_processes", "resolve_recipe", "run", "shipped_recipes", "start_head", "stop_cluster",
@@ -85,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address", default=None,
                    help="a running Ray cluster to deploy on instead of starting a local head")
     _local_head_args(r)
+    sub.add_parser("driver", help="the shipped training driver (recipes/driver.py) against a running app; "
+                                  "its options after --")
     return p
 
 
@@ -101,4 +105,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(init(args))
     if args.cmd == "run":
         sys.exit(run(args, driver_args))
+    if args.cmd == "driver":
+        os.execv(sys.executable, [sys.executable, str(DRIVER), *driver_args])
     sys.exit(demo(args))

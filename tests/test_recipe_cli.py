@@ -190,3 +190,35 @@ def test_rayapp_run_of_a_broken_recipe_exits_within_seconds_before_a_cluster_sta
     assert proc.stderr.strip() == (f'recipe "{recipe}": $.applications[0].args.engines.student.backend: '
                                    f'expected "hf" or "sglang", got "vllm"')
     assert not temp_dir.exists()
+
+
+def test_rayapp_run_hands_the_driver_its_options_and_returns_its_exit_status(tmp_path, monkeypatch, capsys):
+    """The wiring of `run` without a cluster: the recipe, resolved by name, goes to serve run in the
+    caller's folder; the driver gets the app's address, our step timeout, then the options after --
+    (so they win); its exit status is run's."""
+    import contextlib
+
+    import rayapp.cli.launch as run_module
+
+    seen = {}
+
+    @contextlib.contextmanager
+    def fake_local_app(recipe, temp_dir, log, **kw):
+        seen.update(recipe=recipe, cwd=kw["cwd"], address=kw["address"])
+        yield "127.0.0.1:6379", None
+
+    class Done:
+        returncode = 3
+
+    def fake_run(cmd, timeout=None):
+        seen["driver"] = cmd
+        return Done()
+
+    monkeypatch.setattr(run_module, "local_app", fake_local_app)
+    monkeypatch.setattr(run_module.subprocess, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = _main(capsys, "run", "local", "--timeout", "60", "--", "--rollouts", "2", "--timeout", "5")
+    assert code == 3 and "local/rollout.yaml: OK" in out and "driver done" in out
+    assert seen["recipe"].samefile(GOOD) and seen["cwd"] == tmp_path and seen["address"] is None
+    assert seen["driver"][1:] == [str(run_module.DRIVER), "--address=127.0.0.1:6379", "--timeout", "60.0",
+                                  "--rollouts", "2", "--timeout", "5"]

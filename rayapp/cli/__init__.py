@@ -21,6 +21,7 @@ import sys
 from importlib import metadata
 
 from rayapp.cli.check import schema, validate
+from rayapp.cli.launch import DRIVER, demo, init, resolve_recipe, run, shipped_recipes
 from rayapp.cli.local import (
     LOCAL_ENV,
     LOCAL_ENV_WHY,
@@ -33,7 +34,6 @@ from rayapp.cli.local import (
     stop_cluster,
     wait_for_app,
 )
-from rayapp.cli.run import DRIVER, demo, init, resolve_recipe, run, shipped_recipes
 
 __all__ = ["LOCAL_ENV", "LOCAL_ENV_WHY", "ROOT", "_bin", "build_parser", "demo", "free_port", "init", "local_app",
            "main", "ray_processes", "resolve_recipe", "run", "shipped_recipes", "start_head", "stop_cluster",
@@ -56,7 +56,7 @@ def _local_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpus", type=int, default=4, help="logical GPUs of the local Ray head")
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray head")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the app to start, and for each step")
-    p.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-demo-<pid>)")
+    p.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-run-<pid>)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,8 +72,9 @@ def run(args: argparse.Namespace, driver_args: list[str]) -> int:
         return 2
     if args.address is None:
         os.environ.update(LOCAL_ENV)  # a head of our own: 127.0.0.1 only, local auth off
-    # No bound on the driver as a whole: it bounds each step itself (its --timeout).
-    return _run_app(recipe, args, driver_args or ["--rollouts", "1", "--eval"], Path.cwd(), None)
+    # No bound on the driver as a whole: it bounds each step itself (its --timeout, ours unless given after --).
+    steps = driver_args or ["--rollouts", "1", "--eval"]
+    return _run_app(recipe, args, ["--timeout", str(args.timeout), *steps], Path.cwd(), None)
 
 
 def demo(args: argparse.Namespace) -> int:

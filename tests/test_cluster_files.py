@@ -202,3 +202,159 @@ def test_kuberay_cluster_has_a_head_and_a_gpu_group_for_the_layout():
     shipped = json.loads(docs["ConfigMap"]["data"][layout_name])
     assert shipped == json.loads((ROOT / "cluster" / "layouts" / layout_name).read_text())
     assert set(shipped) == {gpu_group["labels"][NODE_LABEL]}
+
+
+# -- the tokenizer comes from the engine ------------------------------------------------------------
+
+
+def test_an_engine_carries_its_tokenizer_files_but_not_its_weights(model_dir, tmp_path):
+    from rayapp.inference.tiny_model import load_tokenizer
+    from rayapp.inference.tokenizer_files import WEIGHT_SUFFIXES, cache_tokenizer_files, read_tokenizer_files
+
+    files = read_tokenizer_files(model_dir)
+    assert "tokenizer_config.json" in files and not any(Path(n).suffix in WEIGHT_SUFFIXES for n in files)
+    assert any(p.suffix in WEIGHT_SUFFIXES for p in model_dir.iterdir())  # there were weights to leave out
+    folder = cache_tokenizer_files(files, tmp_path / "cache")
+    assert cache_tokenizer_files(files, tmp_path / "cache") == folder  # once per content
+    here, there = load_tokenizer(model_dir), load_tokenizer(folder)
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    assert (there.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            == here.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert (there.eos_token_id, there.pad_token_id) == (here.eos_token_id, here.pad_token_id)
+    assert read_tokenizer_files(tmp_path / "no-such-model") == {}
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/../../b", "", "a/b/c/d"])
+def test_tokenizer_file_names_that_leave_the_folder_are_refused(tmp_path, name):
+    from rayapp.inference.tokenizer_files import TokenizerFilesError, cache_tokenizer_files
+
+    with pytest.raises(TokenizerFilesError, match="not a plain relative path"):
+        cache_tokenizer_files({"tokenizer.json": b"{}", name: b"x"}, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_the_manager_loads_the_engines_tokenizer_where_the_model_is_not(model_dir, tmp_path, monkeypatch):
+    """The manager asks the engine for its tokenizer files: the model path it reports need not exist on
+    the manager's node (the cluster files mount models on GPU workers only)."""
+    import asyncio
+
+    from rayapp.actors.engine import EngineClient
+    from rayapp.inference.tokenizer_files import read_tokenizer_files
+
+    class Method:
+        def __init__(self, fn):
+            self.fn, self.calls = fn, 0
+
+        def remote(self):
+            self.calls += 1
+
+            async def call():
+                return self.fn()
+
+            return call()
+
+    class Handle:  # what the engine replica on the GPU node answers
+        info = Method(lambda: {"backend": "sglang", "tokenizer_path": "/mnt/models/student"})
+        tokenizer_files = Method(lambda: read_tokenizer_files(model_dir))
+
+    monkeypatch.setenv("RAYAPP_CACHE", str(tmp_path / "cache"))
+    client = EngineClient(Handle(), "student")
+    info = asyncio.run(client.info())
+    assert info["engine_tokenizer_path"] == "/mnt/models/student"
+    assert Path(info["tokenizer_path"]).parent == tmp_path / "cache" / "tokenizers"
+    from rayapp.inference.tiny_model import load_tokenizer
+
+    assert load_tokenizer(info["tokenizer_path"]).get_vocab() == load_tokenizer(model_dir).get_vocab()
+    asyncio.run(client.info())
+    assert (Handle.info.calls, Handle.tokenizer_files.calls) == (1, 1)  # asked once per client
+
+
+# -- the cluster files as written: Ready pods, provisioned folders, rayapp validate -----------------
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=_rel)
+def test_every_recipe_passes_rayapp_validate(path, monkeypatch):
+    """The recipe and Ray Serve's schema of its file, as `rayapp validate` checks them (layout paths
+    resolve against the directory serve run starts in: the repository root)."""
+    from rayapp.cli.check import problems
+
+    monkeypatch.chdir(ROOT)
+    assert problems(path) == []
+
+
+def test_the_grpo_recipe_is_plain_grpo_on_one_sglang_engine():
+    path = ROOT / "recipes" / "grpo_sglang" / "rollout.yaml"
+    recipe = parse_recipe(_args(path), source=_rel(path))
+    assert [e.backend for e in recipe.engines.values()] == ["sglang"]
+    assert recipe.dagger is None and all(ev.teacher is None for ev in recipe.evaluators)
+    assert all((d.n_samples_per_prompt or 1) > 1 for d in recipe.data.values())  # groups to normalise over
+    assert recipe.filters.rejection is not None and recipe.filters.finish_only.whole_group
+    assert recipe.pool.cluster_layout is None  # one node: the live cluster, what the engine leaves free
+    for ev in recipe.evaluators:
+        assert ev.run_resource.gpu == ev.eval_resource.gpu == 0  # the engine holds the GPU
+
+
+def _mounts(template: dict) -> dict[str, dict]:
+    """mount path -> the volume mounted there, for the pod's Ray container."""
+    volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+    (ray_container, *_) = template["spec"]["containers"]
+    return {m["mountPath"]: volumes[m["name"]] for m in ray_container.get("volumeMounts", [])}
+
+
+def _under(path: str, mounts: dict[str, dict]) -> dict | None:
+    hits = [m for m in mounts if Path(path).is_relative_to(m)]
+    return mounts[max(hits, key=len)] if hits else None
+
+
+def test_kuberay_worker_pods_become_ready_without_a_serve_proxy_on_them():
+    """KubeRay's default readiness probe on a RayService's workers asks the Serve proxy on the pod,
+    which runs there only with proxy_location EveryNode: a worker must then bring its own probe."""
+    docs = _kuberay_docs()
+    config = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
+    for group in docs["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        (worker, *_) = group["template"]["spec"]["containers"]
+        if config.get("proxy_location", "EveryNode") == "EveryNode":
+            continue
+        probe = worker.get("readinessProbe")
+        assert probe, f"group {group['groupName']}: KubeRay's default probe would wait for a Serve proxy"
+        command = " ".join(probe["exec"]["command"])
+        assert ":8000" not in command and "-/healthz" not in command
+        assert "api/local_raylet_healthz" in command and "grep success" in command
+
+
+def test_kuberay_provisions_every_folder_the_manager_writes_on_the_head():
+    docs = _kuberay_docs()
+    head = docs["RayService"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    mounts = _mounts(head)
+    claims = {d["metadata"]["name"] for d in yaml.safe_load_all(KUBERAY.read_text())
+              if d and d["kind"] == "PersistentVolumeClaim"}
+    scheduler = _args(SWE)["scheduler"]
+    folders = [scheduler[k] for k in ("save_eval_details", "trajectory_dir", "checkpoint_dir")]
+    assert all(folders)
+    for folder in folders:
+        volume = _under(folder, mounts)
+        assert volume is not None, f"{folder}: not on a volume of the head pod (the manager runs there)"
+        assert volume["persistentVolumeClaim"]["claimName"] in claims  # made by the manifest itself
+
+
+def test_kuberay_mounts_the_models_where_the_engines_run_and_the_head_needs_none():
+    cluster = _kuberay_docs()["RayService"]["spec"]["rayClusterConfig"]
+    (gpu_group,) = cluster["workerGroupSpecs"]
+    worker_mounts = _mounts(gpu_group["template"])
+    for engine in _args(SWE)["engines"].values():
+        assert _under(engine["options"]["model_path"], worker_mounts) is not None
+    # the manager's agents tokenize with the files the engines send (InferenceEngine.tokenizer_files)
+    assert _under("/mnt/models", _mounts(cluster["headGroupSpec"]["template"])) is None
+
+
+def test_launcher_provisions_the_run_folder_on_the_head_and_the_model_folder_on_the_worker():
+    config = _load(LAUNCHER)
+    head = " ".join(config["head_setup_commands"])
+    worker = " ".join(config["worker_setup_commands"])
+    scheduler = _args(SWE)["scheduler"]
+    for key in ("save_eval_details", "trajectory_dir", "checkpoint_dir"):
+        assert Path(scheduler[key]).is_relative_to("/mnt/runs")
+    assert "mkdir -p /mnt/runs" in head
+    for engine in _args(SWE)["engines"].values():
+        assert Path(engine["options"]["model_path"]).is_relative_to("/mnt/models")
+    assert "mkdir -p /mnt/models" in worker

@@ -3,10 +3,12 @@ import-path form (the builder runs in the `serve run` process) exits non-zero na
 JSON path, and `rayapp validate` checks a recipe offline. No Ray cluster is started: the builder
 fails before `serve run` connects to one."""
 
+import json
 import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from rayapp.cli import LOCAL_ENV, ROOT, _bin, free_port
@@ -55,3 +57,168 @@ def test_the_demo_stops_at_a_broken_recipe_before_a_cluster_starts(tmp_path):
                            "--temp-dir", str(temp_dir)], capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 2 and f'recipe "{recipe}": $.applications[0].args.engines' in proc.stderr
     assert not temp_dir.exists()  # no Ray session was started
+
+
+# -- the command line in-process: validate, schema, init, run --------------------------------------
+
+def _main(capsys, *argv):
+    from rayapp.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(list(argv))
+    out = capsys.readouterr()
+    return done.value.code, out.out, out.err
+
+
+def _serve_broken(tmp_path):
+    """A recipe that parses but that Serve refuses: what only Serve's own schema can catch."""
+    doc = yaml.safe_load(GOOD.read_text())
+    doc["proxy_location"] = "Everywhere"
+    doc["applications"][0]["deployments"] = [{"name": "manager", "num_replicas": 0}]
+    path = tmp_path / "serve-broken.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_validate_checks_serves_own_schema_by_json_path(tmp_path, capsys):
+    recipe = _serve_broken(tmp_path)
+    code, out, err = _main(capsys, "validate", str(recipe))
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert lines[0] == (f'recipe "{recipe}": $.proxy_location: Input should be '
+                        "'Disabled', 'HeadOnly' or 'EveryNode'")
+    # num_replicas is an int > 0 or "auto": one line for the path, the union's branches joined
+    assert lines[1].startswith(f'recipe "{recipe}": $.applications[0].deployments[0].num_replicas: ')
+    assert " or " in lines[1] and len(lines) == 2
+
+
+def test_validate_reports_the_recipe_and_serve_problems_together(tmp_path, capsys):
+    doc = yaml.safe_load(_serve_broken(tmp_path).read_text())
+    doc["applications"][0]["args"]["scheduler"]["rollout_batch_size"] = 0
+    path = tmp_path / "both.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    code, _, err = _main(capsys, "validate", str(path))
+    paths = [line.split(": ")[1] for line in err.strip().splitlines()]
+    assert code == 2
+    assert paths == ["$.applications[0].args.scheduler.rollout_batch_size", "$.proxy_location",
+                     "$.applications[0].deployments[0].num_replicas"]
+
+
+def test_validate_takes_a_shipped_recipe_by_name(capsys):
+    from rayapp.cli import shipped_recipes
+
+    names = shipped_recipes()
+    assert {"local", "dagger_local", "swe_dagger", "grpo_sglang"} <= set(names)
+    code, out, _ = _main(capsys, "validate", "local")
+    assert code == 0 and out.strip().endswith("recipes/local/rollout.yaml: OK")
+    code, _, err = _main(capsys, "validate", "no-such-recipe")
+    assert code == 2 and err.strip() == 'recipe "no-such-recipe": cannot read file: No such file or directory'
+
+
+def test_version_names_rayapp_and_ray(capsys):
+    from importlib import metadata
+
+    code, out, _ = _main(capsys, "--version")
+    assert code == 0
+    assert out.startswith(f"rayapp {metadata.version('rayapp')} (ray {metadata.version('ray')}, python ")
+
+
+def test_schema_accepts_every_shipped_recipe_and_refuses_what_the_parser_refuses(capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    code, out, _ = _main(capsys, "schema")
+    schema = json.loads(out)
+    assert code == 0 and schema["$ref"] == "#/$defs/RecipeConfig"
+    for path in sorted((ROOT / "recipes").glob("*/rollout.yaml")):
+        jsonschema.validate(yaml.safe_load(path.read_text())["applications"][0]["args"], schema)
+    args = yaml.safe_load(GOOD.read_text())["applications"][0]["args"]
+    for section, key, bad in (("engines", "student", {"backend": "vllm"}),
+                              ("scheduler", "rollout_batch_size", 0),
+                              ("scheduler", "temprature", 0.5)):  # a misspelt key: unknown fields are refused
+        broken = json.loads(json.dumps(args))
+        target = broken[section][key] if isinstance(bad, dict) else broken[section]
+        if isinstance(bad, dict):
+            target.update(bad)
+        else:
+            target[key] = bad
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, schema)
+
+
+def test_serve_config_schema_holds_the_rayapp_apps_args_to_the_recipe(capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    code, out, _ = _main(capsys, "schema", "--serve-config")
+    schema = json.loads(out)
+    assert code == 0
+    for path in sorted((ROOT / "recipes").glob("*/rollout.yaml")):
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)
+    doc = yaml.safe_load(GOOD.read_text())
+    doc["applications"][0]["args"]["engines"]["student"]["backend"] = "vllm"
+    with pytest.raises(jsonschema.ValidationError) as e:
+        jsonschema.validate(doc, schema)
+    assert list(e.value.absolute_path)[:2] == ["applications", 0]
+    # another application's args are its own business
+    doc["applications"][0]["import_path"] = "other.module:app"
+    jsonschema.validate(doc, schema)
+
+
+def test_init_writes_a_recipe_that_validates_and_never_overwrites_unasked(tmp_path, capsys, monkeypatch):
+    code, out, _ = _main(capsys, "init", str(tmp_path / "mine"))
+    written = tmp_path / "mine" / "rollout.yaml"
+    assert code == 0 and written.read_text() == GOOD.read_text() and f"wrote {written}" in out
+    written.write_text("# edited\n" + GOOD.read_text())
+    code, _, err = _main(capsys, "init", str(tmp_path / "mine"))
+    assert code == 2 and "not overwriting" in err and written.read_text().startswith("# edited")
+    code, _, _ = _main(capsys, "init", str(tmp_path / "mine"), "--force")
+    assert code == 0 and written.read_text() == GOOD.read_text()
+    # a recipe that names a layout file gets it, where its relative path resolves from that folder
+    code, _, _ = _main(capsys, "init", str(tmp_path / "swe"), "--recipe", "swe_dagger")
+    assert code == 0 and (tmp_path / "swe" / "cluster" / "layouts" / "swe_cluster.json").is_file()
+    monkeypatch.chdir(tmp_path / "swe")
+    assert _main(capsys, "validate", "rollout.yaml")[0] == 0
+    code, _, err = _main(capsys, "init", str(tmp_path / "x"), "--recipe", "nope")
+    assert code == 2 and "no shipped recipe 'nope'" in err and not (tmp_path / "x").exists()
+
+
+def test_rayapp_run_of_a_broken_recipe_exits_within_seconds_before_a_cluster_starts(tmp_path):
+    """`serve run <config file>` of a recipe whose build fails never exits (Ray's CLI logs the error and
+    waits); `rayapp run` validates first and stops, starting nothing."""
+    recipe = _broken(tmp_path)
+    temp_dir = tmp_path / "ray"
+    proc = subprocess.run([sys.executable, "-m", "rayapp.cli", "run", str(recipe), "--temp-dir", str(temp_dir),
+                           "--", "--rollouts", "1"], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == (f'recipe "{recipe}": $.applications[0].args.engines.student.backend: '
+                                   f'expected "hf" or "sglang", got "vllm"')
+    assert not temp_dir.exists()
+
+
+def test_rayapp_run_hands_the_driver_its_options_and_returns_its_exit_status(tmp_path, monkeypatch, capsys):
+    """The wiring of `run` without a cluster: the recipe, resolved by name, goes to serve run in the
+    caller's folder; the driver gets the app's address, our step timeout, then the options after --
+    (so they win); its exit status is run's."""
+    import contextlib
+
+    import rayapp.cli.launch as run_module
+
+    seen = {}
+
+    @contextlib.contextmanager
+    def fake_local_app(recipe, temp_dir, log, **kw):
+        seen.update(recipe=recipe, cwd=kw["cwd"], address=kw["address"])
+        yield "127.0.0.1:6379", None
+
+    class Done:
+        returncode = 3
+
+    def fake_run(cmd, timeout=None):
+        seen["driver"] = cmd
+        return Done()
+
+    monkeypatch.setattr(run_module, "local_app", fake_local_app)
+    monkeypatch.setattr(run_module.subprocess, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = _main(capsys, "run", "local", "--timeout", "60", "--", "--rollouts", "2", "--timeout", "5")
+    assert code == 3 and "local/rollout.yaml: OK" in out and "driver done" in out
+    assert seen["recipe"].samefile(GOOD) and seen["cwd"] == tmp_path and seen["address"] is None
+    assert seen["driver"][1:] == [str(run_module.DRIVER), "--address=127.0.0.1:6379", "--timeout", "60.0",
+                                  "--rollouts", "2", "--timeout", "5"]

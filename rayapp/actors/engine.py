@@ -10,6 +10,7 @@ replica, not sent through the router to one of them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from typing import Any
 from rayapp.actors.remote import bounded, is_lost
 from rayapp.core.termination import AgentTimeout, EngineConnectionError
 from rayapp.inference.client import GenerateOutput, GenerateRequest, make_backend
+from rayapp.inference.tiny_model import default_cache_dir
+from rayapp.inference.tokenizer_files import cache_tokenizer_files, read_tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,10 @@ class InferenceEngine:
 
     def info(self) -> dict:
         return self.backend.info()
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The files next to the tokenizer this replica loaded, for agents on nodes without the model."""
+        return read_tokenizer_files(self.backend.info()["tokenizer_path"])
 
     def __del__(self) -> None:
         # Serve calls this when the replica stops: sglang's scheduler processes must go with it.
@@ -88,8 +95,16 @@ class EngineClient:
         return await self._call("generate", req, timeout_s=timeout_s)
 
     async def info(self) -> dict:
+        """The engine's info, its ``tokenizer_path`` a folder on this node holding the engine's own
+        tokenizer files (the engine's node may be the only one with the model)."""
         if self._info is None:
-            self._info = await self._call("info", timeout_s=60)
+            info = await self._call("info", timeout_s=60)
+            files = await self._call("tokenizer_files", timeout_s=120)
+            if files:
+                folder = await asyncio.to_thread(cache_tokenizer_files, files,
+                                                default_cache_dir() / "tokenizers")
+                info = {**info, "tokenizer_path": str(folder), "engine_tokenizer_path": info.get("tokenizer_path")}
+            self._info = info
         return self._info
 
     async def health(self) -> dict:

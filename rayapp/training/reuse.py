@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayapp.training.trajectories import load_trajectories, save_trajectories
 from rayapp.types import Sample
 
 log = logging.getLogger(__name__)
@@ -139,6 +138,9 @@ async def rollout_or_reuse(rollout_id: int, save_dir: str | os.PathLike, run: An
                            policy: ReusePolicy | None = None) -> tuple[list[list[Sample]], Decision]:
     """One iteration under the reuse policy: the saved groups, or ``await run()``'s groups saved
     where the policy says. File work runs in a thread, off the event loop."""
+    # Trajectory files are torch.save files: torch (the hf or sglang extra) is needed only once one is read or written.
+    from rayapp.training.trajectories import load_trajectories, save_trajectories
+
     decision = (policy or ReusePolicy.from_env()).decide(rollout_id, save_dir)
     if not decision.fresh:
         _, groups = await asyncio.to_thread(load_trajectories, decision.load_path)

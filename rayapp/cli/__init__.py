@@ -1,0 +1,110 @@
+"""The ``rayapp`` command line.
+
+- ``rayapp --version``;
+- ``rayapp validate <recipe>``: the recipe and Ray Serve's schema of the file, offline (no Ray
+  started): ``OK``, or each problem by JSON path (exit status 2);
+- ``rayapp schema [--serve-config]``: the recipe's JSON Schema (or the whole file's), for editors;
+- ``rayapp init [dir]``: a shipped recipe written to ``dir/rollout.yaml``;
+- ``rayapp run <recipe> [-- driver options]``: validate, a local Ray head, ``serve run``, the driver;
+- ``rayapp driver [-- driver options]``: the shipped training driver against a running app;
+- ``rayapp demo``: ``run`` of the embedded default with the tiny CPU model.
+
+A recipe is a file path or the name of a shipped recipe (``local``, ``dagger_local``, ``swe_dagger``,
+``grpo_sglang``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import metadata
+
+from rayapp.cli.check import schema, validate
+from rayapp.cli.launch import DRIVER, demo, init, resolve_recipe, run, shipped_recipes
+from rayapp.cli.local import (
+    LOCAL_ENV,
+    LOCAL_ENV_WHY,
+    ROOT,
+    _bin,
+    free_port,
+    local_app,
+    ray_processes,
+    start_head,
+    stop_cluster,
+    wait_for_app,
+)
+
+__all__ = ["LOCAL_ENV", "LOCAL_ENV_WHY", "ROOT", "_bin", "build_parser", "demo", "free_port", "init", "local_app",
+           "main", "ray_processes", "resolve_recipe", "run", "shipped_recipes", "start_head", "stop_cluster",
+           "validate", "version", "wait_for_app"]
+
+RECIPE_HELP = "a recipe file, or the name of a shipped recipe"
+
+
+def version() -> str:
+    def of(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"rayapp {of('rayapp')} (ray {of('ray')}, python {sys.version.split()[0]})"
+
+
+def _local_head_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-gpus", type=int, default=4, help="logical GPUs of the local Ray head")
+    p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray head")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the app to start, and for each step")
+    p.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-run-<pid>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rayapp", description="rayapp command line")
+    p.add_argument("--version", action="version", version=version())
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="the embedded default end to end: local head, serve run, the driver, stop")
+    d.add_argument("--recipe", default="recipes/local/rollout.yaml",
+                   help="the Serve config to run; a relative path not found here is taken from the checkout")
+    d.add_argument("--num-gpus", type=int, default=4, help="logical GPUs of the local Ray head")
+    d.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray head")
+    d.add_argument("--rollouts", type=int, default=1, help="iterations the driver runs: rollout k, then eval k")
+    d.add_argument("--timeout", type=float, default=900.0, help="seconds for the app to start, and for each step")
+    d.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-demo-<pid>)")
+    v = sub.add_parser("validate", help="check a recipe and Serve's schema of its file offline (no Ray)")
+    v.add_argument("recipe", help=RECIPE_HELP + "; a Serve config whose rayapp application's args are the recipe, "
+                                                "or bare args")
+    s = sub.add_parser("schema", help="print the recipe's JSON Schema (from its msgspec types)")
+    s.add_argument("--serve-config", action="store_true",
+                   help="the schema of a whole recipe file: Serve's config schema with the recipe as the args")
+    i = sub.add_parser("init", help="write a shipped recipe to <dir>/rollout.yaml")
+    i.add_argument("dir", nargs="?", default=".", help="where to write it (default: here)")
+    i.add_argument("--recipe", default="local", help="which shipped recipe (default: local)")
+    i.add_argument("--force", action="store_true", help="overwrite files that exist")
+    r = sub.add_parser("run", help="validate, then a local Ray head, serve run and the driver; "
+                                   "driver options after --")
+    r.add_argument("recipe", help=RECIPE_HELP)
+    r.add_argument("--address", default=None,
+                   help="a running Ray cluster to deploy on instead of starting a local head")
+    _local_head_args(r)
+    sub.add_parser("driver", help="the shipped training driver (recipes/driver.py) against a running app; "
+                                  "its options after --")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after `--` goes to the driver unread (its own flags: --rollouts, --eval, --timeout, ...).
+    driver_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.cmd == "validate":
+        sys.exit(validate(resolve_recipe(args.recipe)))
+    if args.cmd == "schema":
+        sys.exit(schema(args.serve_config))
+    if args.cmd == "init":
+        sys.exit(init(args))
+    if args.cmd == "run":
+        sys.exit(run(args, driver_args))
+    if args.cmd == "driver":
+        os.execv(sys.executable, [sys.executable, str(DRIVER), *driver_args])
+    sys.exit(demo(args))

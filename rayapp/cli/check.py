@@ -1,0 +1,115 @@
+"""``rayapp validate`` and ``rayapp schema``: a recipe checked offline, before any cluster starts.
+
+A recipe file is a Ray Serve config whose rayapp application's ``args`` are the recipe. ``validate``
+checks both halves: the recipe, through the door the app builder uses (``load_recipe``), and the
+file as Serve reads it (``ray.serve.schema.ServeDeploySchema``: proxy location, HTTP options,
+deployments' overrides). Importing that schema starts no Ray. Every problem is printed as
+``recipe "<file>": $.json.path: reason``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import msgspec
+import yaml
+
+from rayapp.recipe.config import APP_IMPORT_PATH
+
+
+def json_path(doc: Any, loc: tuple[Any, ...]) -> str:
+    """Pydantic's error location as a JSON path into ``doc``. Pydantic puts the names of a union's
+    branches into the location too (``num_replicas.constrained-int``): a name that does not index
+    into the document is such a tag and is left out, unless it is a missing key at the end."""
+    path, node = "$", doc
+    for i, key in enumerate(loc):
+        if isinstance(key, int) and isinstance(node, list) and 0 <= key < len(node):
+            path, node = f"{path}[{key}]", node[key]
+        elif isinstance(key, str) and isinstance(node, dict) and (key in node or i == len(loc) - 1):
+            path, node = f"{path}.{key}", node.get(key)
+    return path
+
+
+def serve_schema_problems(doc: Any) -> list[tuple[str, str]]:
+    """(JSON path, reason) for each way ``doc`` misfits Ray Serve's config schema, one entry per
+    path (a union's branches joined with "or"); empty when Serve would accept it."""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(doc)
+    except ValidationError as e:
+        by_path: dict[str, list[str]] = {}
+        for err in e.errors():
+            reasons = by_path.setdefault(json_path(doc, tuple(err["loc"])), [])
+            if err["msg"] not in reasons:
+                reasons.append(err["msg"])
+        return [(path, " or ".join(reasons)) for path, reasons in by_path.items()]
+    return []
+
+
+def problems(path: str | os.PathLike) -> list[str]:
+    """Every problem of the recipe file ``path`` as one line each: the recipe's first (the builder
+    stops at it), then Serve's. Empty when both accept the file."""
+    from rayapp.recipe import RecipeError, load_recipe
+
+    lines = []
+    try:
+        load_recipe(path)
+    except RecipeError as e:
+        lines.append(str(e))
+        if e.path is None:  # the file itself cannot be read: nothing more to check
+            return lines
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    if isinstance(doc, dict) and "applications" in doc:  # a Serve config, not bare args
+        where = f'recipe "{os.fsdecode(path)}"'
+        lines += [f"{where}: {at}: {reason}" for at, reason in serve_schema_problems(doc)]
+    return lines
+
+
+def validate(recipe: str | os.PathLike) -> int:
+    """Print ``<file>: OK`` (exit status 0) or each problem on stderr (exit status 2)."""
+    found = problems(recipe)
+    if found:
+        print("\n".join(found), file=sys.stderr)
+        return 2
+    print(f"{os.fsdecode(recipe)}: OK")
+    return 0
+
+
+def recipe_schema() -> dict[str, Any]:
+    """The JSON Schema of a recipe (the application's ``args``), from the msgspec types that parse it."""
+    from rayapp.recipe import RecipeConfig
+
+    return msgspec.json.schema(RecipeConfig)
+
+
+def serve_config_schema() -> dict[str, Any]:
+    """The JSON Schema of a whole recipe file: Ray Serve's config schema, with the ``args`` of the
+    application whose ``import_path`` is rayapp's builder held to the recipe's schema."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from rayapp.recipe import RecipeConfig
+
+    serve = ServeDeploySchema.model_json_schema(ref_template="#/$defs/{model}")
+    (recipe_ref,), recipe_defs = msgspec.json.schema_components([RecipeConfig], ref_template="#/$defs/{name}")
+    defs = serve.setdefault("$defs", {})
+    clash = sorted(set(defs) & set(recipe_defs))
+    if clash:  # a schema that silently merged two different types under one name would mislead an editor
+        raise RuntimeError(f"Serve's and the recipe's schemas both define {clash}")
+    defs.update(recipe_defs)
+    app = defs["ServeApplicationSchema"]
+    app.setdefault("allOf", []).append({
+        "if": {"properties": {"import_path": {"const": APP_IMPORT_PATH}}, "required": ["import_path"]},
+        "then": {"properties": {"args": recipe_ref}},
+    })
+    return serve
+
+
+def schema(serve_config: bool) -> int:
+    print(json.dumps(serve_config_schema() if serve_config else recipe_schema(), indent=2))
+    return 0

@@ -1,0 +1,125 @@
+"""A Ray head on 127.0.0.1 with logical GPUs, ``serve run`` of a recipe on it, and a clean stop:
+what ``rayapp run`` and ``rayapp demo`` (and the tests that start a cluster) share."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+# The checkout (tests and the Makefile read recipes/ from it); in an installed package, site-packages.
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Why: for the knob reference. Never set the first two on a real cluster.
+LOCAL_ENV_WHY = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "Ray's; 0 keeps GCS, raylet, dashboard and Serve on 127.0.0.1 "
+                                         "(one machine only)",
+    "RAY_AUTH_MODE": "Ray's; disabled turns token auth off for the local dashboard API (one machine only)",
+    "RAY_USAGE_STATS_ENABLED": "Ray's; 0: no usage statistics (the machine has no outside network)",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def start_head(num_gpus: int, num_cpus: int, temp_dir: Path, dashboard_port: int) -> str:
+    port = free_port()
+    cmd = [_bin("ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+           f"--num-gpus={num_gpus}", f"--num-cpus={num_cpus}", "--include-dashboard=true",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
+           "--disable-usage-stats"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=180)
+    return f"127.0.0.1:{port}"
+
+
+def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subprocess.Popen, log: Path) -> None:
+    code = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
+            "log_to_driver=False); s = serve.status().applications.get(sys.argv[2]); "
+            "print(s.status if s else 'MISSING')")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if serve_proc.poll() is not None:
+            raise RuntimeError(f"serve run exited with {serve_proc.returncode}; see {log}")
+        out = subprocess.run([sys.executable, "-c", code, address, app], capture_output=True, text=True,
+                             timeout=120).stdout.strip()
+        if out.endswith("RUNNING"):
+            return
+        if out.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
+            raise RuntimeError(f"application {app} is {out}; see {log}")
+        time.sleep(2)
+    raise TimeoutError(f"application {app} not RUNNING within {timeout_s}s; see {log}")
+
+
+def ray_processes(temp_dir: Path) -> list[int]:
+    """The processes of the Ray cluster under ``temp_dir`` (every one names its session folder)."""
+    # -ww: full command lines whatever COLUMNS says (pytest sets it; ps would cut at that width)
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    # the folder itself, not a longer name that starts with it (/tmp/x-12 is not /tmp/x-123)
+    mine = re.compile(re.escape(str(temp_dir)) + r"(?=/|\s|$)")
+    pids = [int(line.split(None, 1)[0]) for line in out.splitlines() if mine.search(line)]
+    return [p for p in pids if p != os.getpid()]
+
+
+def stop_cluster(temp_dir: Path, grace_s: float = 15.0) -> list[int]:
+    """Stop this demo's cluster only (``ray stop`` would stop every Ray on the machine)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ray_processes(temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while ray_processes(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    return ray_processes(temp_dir)
+
+
+@contextlib.contextmanager
+def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 4, num_cpus: int = 8,
+              dashboard_port: int | None = None, timeout_s: float = 900.0, cwd: str | Path = ROOT,
+              address: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A Ray head on 127.0.0.1 with logical GPUs and ``serve run recipe`` on it (output in ``log``),
+    yielded as (address, serve process) once the app is RUNNING; both are stopped when the block ends.
+    Given ``address``, no head is started: the app runs on that cluster and only it is stopped.
+    ``serve run`` starts in ``cwd``, against which the recipe's relative layout path resolves."""
+    proc, own_head = None, address is None
+    try:
+        if own_head:
+            address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port())
+        with open(log, "w") as out:
+            proc = subprocess.Popen([_bin("serve"), "run", f"--address={address}", str(recipe)], stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        wait_for_app(address, "rayapp", timeout_s, proc, log)
+        yield address, proc
+    finally:
+        _stop_serve_run(proc)
+        if own_head:
+            left = stop_cluster(temp_dir)
+            print("shut down: " + ("no Ray process left" if not left else f"{len(left)} Ray processes left: {left}"))
+
+
+def _stop_serve_run(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)  # serve run deletes the app it started when told to stop
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -39,10 +40,14 @@ def check(response: str, label: str) -> bool:
 
 def main() -> None:
     _die_with_parent()
+    # The protocol keeps its own copy of stdout; fd 1 then points at stderr, so a library that prints
+    # (a warning, a progress line) cannot garble an answer.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.disable(logging.WARNING)  # math-verify warns that its timeouts are off: they are, on purpose
     import math_verify  # noqa: F401  (paid once, before "ready", not inside the first request's timeout)
 
-    out = sys.stdout
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:

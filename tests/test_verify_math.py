@@ -182,3 +182,12 @@ def test_the_env_verifier_scores_the_response_against_the_label():
     assert vmath.verify(sample("0.5"), result(r"\boxed{\frac{1}{2}}")) == {"score": 1.0}
     assert vmath.verify(sample(19), result("The answer is 18.")) == {"score": 0.0}
     assert vmath.verify(sample("19"), result(None)) == {"score": 0.0}
+
+
+def test_close_during_a_call_scores_that_call_false_and_reaps_its_worker():
+    v = MathVerifier(max_workers=1)
+    assert v.verify("1", "1") is True
+    (pid,) = v.worker_pids()
+    threading.Timer(0.5, v.close).start()
+    assert v.verify(TOWER, "5", timeout_s=60.0) is False
+    assert _dead(pid) and v.worker_pids() == []

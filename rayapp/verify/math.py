@@ -205,10 +205,13 @@ class MathVerifier:
         """Kill every worker; a call in flight gets False (its worker is gone), later calls raise."""
         with self._lock:
             self._closed = True
-            workers = [*self._idle, *self._busy]
+            idle, busy = list(self._idle), list(self._busy)
             self._idle.clear()
-        for worker in workers:
+        for worker in idle:
             worker.kill()
+        for worker in busy:  # only signalled: the caller reading its pipe sees it gone and reaps it
+            if worker.proc.poll() is None:
+                worker.proc.kill()
 
     def __enter__(self) -> MathVerifier:
         return self

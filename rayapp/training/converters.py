@@ -1,0 +1,171 @@
+"""A step's ``RolloutResult`` in the batch shapes trainers take: verl's ``DataProto`` and slime's
+``Sample`` dicts.
+
+Guarantees:
+
+- Rows are the result's samples in order, group after group, sample after sample; every sample is
+  a row, a ``remove_sample`` one too (its loss mask all 0), so the batch keeps the shape the
+  scheduler promised (``n_samples`` rows a group).
+- verl (``verl_tensors``; ``to_verl`` wraps them in a ``DataProto``), laid out as verl's own agent
+  loop does: ``prompts`` left-padded, ``responses`` right-padded, ``input_ids`` their concatenation,
+  ``attention_mask`` 1 on every real token, ``position_ids`` counting real tokens from 0 (0 on the
+  left padding, the last position repeated on the right: verl's ``compute_position_id_with_mask``),
+  ``response_mask`` the sample's ``loss_mask`` (0 on tool output and padding), ``rollout_log_probs``
+  (0.0 on padding), and ``token_level_scores`` holding the reward on the last response token and 0
+  elsewhere. Ids and masks are int64, floats float32. ``non_tensor_batch`` holds ``uid`` (one value
+  per group, what verl's GRPO groups by), ``task_id``, ``index`` and ``status``.
+- slime (``to_slime``): one dict per sample with the fields ``slime.utils.types.Sample.from_dict``
+  reads; ``reward`` is the reward's ``reward_key`` entry (the whole dict when ``reward_key`` is None)
+  and ``weight_versions`` the weights of each model turn (the turn records' ``weight_version``).
+- A sample whose token data does not line up (``loss_mask`` or ``rollout_log_probs`` not
+  ``response_length`` long, a response longer than its tokens, a reward without ``reward_key``, a
+  prompt or response past a fixed width) is one ``ValueError`` naming the group, task, sample and
+  field; nothing is returned. Log-probs are all or nothing: when no sample has them the key is left
+  out, when only some have them it is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rayapp.core.contracts import RolloutResult
+from rayapp.episode import EpisodeKey
+from rayapp.types import Sample
+
+
+class _Row:
+    __slots__ = ("log_probs", "mask", "prompt", "response", "score", "uid")
+
+    def __init__(self, uid: str, prompt: list[int], response: list[int], mask: list[int],
+                 log_probs: list[float], score: float):
+        self.uid, self.prompt, self.response, self.mask = uid, prompt, response, mask
+        self.log_probs, self.score = log_probs, score
+
+
+def _where(g: int, s: Sample) -> str:
+    return f"group {g} (task {s.task_id!r}) sample {s.index}"
+
+
+def _score(reward: dict[str, float], key: str, where: str) -> float:
+    if not reward:
+        return 0.0  # an aborted or removed sample was never verified
+    if key not in reward:
+        raise ValueError(f"{where}: reward {reward!r} has no {key!r}")
+    return float(reward[key])
+
+
+def _check_tokens(g: int, s: Sample) -> None:
+    where, n = _where(g, s), s.response_length
+    if not 0 <= n <= len(s.tokens):
+        raise ValueError(f"{where}: response_length {n} is outside its {len(s.tokens)} tokens")
+    if len(s.loss_mask) != n:
+        raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries for {n} response tokens")
+    if s.rollout_log_probs and len(s.rollout_log_probs) != n:
+        raise ValueError(f"{where}: rollout_log_probs has {len(s.rollout_log_probs)} entries for {n} response tokens")
+
+
+def _row(g: int, s: Sample, uid: str, reward_key: str) -> _Row:
+    _check_tokens(g, s)
+    cut = len(s.tokens) - s.response_length
+    mask = [0] * s.response_length if s.remove_sample else list(s.loss_mask)
+    return _Row(uid, s.tokens[:cut], s.tokens[cut:], mask, list(s.rollout_log_probs),
+                _score(s.reward, reward_key, _where(g, s)))
+
+
+def _rows(result: RolloutResult, reward_key: str) -> list[_Row]:
+    rows = [_row(g, s, f"{result.rollout_id}:{g}:{s.task_id}", reward_key)
+            for g, group in enumerate(result.groups) for s in group]
+    if not rows:
+        raise ValueError(f"rollout {result.rollout_id}: no samples to convert")
+    with_lp = sum(1 for r in rows if r.log_probs or not r.response)
+    if any(r.log_probs for r in rows) and with_lp < len(rows):
+        raise ValueError(f"rollout {result.rollout_id}: rollout_log_probs on {with_lp} of {len(rows)} samples; "
+                         "a trainer needs them on all or none")
+    return rows
+
+
+def _width(rows: list[_Row], part: str, fixed: int | None) -> int:
+    longest = max(len(getattr(r, part)) for r in rows)
+    if fixed is None:
+        return longest
+    if longest > fixed:
+        i = next(i for i, r in enumerate(rows) if len(getattr(r, part)) > fixed)
+        raise ValueError(f"row {i} ({rows[i].uid}): {part} of {longest} tokens is wider than {part}_length={fixed}")
+    return fixed
+
+
+def verl_tensors(result: RolloutResult, *, pad_token_id: int = 0, prompt_length: int | None = None,
+                 response_length: int | None = None, reward_key: str = "score") -> dict[str, Any]:
+    """The ``tensors``, ``non_tensors`` and ``meta_info`` that ``DataProto.from_dict`` takes. Widths
+    are the longest prompt and response unless fixed (verl's ``rollout.prompt_length`` and
+    ``response_length``). Needs torch and numpy."""
+    import numpy as np
+    import torch
+
+    rows = _rows(result, reward_key)
+    p_w, r_w = _width(rows, "prompt", prompt_length), _width(rows, "response", response_length)
+    b = len(rows)
+    prompts = torch.full((b, p_w), pad_token_id, dtype=torch.int64)
+    responses = torch.full((b, r_w), pad_token_id, dtype=torch.int64)
+    attention = torch.zeros((b, p_w + r_w), dtype=torch.int64)
+    response_mask = torch.zeros((b, r_w), dtype=torch.int64)
+    log_probs = torch.zeros((b, r_w), dtype=torch.float32)
+    scores = torch.zeros((b, r_w), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        p, n = len(r.prompt), len(r.response)
+        if p:
+            prompts[i, p_w - p:] = torch.tensor(r.prompt, dtype=torch.int64)
+        attention[i, p_w - p: p_w + n] = 1
+        if n:
+            responses[i, :n] = torch.tensor(r.response, dtype=torch.int64)
+            response_mask[i, :n] = torch.tensor(r.mask, dtype=torch.int64)
+            scores[i, n - 1] = r.score  # verl's reward managers put the outcome on the last response token
+        if r.log_probs:
+            log_probs[i, :n] = torch.tensor(r.log_probs, dtype=torch.float32)
+    tensors = {
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention, "position_ids": torch.clip(torch.cumsum(attention, dim=-1) - 1, min=0),
+        "response_mask": response_mask, "token_level_scores": scores,
+    }
+    if any(r.log_probs for r in rows):
+        tensors["rollout_log_probs"] = log_probs
+    samples = [s for group in result.groups for s in group]
+    non_tensors = {
+        "uid": np.array([r.uid for r in rows], dtype=object),
+        "task_id": np.array([s.task_id for s in samples], dtype=object),
+        "index": np.array([s.index for s in samples], dtype=np.int64),
+        "status": np.array([str(s.status.value) for s in samples], dtype=object),
+    }
+    return {"tensors": tensors, "non_tensors": non_tensors, "meta_info": {"rollout_id": result.rollout_id}}
+
+
+def to_verl(result: RolloutResult, **kwargs: Any) -> Any:
+    """``result`` as a ``verl.DataProto`` (``verl_tensors``' keyword arguments apply). Needs verl."""
+    from verl import DataProto
+
+    return DataProto.from_dict(**verl_tensors(result, **kwargs))
+
+
+def _weight_versions(s: Sample) -> list[str]:
+    turns = s.metadata.get(EpisodeKey.TURN_PLACEMENT.value) or []
+    return [str(t["weight_version"]) for t in turns if isinstance(t, dict) and t.get("weight_version")]
+
+
+def to_slime(result: RolloutResult, *, reward_key: str | None = "score") -> list[dict[str, Any]]:
+    """One slime ``Sample`` dict per sample (``Sample.from_dict(d)`` rebuilds it), group by group;
+    ``group_index`` numbers the groups from 0 within this result."""
+    out = []
+    for g, group in enumerate(result.groups):
+        for s in group:
+            _check_tokens(g, s)
+            out.append({
+                "group_index": g, "index": s.index, "prompt": s.prompt, "tokens": list(s.tokens),
+                "response": s.response, "response_length": s.response_length, "label": s.label,
+                "reward": _score(s.reward, reward_key, _where(g, s)) if reward_key else dict(s.reward),
+                "loss_mask": list(s.loss_mask), "rollout_log_probs": list(s.rollout_log_probs) or None,
+                "weight_versions": _weight_versions(s), "remove_sample": s.remove_sample,
+                "status": str(s.status.value), "metadata": dict(s.metadata),
+            })
+    if not out:
+        raise ValueError(f"rollout {result.rollout_id}: no samples to convert")
+    return out

@@ -22,7 +22,8 @@ from rayapp.training import dagger, reuse
 
 # Environment variables read outside the two tables above.
 OTHER_ENV: dict[str, tuple[str, str]] = {
-    "RAYAPP_CACHE": ("~/.cache/rayapp", "user-set: where the tiny CPU model is built on first use"),
+    "RAYAPP_CACHE": ("~/.cache/rayapp", "user-set: where the tiny CPU model is built on first use, and where the "
+                                        "manager keeps the tokenizer files engines hand it"),
 }
 # Recipe keys that stand for the spec's launch flags.
 SPEC_FLAGS = {

@@ -5,9 +5,10 @@ replica answers a small HTTP control surface under the app's route. This file on
 the recipe is parsed and wired by ``rayapp.recipe``, and each step runs through the pure
 ``StepRunner`` (``rayapp.training.step``: one step at a time, its order and artifacts); here the
 Ray handles become clients with bounded calls, and results become HTTP answers.
-"""
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: Serve ships the endpoints to the replica by value,
+where FastAPI must see ``Request`` itself, not a string naming it.
+"""
 
 import asyncio
 import os
@@ -19,6 +20,7 @@ from ray import serve
 
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.http import ERRORS, error_response, exception_response
+from rayapp.actors.logs import follow_serve_logging
 from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.pool_client import PoolClient
@@ -40,6 +42,7 @@ api = FastAPI(title="rayapp rollout manager")
 class SchedulerRolloutManager:
     def __init__(self, recipe: dict[str, Any], engines: dict[str, Any], pool: Any | None = None,
                  owner: str = "rayapp-manager"):
+        follow_serve_logging()
         self.cfg = apply_env(parse_recipe(recipe), os.environ)
         self.metrics = RayappMetrics()
         self.pool_client = PoolClient(pool, owner) if pool is not None else None

@@ -84,6 +84,7 @@ def app(tmp_path_factory):
     cfg["http_options"]["port"] = http_port
     details = tmp / "details"
     cfg["applications"][0]["args"]["scheduler"]["save_eval_details"] = str(details)
+    cfg["applications"][0]["logging_config"] = {"encoding": "JSON"}  # rayapp's lines follow it too
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
     dash = free_port()
@@ -157,6 +158,10 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     gpus = [v for k, v in seen.items() if k.startswith("ray_rayapp_pool_resource{")
             and 'resource="gpu"' in k and 'state="capacity"' in k]
     assert gpus and sum(gpus) == 4  # the four logical GPUs of the head
+    # rayapp's log lines in the manager's replica follow the app's logging_config: JSON lines
+    logs = list((app["temp_dir"] / "session_latest" / "logs" / "serve").glob("replica_rayapp_*Manager*.log"))
+    lines = [json.loads(line) for f in logs for line in f.read_text().splitlines() if line.startswith("{")]
+    assert any(line.get("message", "").startswith("rollout 0: 16 samples") for line in lines), logs
     # the dashboard shows the pool's reservation, one group per node; which batch holds what is /placement's
     assert any(name.startswith("rayapp/node/") for name in groups_seen), groups_seen
     assert not any(name.startswith(("rayapp/rollout", "rayapp/eval")) for name in groups_seen), groups_seen

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rayapp.envs.datasets import DatasetError, MultiDataSource
-from rayapp.envs.datasets.humaneval import (
+from rayapp.envs.humaneval import (
     INSTRUCTION,
     build_program,
     extract_code,

@@ -10,7 +10,7 @@ import pytest
 
 from rayapp.core.termination import SandboxError
 from rayapp.envs.datasets.rows import DatasetError
-from rayapp.envs.datasets.swe import (
+from rayapp.envs.swe import (
     REPOS_DIR,
     load_repos,
     load_swe_tasks,

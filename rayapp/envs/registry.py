@@ -23,7 +23,7 @@ from rayapp.envs import arithmetic
 from rayapp.envs.agents.chat import ChatAgent, Engine, Executor
 from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
-from rayapp.envs.datasets import humaneval, math, swe
+from rayapp.envs import humaneval, math, swe
 from rayapp.envs.datasets.source import DatasetSpec
 from rayapp.episode import EpisodeContext
 from rayapp.types import AgentResult, Sample, Token

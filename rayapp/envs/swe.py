@@ -1,6 +1,6 @@
 """The mini-SWE environment: small repositories with one failing test each, fixed by an agent.
 
-Each repository is package data under ``swe_repos/<name>/``: its source, its ``unittest`` tests and
+Each repository is package data under ``datasets/swe_repos/<name>/``: its source, its ``unittest`` tests and
 a ``task.json`` (``id``, ``issue``, ``test_command``, ``failing_test``, ``gold_patch``). The agent
 gets the issue, reads and edits files and runs commands through its tools in a sandbox; the
 repository's own test suite is the verifier.
@@ -36,7 +36,7 @@ from rayapp.envs.datasets.rows import DatasetError
 from rayapp.envs.sandboxes.base import Sandbox
 from rayapp.types import Task, TaskConfig
 
-REPOS_DIR = Path(__file__).resolve().parent / "swe_repos"
+REPOS_DIR = Path(__file__).resolve().parent / "datasets" / "swe_repos"  # package data (pyproject)
 TASK_FILE = "task.json"
 TEST_DIRS = ("tests",)  # the folders that hold a repository's tests; verify_swe restores them
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache"}

@@ -10,6 +10,8 @@ import pytest
 
 from rayapp.core.termination import SandboxError
 from rayapp.envs.datasets.rows import DatasetError
+from rayapp.envs.sandboxes.base import SandboxLimits
+from rayapp.envs.sandboxes.local import LocalProcessSandbox
 from rayapp.envs.swe import (
     REPOS_DIR,
     load_repos,
@@ -19,8 +21,6 @@ from rayapp.envs.swe import (
     repo_names,
     verify_swe,
 )
-from rayapp.envs.sandboxes.base import SandboxLimits
-from rayapp.envs.sandboxes.local import LocalProcessSandbox
 
 REPOS = repo_names()
 LIMITS = SandboxLimits(wall_seconds=30.0, cpu_seconds=20)

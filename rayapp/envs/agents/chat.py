@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from rayapp.core.agent import AgentHandler
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
-from rayapp.envs.agents.base import BaseAgent
 from rayapp.episode import RESUME_POINTS, EpisodeContext, ResumePoint
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -61,7 +61,7 @@ def cut_tail(point: ResumePoint | None) -> Tail:
     return point.tokens[-point.partial:], point.rollout_log_probs[-point.partial:]
 
 
-class ChatAgent(BaseAgent):
+class ChatAgent(AgentHandler):
     # Cut short, it keeps the tokens its turn had generated and goes on from them (module docstring).
     resumable = True
 

@@ -10,7 +10,7 @@ Guarantees:
   so a row either fits or is rejected; nothing is converted by hand. A file with any bad row raises
   one ``DatasetError`` before anything is returned, naming the dataset, the file, the 1-based line
   (a Parquet file: row) and the column as a JSON path:
-  ``dataset 'mine' ("tasks.jsonl") line 3: $.question: Object missing required field `question```.
+  ``dataset 'mine' ("tasks.jsonl") line 3: $.question: missing required field``.
 - A file that is missing, unreadable, of an unknown format, or without rows is one ``DatasetError``
   naming the file. Reading Parquet needs ``pyarrow`` (the ``files`` extra); without it the error
   says so.

@@ -144,5 +144,5 @@ def test_a_bad_row_fails_when_the_recipe_s_datasets_load(tmp_path):
     with pytest.raises(DatasetError, match=r"line 2: \$\.question: expected str \| array, got 5$"):
         build_data_source(recipe)
     args["data"]["words"]["fields"]["colour"] = "x"
-    with pytest.raises(RecipeError, match=r"\$\.data\.words\.fields: unknown field \"colour\" \(expected prompt, label"):
+    with pytest.raises(RecipeError, match=r"\$\.data\.words\.fields: unknown field \"colour\" \(expected prompt"):
         parse_recipe(args)

@@ -30,6 +30,9 @@ def rows(cfg):
 def verify(sample, result):
     return {"score": 1.0}
 
+async def averify(sample, result):
+    return {"score": 0.5}
+
 def verify_one(sample):
     return {"score": 1.0}
 
@@ -174,6 +177,26 @@ def test_plug_ins_reach_the_agents(plug):
     assert isinstance(by_id["own"].handler, ChatAgent) and by_id["own"].handler.verify is mod.verify
     source = build_data_source(parse_recipe(args))
     assert [t.task_id for t in source.take(2)] and {t.config.task_type for t in source.take(4)} == {"plug"}
+
+
+def test_a_plain_verifier_runs_through_the_executor_and_an_async_one_is_awaited(plug):
+    from rayapp.episode import EpisodeContext
+    from rayapp.types import AgentResult, Sample, SamplingParams, StoppingCriteria
+
+    ran = []
+
+    async def executor(token, fn, *args):
+        ran.append(fn.__name__)
+        return fn(*args)
+
+    args = recipe({"verifier": f"{plug}:verify"})
+    args["evaluators"].append({"evaluator_id": "a", "verifier": f"{plug}:averify"})
+    handlers = {s.evaluator_id: s.handler for s in build_evaluator_specs(
+        parse_recipe(args), {"student": "S", "teacher": "T"}, executor=executor, open_sandbox=no_sandbox)}
+    ctx = EpisodeContext(0, None, StoppingCriteria(), SamplingParams())
+    sample, result = Sample("t", 0, "p", "l"), AgentResult(tokens=[1], response_length=0)
+    assert run(handlers["plug"].evaluate(sample, result, ctx)) == {"score": 1.0} and ran == ["verify"]
+    assert run(handlers["a"].evaluate(sample, result, ctx)) == {"score": 0.5} and ran == ["verify"]
 
 
 def test_an_agent_factory_that_returns_no_agent_fails_at_wiring_naming_the_field(plug):

@@ -16,6 +16,7 @@ spanning it, is the one thing this can miss).
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from rayapp.inference.client import (
 )
 from rayapp.types import AgentResult, Sample, TerminationReason, Token
 
-Verifier = Callable[[Sample, AgentResult], dict[str, float]]
+Verifier = Callable[[Sample, AgentResult], dict[str, float] | Awaitable[dict[str, float]]]
 # executor(token, fn, *args) runs fn(*args) where the token's resources are reserved
 Executor = Callable[..., Awaitable[Any]]
 
@@ -166,6 +167,8 @@ class ChatAgent(AgentHandler):
             raise
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
+        if inspect.iscoroutinefunction(self.verify):  # a coroutine cannot travel to a bundle: awaited here
+            return await self.verify(sample, result)
         return await self.executor(ctx.token, self.verify, sample, result)
 
 

@@ -146,3 +146,23 @@ def test_a_bad_row_fails_when_the_recipe_s_datasets_load(tmp_path):
     args["data"]["words"]["fields"]["colour"] = "x"
     with pytest.raises(RecipeError, match=r"\$\.data\.words\.fields: unknown field \"colour\" \(expected prompt"):
         parse_recipe(args)
+
+
+def test_validating_a_recipe_file_reads_its_dataset_files_ahead(tmp_path):
+    import yaml
+
+    from rayapp.recipe import load_recipe
+
+    data = write_jsonl(tmp_path / "w.jsonl", [ROWS[0], {"id": "b", "question": "q", "answer": "x"}])
+    args = {"engines": {"student": {}}, "evaluators": [{"evaluator_id": "arithmetic"}],
+            "eval": {"words": {"path": str(data), "fields": {"prompt": "question", "label": "answer",
+                                                             "task_id": "id", "metadata": ["level"]}}},
+            "data": {"a": {}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(args))
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path)
+    assert str(e.value) == (f'recipe "{path}": $.eval.words.path: dataset \'words\' ({str(data)!r}) line 2: '
+                            f'$.level: missing required field')
+    data.write_text(json.dumps(ROWS[0]) + "\n")
+    assert load_recipe(path)[1].eval["words"].path == str(data)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
@@ -24,7 +25,7 @@ from rayapp.core.contracts import Release
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.datasets.files import FieldMap
-from rayapp.recipe.plugins import check_dataset_env, check_evaluator_env
+from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
@@ -244,8 +245,8 @@ APP_IMPORT_PATH = "rayapp.actors.app:build_app"
 
 def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
-    mapping, as (args, RecipeConfig), its layout file read too (relative to the working directory);
-    any failure is one RecipeError naming ``path``."""
+    mapping, as (args, RecipeConfig), its layout file and dataset files read too (relative to the
+    working directory); any failure is one RecipeError naming ``path``."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
@@ -265,7 +266,8 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
         raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
     try:
         recipe = parse_recipe(args, source=path)
-        problem = next(_check_layout(recipe.pool), None)  # a layout file too, from here
+        # a layout file and dataset files too, from here
+        problem = next(itertools.chain(_check_layout(recipe.pool), check_dataset_files(recipe)), None)
         if problem is not None:
             raise RecipeError(path, *problem)
     except RecipeError as e:  # the path inside the file, not inside the args

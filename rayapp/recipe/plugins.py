@@ -2,7 +2,8 @@
 ``verifier`` and ``tools``, and each dataset's ``env``, ``path``, ``source`` and ``fields``. Built-in
 names are looked up, import paths resolved (``rayapp.envs.plugins``: the module imported, the object
 checked against its kind's protocol), and every problem is (JSON path, reason), first problem first,
-as ``check_recipe`` reports them. Nothing here reads a dataset file: the manager does, at its start.
+as ``check_recipe`` reports them. Dataset files are read by the manager at its start; only
+``check_dataset_files`` (``load_recipe``, on the user's side: ``rayapp validate``) reads them ahead.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from rayapp.envs.datasets.files import repeated_columns
+from rayapp.envs.datasets.files import load_file, repeated_columns
+from rayapp.envs.datasets.rows import DatasetError
 from rayapp.envs.plugins import PluginError, load_agent_factory, load_rows, load_tool, load_verifier
 from rayapp.envs.protocol import Env
 from rayapp.envs.registry import ENVS, get_env
@@ -76,3 +78,15 @@ def check_dataset_env(at: str, d: Any) -> Iterator[tuple[str, str]]:
         yield f"{at}.fields", f"columns named for two fields: {repeated}"
     if d.fields.task_type is not None and d.task_type is not None:
         yield f"{at}.task_type", "the file's rows carry their task type (fields.task_type): unset one of the two"
+
+
+def check_dataset_files(recipe: Any) -> Iterator[tuple[str, str]]:
+    """Every dataset file read as the manager will read it (relative paths from this working
+    directory), so a bad row shows before a cluster starts."""
+    for where in ("data", "eval"):
+        for name, d in sorted(getattr(recipe, where).items()):
+            if d.path is not None:
+                try:
+                    load_file(d.path, name, d.fields, task_type=d.task_type or get_env(d.env).name)
+                except DatasetError as e:
+                    yield f"$.{where}.{name}.path", str(e)

@@ -3,7 +3,7 @@
 The public API, re-exported from the pure core (``rayapp.core``), the data model, the agents and the
 training-loop pieces that need neither Ray nor torch (the DAgger schedule and agent, the filters)."""
 
-from rayapp.core.agent import AgentHandler, FunctionAgent
+from rayapp.core.agent import AgentHandler, BaseAgent, FunctionAgent
 from rayapp.core.batching import (
     STRATEGIES,
     BatchingStrategy,
@@ -33,11 +33,13 @@ from rayapp.core.termination import (
     classify_termination,
     is_solved,
 )
-from rayapp.envs.agents.base import BaseAgent
 from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
+from rayapp.envs.datasets.files import FieldMap
+from rayapp.envs.plugins import PluginError
+from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
 from rayapp.episode import EpisodeContext, EpisodeRecord
 from rayapp.training.artifacts import read_jsonl
@@ -69,6 +71,7 @@ __all__ = [
     "STRATEGIES",
     "AbortCap",
     "AbortReason",
+    "AgentDeps",
     "AgentHandler",
     "AgentOutputError",
     "AgentResult",
@@ -88,6 +91,7 @@ __all__ = [
     "DeadlockError",
     "DockerSandbox",
     "EngineConnectionError",
+    "Env",
     "EpisodeContext",
     "EpisodeError",
     "EpisodePhase",
@@ -96,6 +100,7 @@ __all__ = [
     "Evaluator",
     "EvaluatorSpec",
     "FailureClass",
+    "FieldMap",
     "FinishOnlyFilter",
     "FunctionAgent",
     "HeldBatch",
@@ -106,6 +111,7 @@ __all__ = [
     "PartialConfig",
     "PartialRollouts",
     "PlacementPool",
+    "PluginError",
     "PoolError",
     "RejectionFilter",
     "Reservations",

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rayapp.envs.datasets import DatasetError, MultiDataSource
-from rayapp.envs.datasets.humaneval import (
+from rayapp.envs.humaneval import (
     INSTRUCTION,
     build_program,
     extract_code,
@@ -19,7 +19,8 @@ from rayapp.envs.datasets.humaneval import (
     load_problems,
     verify_in_sandbox,
 )
-from rayapp.envs.registry import AgentDeps, get_env, make_dataset
+from rayapp.envs.protocol import AgentDeps
+from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes.base import SandboxLimits
 from rayapp.envs.sandboxes.local import LocalProcessSandbox
 from rayapp.episode import EpisodeContext
@@ -143,7 +144,7 @@ def test_the_env_agent_scores_replies_in_a_fresh_sandbox():
         opened.append(await make_sandbox().start())
         return opened[-1]
 
-    agent = get_env("humaneval").make_agent(AgentDeps(engine=None, executor=None, open_sandbox=open_sandbox))
+    agent = get_env("humaneval").build_agent(AgentDeps(engine=None, executor=None, open_sandbox=open_sandbox))
     ctx = EpisodeContext(0, None, StoppingCriteria(), SamplingParams())
 
     def reply(text):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayapp.envs.datasets import MultiDataSource
-from rayapp.envs.datasets.math import (
+from rayapp.envs.math import (
     GENERATORS,
     extract_answer,
     generate_problems,

@@ -10,7 +10,9 @@ import pytest
 
 from rayapp.core.termination import SandboxError
 from rayapp.envs.datasets.rows import DatasetError
-from rayapp.envs.datasets.swe import (
+from rayapp.envs.sandboxes.base import SandboxLimits
+from rayapp.envs.sandboxes.local import LocalProcessSandbox
+from rayapp.envs.swe import (
     REPOS_DIR,
     load_repos,
     load_swe_tasks,
@@ -19,8 +21,6 @@ from rayapp.envs.datasets.swe import (
     repo_names,
     verify_swe,
 )
-from rayapp.envs.sandboxes.base import SandboxLimits
-from rayapp.envs.sandboxes.local import LocalProcessSandbox
 
 REPOS = repo_names()
 LIMITS = SandboxLimits(wall_seconds=30.0, cpu_seconds=20)

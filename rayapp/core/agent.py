@@ -5,12 +5,17 @@ episode, returns an AgentResult) and ``evaluate`` (the verifier, returns the rew
 it runs, an agent keeps ``ctx.record`` current (``ctx.record_turn`` per model turn), so that an
 abort mid-episode still reports how far it got; what it needs from run to verify (a sandbox) it
 hands to ``ctx.keep``, which closes it when the episode ends.
+
+This is the one agent protocol: the built-in agents (``rayapp.envs.agents``) subclass it, and a
+plug-in agent (a recipe's ``agent``) may either subclass it or just have the two coroutine methods.
+Subclassing makes the two methods abstract, so an agent that forgets one fails when it is built.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,9 +25,18 @@ from rayapp.types import AgentResult, Sample
 
 @runtime_checkable
 class AgentHandler(Protocol):
-    async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult: ...
+    @abstractmethod
+    async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
+        """The episode: token ids, per-token log-probs, loss mask, turns, the agent's own termination reason."""
 
-    async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]: ...
+    @abstractmethod
+    async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
+        """The verifier: the reward dict, with at least ``"score"``."""
+
+
+# The name the environments' agents used for this protocol before they shared the core's; kept
+# importable so code written against it still runs.
+BaseAgent = AgentHandler
 
 
 async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
@@ -34,7 +48,7 @@ async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-class FunctionAgent:
+class FunctionAgent(AgentHandler):
     """An AgentHandler made of two plain functions (sync or async):
     ``run_fn(sample, ctx) -> AgentResult`` and ``verify_fn(sample, result) -> reward dict``."""
 

@@ -1,9 +1,8 @@
-"""The built-in example task type: arithmetic with an exact-match verifier.
+"""The arithmetic environment: seeded ``a op b`` problems, a single-turn chat agent, exact match.
 
-It exercises the whole scheduler path in one process with no model: ``toy_policy`` stands in for
-an inference engine (byte-level tokens, seeded log-probs, a set error rate, a little latency) so
-rewards, truncation and aborts all occur. Real engines and agents come with ``rayapp.inference``
-and ``rayapp.envs.agents``.
+``ENV`` is what recipes name ``arithmetic``. The module also exercises the whole scheduler path in
+one process with no model: ``toy_policy`` stands in for an inference engine (byte-level tokens,
+seeded log-probs, a set error rate, a little latency) so rewards, truncation and aborts all occur.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import random
 import re
 
 from rayapp.core.agent import FunctionAgent
+from rayapp.envs.agents.chat import ChatAgent
+from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.episode import EpisodeContext
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Task, TaskConfig, TerminationReason
 
@@ -98,3 +99,15 @@ def arithmetic_spec(evaluator_id: str = "arithmetic", *, concurrency: int = 4, b
         eval_resource=Resource(gpu=0, cpu=1, memory_gb=4),
         batch_size=batch_size,
     )
+
+
+def rows(cfg) -> list[Task]:
+    """A recipe dataset's rows: the first ``n_prompts`` problems of its ``seed``'s stream."""
+    return ArithmeticSource(cfg.seed).take(cfg.n_prompts)
+
+
+def make_agent(deps: AgentDeps) -> ChatAgent:
+    return ChatAgent(deps.engine, deps.verify, deps.executor)
+
+
+ENV = Env("arithmetic", rows, make_agent, verify=verify)

@@ -1,4 +1,6 @@
-"""Environments by name, as recipes refer to them. Each makes its dataset and its agent:
+"""Environments by name, as recipes refer to them: a built-in one by its name, a user's own by
+import path (``my_pkg.my_env:ENV``, an ``Env``; see ``rayapp.envs.plugins``). Each built-in is one
+module holding its rows, verifier, agent and DAgger agent:
 
 - ``arithmetic``: the built-in ``a op b`` task, a single-turn chat agent, exact match;
 - ``math``: arithmetic and word problems, a multi-turn agent with a calculator tool, exact match;
@@ -9,115 +11,55 @@
 
 The multi-turn envs (``math``, ``swe``) also have a DAgger agent, used when the evaluator names a
 ``teacher`` engine: the same tools and verifier, with the roll-in of ``agents/dagger.py``.
+
+A dataset's rows come from, first that is set: its ``path`` (a JSONL or Parquet file,
+``datasets/files.py``), its ``source`` (a rows plug-in), or its env's own ``rows``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from rayapp.envs import arithmetic
-from rayapp.envs.agents.chat import ChatAgent, Engine, Executor
-from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
-from rayapp.envs.agents.multiturn import ToolAgent
-from rayapp.envs.datasets import humaneval, math, swe
+from rayapp.envs import arithmetic, humaneval, math, swe
+from rayapp.envs.datasets.files import load_file
 from rayapp.envs.datasets.source import DatasetSpec
-from rayapp.episode import EpisodeContext
-from rayapp.types import AgentResult, Sample, Token
+from rayapp.envs.plugins import PluginError, is_import_path, load_env, load_rows
+from rayapp.envs.protocol import Env
+from rayapp.types import Task
 
-# open_sandbox(token) -> an open Sandbox where the token's resources are reserved
-OpenSandbox = Callable[[Token | None], Awaitable[Any]]
-
-
-@dataclass(frozen=True)
-class AgentDeps:
-    engine: Engine
-    executor: Executor  # runs a plain function where the sample's token is reserved
-    open_sandbox: OpenSandbox
-    teacher: Engine | None = None  # the DAgger expert, for make_dagger_agent
-
-
-@dataclass(frozen=True)
-class Env:
-    rows: Callable[[Any], list[Any]]  # (DatasetConfig) -> the dataset's tasks
-    make_agent: Callable[[AgentDeps], Any]
-    make_dagger_agent: Callable[[AgentDeps], Any] | None = None  # None: no DAgger variant
-
-
-class CodeAgent(ChatAgent):
-    """Writes a solution in one turn; the problem's tests run in a fresh sandbox in its bundle."""
-
-    def __init__(self, deps: AgentDeps, timeout_s: float = 10.0):
-        super().__init__(deps.engine, verify=None)
-        self.open_sandbox, self.timeout_s = deps.open_sandbox, timeout_s
-
-    async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
-        sandbox = await self.open_sandbox(ctx.token)
-        try:
-            return await humaneval.verify_in_sandbox(sandbox, sample.label, result.response, self.timeout_s)
-        finally:
-            await sandbox.close()
-
-
-class SweAgent(ToolAgent):
-    """Works in a sandbox holding the repository; the same sandbox is verified after the episode."""
-
-    def __init__(self, deps: AgentDeps):
-        async def sandbox_for(sample: Sample, ctx: EpisodeContext) -> Any:
-            sandbox = await deps.open_sandbox(ctx.token)
-            try:
-                await swe.prepare_repo(sandbox, sample.label["repo"])
-            except BaseException:
-                await sandbox.close()
-                raise
-            return sandbox
-
-        super().__init__(deps.engine, verify=None, tools=["bash", "read_file", "write_file"],
-                         executor=deps.executor, sandbox_factory=sandbox_for, keep_sandbox=True)
-
-    async def verify_in(self, sandbox: Any, sample: Sample, result: AgentResult) -> dict[str, float]:
-        return await swe.verify_swe(sandbox, sample.label)
-
-
-class DAggerSweAgent(DAggerRollIn, SweAgent):
-    """mini-SWE with the DAgger roll-in: student and teacher act in the same sandbox."""
-
-    def __init__(self, deps: AgentDeps, seed: int = 0):
-        if deps.teacher is None:
-            raise ValueError("DAggerSweAgent needs a teacher engine")
-        super().__init__(deps)
-        self.teacher, self.seed = deps.teacher, seed
-
-
-def _arithmetic_rows(cfg: Any) -> list[Any]:
-    return arithmetic.ArithmeticSource(cfg.seed).take(cfg.n_prompts)
-
-
-ENVS: dict[str, Env] = {
-    "arithmetic": Env(_arithmetic_rows, lambda d: ChatAgent(d.engine, arithmetic.verify, d.executor)),
-    "math": Env(lambda cfg: math.generate_problems(cfg.n_prompts, cfg.seed),
-                lambda d: ToolAgent(d.engine, math.verify, tools=["calculator"], executor=d.executor),
-                lambda d: DAggerAgent(d.engine, d.teacher, math.verify, tools=["calculator"], executor=d.executor)),
-    "humaneval": Env(lambda cfg: humaneval.load_humaneval(), CodeAgent),
-    "swe": Env(lambda cfg: swe.load_swe_tasks(), SweAgent, DAggerSweAgent),
-}
+ENVS: dict[str, Env] = {e.name: e for e in (arithmetic.ENV, math.ENV, humaneval.ENV, swe.ENV)}
 
 
 def get_env(name: str) -> Env:
-    if name not in ENVS:
-        raise ValueError(f"unknown env {name!r}; known: {sorted(ENVS)}")
-    return ENVS[name]
+    """A built-in env by name, or a user's by import path; one PluginError when neither."""
+    if name in ENVS:
+        return ENVS[name]
+    if not is_import_path(name):
+        raise PluginError(f"{name!r} is not one of {sorted(ENVS)} nor an import path ('package.module:ENV')")
+    return load_env(name)
+
+
+def dataset_rows(cfg: Any, name: str) -> list[Task]:
+    """A recipe dataset's (``DatasetConfig``) rows, from its file, its source plug-in or its env.
+    ``task_type``, when set, routes them to another evaluator."""
+    env = get_env(cfg.env)
+    if cfg.path is not None:  # a file's rows carry their task type already (``fields.task_type`` or this)
+        return load_file(cfg.path, name, cfg.fields, task_type=cfg.task_type or env.name)
+    if cfg.source is not None:
+        rows = list(load_rows(cfg.source)(cfg))
+    elif env.rows is None:
+        raise PluginError(f"env {cfg.env!r} has no rows of its own: dataset {name!r} needs a path or a source")
+    else:
+        rows = list(env.rows(cfg))
+    if cfg.task_type:
+        rows = [msgspec.structs.replace(t, config=msgspec.structs.replace(t.config, task_type=cfg.task_type))
+                if isinstance(t, Task) else t for t in rows]  # a non-Task is MultiDataSource's to name
+    return rows
 
 
 def make_dataset(cfg: Any, name: str) -> DatasetSpec:
-    """A recipe's dataset (``DatasetConfig``) as a MultiDataSource dataset. ``task_type``, when set,
-    routes the rows to another evaluator."""
-    rows = get_env(cfg.env).rows(cfg)
-    if cfg.task_type:
-        rows = [msgspec.structs.replace(t, config=msgspec.structs.replace(t.config, task_type=cfg.task_type))
-                for t in rows]
-    return DatasetSpec(name, rows, weight=cfg.weight, dataset_cfg=dict(cfg.dataset_cfg),
+    """A recipe's dataset (``DatasetConfig``) as a MultiDataSource dataset."""
+    return DatasetSpec(name, dataset_rows(cfg, name), weight=cfg.weight, dataset_cfg=dict(cfg.dataset_cfg),
                        n_samples_per_prompt=cfg.n_samples_per_prompt, shuffle=cfg.shuffle)

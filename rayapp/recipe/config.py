@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
@@ -23,7 +24,8 @@ from rayapp.core.cascade import CASCADE_FIELDS, CascadeError, dataset_override
 from rayapp.core.contracts import Release
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
-from rayapp.envs.registry import ENVS
+from rayapp.envs.datasets.files import FieldMap
+from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
@@ -103,8 +105,15 @@ class SandboxConfig(_Strict):
 class EvaluatorConfig(_Strict):
     evaluator_id: Annotated[str, Meta(description="the evaluator's name: tasks whose evaluator_id (default: "
                                                   "their task_type) is this run here")]
-    env: Annotated[str, Meta(description="env whose agent runs the episodes: arithmetic, math, humaneval or "
-                                         "swe")] = "arithmetic"
+    env: Annotated[str, Meta(description="env whose agent runs the episodes: arithmetic, math, humaneval, swe, "
+                                         "or an import path to an Env ('my_pkg.my_env:ENV')")] = "arithmetic"
+    agent: Annotated[str | None, Meta(description="import path to an agent factory, factory(deps) -> agent, used "
+                                                  "instead of the env's (docs/plugins.md); unset: the env's")] = None
+    verifier: Annotated[str | None, Meta(description="import path to verify(sample, result) -> reward dict, used "
+                                                     "instead of the env's; unset: the env's")] = None
+    tools: Annotated[list[str] | None, Meta(description="the tools the agent offers: built-in names (calculator, "
+                                                        "bash, read_file, write_file) or import paths to async "
+                                                        "tool(arguments, sandbox) -> str; unset: the env's")] = None
     engine: Annotated[str, Meta(description="engine (a name under engines) the agent generates with")] = "student"
     teacher: Annotated[str | None, Meta(description="a second engine: episodes are DAgger roll-ins mixing it "
                                                     "with engine (math, swe); unset: no DAgger")] = None
@@ -132,7 +141,15 @@ class EvaluatorConfig(_Strict):
 class DatasetConfig(_Strict):
     """One dataset of an env; ``dataset_cfg`` is the cascade's third level (flat keys)."""
 
-    env: Annotated[str, Meta(description="env whose rows this dataset holds")] = "arithmetic"
+    env: Annotated[str, Meta(description="env whose rows this dataset holds (a built-in name or an import path); "
+                                         "with path or source, the env the rows are meant for")] = "arithmetic"
+    path: Annotated[str | None, Meta(description="a JSONL (.jsonl, .jsonl.gz) or Parquet file of rows, read by the "
+                                                 "manager at its start (relative: to its working directory); "
+                                                 "unset: the env's rows")] = None
+    fields: Annotated[FieldMap, Meta(description="which column of path holds the prompt, label, task type, task "
+                                                 "id and metadata")] = FieldMap()
+    source: Annotated[str | None, Meta(description="import path to rows(cfg) -> Iterable[Task], the dataset's rows "
+                                                   "instead of the env's; unset: the env's")] = None
     task_type: Annotated[str | None, Meta(description="sets the rows' task_type, which routes them to the "
                                                       "evaluator of that id; unset: the env's own")] = None
     seed: Annotated[Seed, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
@@ -228,8 +245,8 @@ APP_IMPORT_PATH = "rayapp.actors.app:build_app"
 
 def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
-    mapping, as (args, RecipeConfig), its layout file read too (relative to the working directory);
-    any failure is one RecipeError naming ``path``."""
+    mapping, as (args, RecipeConfig), its layout file and dataset files read too (relative to the
+    working directory); any failure is one RecipeError naming ``path``."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
@@ -249,7 +266,8 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
         raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
     try:
         recipe = parse_recipe(args, source=path)
-        problem = next(_check_layout(recipe.pool), None)  # a layout file too, from here
+        # a layout file and dataset files too, from here
+        problem = next(itertools.chain(_check_layout(recipe.pool), check_dataset_files(recipe)), None)
         if problem is not None:
             raise RecipeError(path, *problem)
     except RecipeError as e:  # the path inside the file, not inside the args
@@ -277,9 +295,9 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) 
 
 def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     """The rules that span fields, as (JSON path, reason), first problem first: engines, evaluators
-    and datasets exist, names point at engines and envs that exist, a DAgger evaluator's env has a
-    DAgger agent, a docker sandbox names an image, dataset_cfg keys name cascade fields, an inline
-    layout reads, and the batching strategy resolves."""
+    and datasets exist, names point at engines that exist, envs and plug-ins resolve and fit
+    (``recipe/plugins.py``), a DAgger evaluator has a DAgger agent, a docker sandbox names an image,
+    dataset_cfg keys name cascade fields, an inline layout reads, and the batching strategy resolves."""
     for key, what in (("engines", "engine"), ("evaluators", "evaluator"), ("data", "dataset")):
         if not getattr(recipe, key):
             yield f"$.{key}", f"at least one {what} is needed"
@@ -287,8 +305,7 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
         yield from _check_evaluator(f"$.evaluators[{i}]", ev, recipe.engines)
     for where, datasets in (("data", recipe.data), ("eval", recipe.eval)):
         for name, d in datasets.items():
-            if d.env not in ENVS:
-                yield f"$.{where}.{name}.env", f"{d.env!r} is not one of {sorted(ENVS)}"
+            yield from check_dataset_env(f"$.{where}.{name}", d)
             yield from _check_dataset_cfg(f"$.{where}.{name}", d.dataset_cfg)
     # A layout file is read where the pool replica runs (the head's working directory), which the build
     # need not share: only load_recipe, on the user's side, reads it ahead.
@@ -329,12 +346,8 @@ def _check_evaluator(at: str, ev: EvaluatorConfig, engines: Mapping[str, EngineC
         name = getattr(ev, key)
         if name is not None and name not in engines:
             yield f"{at}.{key}", f"{name!r} is not one of {sorted(engines)}"
-    # Env names stay plain strings checked against the registry, so a plug-in env needs no new type.
-    if ev.env not in ENVS:
-        yield f"{at}.env", f"{ev.env!r} is not one of {sorted(ENVS)}"
-    elif ev.teacher is not None and ENVS[ev.env].make_dagger_agent is None:
-        dagger_envs = sorted(n for n, e in ENVS.items() if e.make_dagger_agent is not None)
-        yield f"{at}.teacher", f"env {ev.env!r} has no DAgger agent; DAgger runs on {dagger_envs}"
+    # Env names stay plain strings (a built-in's name or an import path), resolved here.
+    yield from check_evaluator_env(at, ev)
     if (ev.sandbox.kind == "docker") != bool(ev.sandbox.image):
         yield f"{at}.sandbox", 'kind "local", or kind "docker" with an image'
 

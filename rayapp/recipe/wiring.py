@@ -17,9 +17,11 @@ from rayapp.core.contracts import Pool, SchedulerConfig
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs.agents.chat import Engine, Executor
 from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
-from rayapp.envs.registry import AgentDeps, get_env, make_dataset
+from rayapp.envs.plugins import PluginError, check_agent, load_agent_factory, load_tools, load_verifier
+from rayapp.envs.protocol import AgentDeps
+from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
-from rayapp.recipe.config import EvaluatorConfig, RecipeConfig
+from rayapp.recipe.config import ARGS_SOURCE, EvaluatorConfig, RecipeConfig, RecipeError
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.dagger import DAggerIterations
@@ -29,16 +31,23 @@ from rayapp.types import EvaluatorSpec, Task
 SandboxOpener = Callable[..., Awaitable[Any]]
 
 
-def _evaluator_spec(ev: EvaluatorConfig, engines: Mapping[str, Engine], executor: Executor,
+def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine], executor: Executor,
                     open_sandbox: SandboxOpener) -> EvaluatorSpec:
     sb = ev.sandbox
     limits = limits_from_resource(ev.run_resource, wall_seconds=sb.wall_seconds, cpu_seconds=sb.cpu_seconds,
                                   network=sb.network)
     image = {"image": sb.image} if sb.image else {}
     opener = functools.partial(open_sandbox, kind=sb.kind, limits=limits, **image)
-    env = get_env(ev.env)
-    deps = AgentDeps(engines[ev.engine], executor, opener, teacher=engines[ev.teacher] if ev.teacher else None)
-    agent = (env.make_dagger_agent if ev.teacher else env.make_agent)(deps)
+    deps = AgentDeps(engines[ev.engine], executor, opener, teacher=engines[ev.teacher] if ev.teacher else None,
+                     verify=load_verifier(ev.verifier) if ev.verifier else None,
+                     tools=load_tools(ev.tools) if ev.tools is not None else None)
+    factory = load_agent_factory(ev.agent) if ev.agent else None
+    agent = get_env(ev.env).build_agent(deps, dagger=ev.teacher is not None, factory=factory)
+    if factory is not None:  # what a plug-in made is known only now, with the engines at hand
+        try:
+            check_agent(agent, ev.agent)
+        except PluginError as e:
+            raise RecipeError(ARGS_SOURCE, f"{at}.agent", str(e)) from None
     return EvaluatorSpec(
         evaluator_id=ev.evaluator_id, handler=agent, resource=ev.resource, run_resource=ev.run_resource,
         eval_resource=ev.eval_resource, batch_size=ev.batch_size, default_stopping=ev.default_stopping,
@@ -50,7 +59,8 @@ def build_evaluator_specs(cfg: RecipeConfig, engines: Mapping[str, Engine], *, e
                           open_sandbox: SandboxOpener) -> list[EvaluatorSpec]:
     """One EvaluatorSpec per recipe evaluator: its env's agent (the DAgger one when it names a
     teacher) over the named engines, sandboxes limited by its run_resource."""
-    return [_evaluator_spec(ev, engines, executor, open_sandbox) for ev in cfg.evaluators]
+    return [_evaluator_spec(f"$.evaluators[{i}]", ev, engines, executor, open_sandbox)
+            for i, ev in enumerate(cfg.evaluators)]
 
 
 def build_data_source(cfg: RecipeConfig) -> MultiDataSource:

@@ -16,14 +16,15 @@ spanning it, is the one thing this can miss).
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
 
+from rayapp.core.agent import AgentHandler
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
-from rayapp.envs.agents.base import BaseAgent
 from rayapp.episode import RESUME_POINTS, EpisodeContext, ResumePoint
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -35,7 +36,7 @@ from rayapp.inference.client import (
 )
 from rayapp.types import AgentResult, Sample, TerminationReason, Token
 
-Verifier = Callable[[Sample, AgentResult], dict[str, float]]
+Verifier = Callable[[Sample, AgentResult], dict[str, float] | Awaitable[dict[str, float]]]
 # executor(token, fn, *args) runs fn(*args) where the token's resources are reserved
 Executor = Callable[..., Awaitable[Any]]
 
@@ -61,7 +62,7 @@ def cut_tail(point: ResumePoint | None) -> Tail:
     return point.tokens[-point.partial:], point.rollout_log_probs[-point.partial:]
 
 
-class ChatAgent(BaseAgent):
+class ChatAgent(AgentHandler):
     # Cut short, it keeps the tokens its turn had generated and goes on from them (module docstring).
     resumable = True
 
@@ -166,6 +167,8 @@ class ChatAgent(BaseAgent):
             raise
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
+        if inspect.iscoroutinefunction(self.verify):  # a coroutine cannot travel to a bundle: awaited here
+            return await self.verify(sample, result)
         return await self.executor(ctx.token, self.verify, sample, result)
 
 

@@ -27,7 +27,7 @@ that renders each message on its own, as chat templates do.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -38,6 +38,7 @@ from rayapp.envs.agents.tools import (
     SANDBOX_TOOLS,
     TOOLS,
     ParsedTurn,
+    ToolFn,
     describe,
     parse_tool_call,
     tool_result_message,
@@ -56,17 +57,21 @@ _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"
 class ToolAgent(ChatAgent):
     resumable = True  # its state is its token data and its sandbox, which replaying its calls rebuilds
 
-    def __init__(self, engine: Engine, verify: Verifier | None, *, tools: list[str] | None = None,
-                 executor: Executor = run_inline, sandbox_factory: SandboxFactory | None = None,
-                 system_prompt: str | None = None, keep_sandbox: bool = False):
-        tools = list(tools or ["calculator"])
-        unknown = sorted(set(tools) - set(TOOLS))
-        if unknown:
-            raise ValueError(f"unknown tools {unknown}; known: {sorted(TOOLS)}")
+    def __init__(self, engine: Engine, verify: Verifier | None, *,
+                 tools: list[str] | Mapping[str, ToolFn] | None = None, executor: Executor = run_inline,
+                 sandbox_factory: SandboxFactory | None = None, system_prompt: str | None = None,
+                 keep_sandbox: bool = False):
+        # built-in tools by name, or a mapping of name -> tool (plug-ins: rayapp.envs.plugins)
+        if tools is None or not isinstance(tools, Mapping):
+            names = list(tools or ["calculator"])
+            unknown = sorted(set(names) - set(TOOLS))
+            if unknown:
+                raise ValueError(f"unknown tools {unknown}; known: {sorted(TOOLS)}")
+            tools = {name: TOOLS[name] for name in names}
         if SANDBOX_TOOLS & set(tools) and sandbox_factory is None:
             raise ValueError(f"tools {sorted(SANDBOX_TOOLS & set(tools))} need a sandbox_factory")
-        super().__init__(engine, verify, executor, system_prompt=(system_prompt or "") + describe(tools))
-        self.tools, self.sandbox_factory = tools, sandbox_factory
+        super().__init__(engine, verify, executor, system_prompt=(system_prompt or "") + describe(list(tools)))
+        self.tools, self.tool_fns, self.sandbox_factory = list(tools), dict(tools), sandbox_factory
         # keep_sandbox: the episode's sandbox stays open for the verify phase (``verify_in``); the
         # episode context holds it and closes it when the episode ends, however it ends.
         self.keep_sandbox = keep_sandbox
@@ -182,7 +187,7 @@ class ToolAgent(ChatAgent):
     async def _call_tool(self, call: Any, sandbox: Any) -> str:
         if call.name not in self.tools:
             return f"error: unknown tool {call.name!r}; available: {', '.join(self.tools)}"
-        return await TOOLS[call.name](call.arguments, sandbox)
+        return await self.tool_fns[call.name](call.arguments, sandbox)
 
 
 class _TokenData:

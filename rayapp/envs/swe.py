@@ -1,6 +1,8 @@
-"""The mini-SWE environment: small repositories with one failing test each, fixed by an agent.
+"""The mini-SWE environment: small repositories with one failing test each, fixed by an agent
+with bash/read_file/write_file tools in a sandbox holding the repository, and its DAgger variant
+(``ENV``, what recipes name ``swe``).
 
-Each repository is package data under ``swe_repos/<name>/``: its source, its ``unittest`` tests and
+Each repository is package data under ``datasets/swe_repos/<name>/``: its source, its ``unittest`` tests and
 a ``task.json`` (``id``, ``issue``, ``test_command``, ``failing_test``, ``gold_patch``). The agent
 gets the issue, reads and edits files and runs commands through its tools in a sandbox; the
 repository's own test suite is the verifier.
@@ -32,11 +34,16 @@ import msgspec
 
 from rayapp.core.convert import decode
 from rayapp.core.termination import SandboxError
+from rayapp.envs.agents.dagger import DAggerRollIn
+from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.envs.agents.tools import bash, read_file, write_file
 from rayapp.envs.datasets.rows import DatasetError
+from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes.base import Sandbox
-from rayapp.types import Task, TaskConfig
+from rayapp.episode import EpisodeContext
+from rayapp.types import AgentResult, Sample, Task, TaskConfig
 
-REPOS_DIR = Path(__file__).resolve().parent / "swe_repos"
+REPOS_DIR = Path(__file__).resolve().parent / "datasets" / "swe_repos"  # package data (pyproject)
 TASK_FILE = "task.json"
 TEST_DIRS = ("tests",)  # the folders that hold a repository's tests; verify_swe restores them
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache"}
@@ -268,3 +275,45 @@ async def verify_swe(sandbox: Sandbox, label: dict[str, Any], *, timeout_s: floa
         report = parse_unittest(res.stdout)
     passed = res.ok and report.ok and bool(report.ran)
     return {"score": float(passed), "tests_passed": float(report.passed), "tests_failed": float(report.failed)}
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+TOOLS = {"bash": bash, "read_file": read_file, "write_file": write_file}
+
+
+class SweAgent(ToolAgent):
+    """Works in a sandbox holding the repository; the same sandbox is verified after the episode."""
+
+    def __init__(self, deps: AgentDeps):
+        async def sandbox_for(sample: Sample, ctx: EpisodeContext) -> Any:
+            sandbox = await deps.open_sandbox(ctx.token)
+            try:
+                await prepare_repo(sandbox, sample.label["repo"])
+            except BaseException:
+                await sandbox.close()
+                raise
+            return sandbox
+
+        super().__init__(deps.engine, verify=None, tools=TOOLS if deps.tools is None else deps.tools,
+                         executor=deps.executor, sandbox_factory=sandbox_for, keep_sandbox=True)
+
+    async def verify_in(self, sandbox: Any, sample: Sample, result: AgentResult) -> dict[str, float]:
+        return await verify_swe(sandbox, sample.label)
+
+
+class DAggerSweAgent(DAggerRollIn, SweAgent):
+    """mini-SWE with the DAgger roll-in: student and teacher act in the same sandbox."""
+
+    def __init__(self, deps: AgentDeps, seed: int = 0):
+        if deps.teacher is None:
+            raise ValueError("DAggerSweAgent needs a teacher engine")
+        super().__init__(deps)
+        self.teacher, self.seed = deps.teacher, seed
+
+
+def rows(cfg) -> list[Task]:
+    return load_swe_tasks()
+
+
+ENV = Env("swe", rows, SweAgent, DAggerSweAgent, tools=TOOLS)

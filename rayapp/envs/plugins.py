@@ -1,0 +1,131 @@
+"""Plug-ins by import path, as a recipe names them: ``"package.module:attr"`` (or ``package.module.attr``).
+
+Each kind has one protocol, checked when the recipe is (``rayapp validate`` and the manager's start),
+so a wrong path or object fails before any episode with one ``PluginError`` saying what is wrong:
+the module is missing or fails to import, the attribute is missing, or the object has the wrong
+type or signature. The recipe wraps it with the field's JSON path.
+
+| kind | recipe field | object |
+| --- | --- | --- |
+| env | ``evaluators[].env``, ``data.<n>.env`` | an ``Env`` (``rayapp.envs.protocol``) |
+| agent | ``evaluators[].agent`` | ``factory(deps: AgentDeps) -> AgentHandler`` (a class taking deps will do) |
+| verifier | ``evaluators[].verifier`` | ``verify(sample, result) -> dict[str, float]``, sync or async |
+| tool | ``evaluators[].tools[]`` | ``async tool(arguments: dict, sandbox) -> str``, named by its attribute |
+| data source | ``data.<n>.source`` | ``rows(cfg: DatasetConfig) -> Iterable[Task]`` |
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from rayapp.core.agent import AgentHandler
+from rayapp.envs.agents.tools import TOOLS, ToolFn
+from rayapp.envs.protocol import AgentFactory, Env, RowsFn
+
+
+class PluginError(ValueError):
+    """A plug-in path that does not resolve to an object of its kind's protocol."""
+
+
+def is_import_path(name: str) -> bool:
+    """Built-in names are bare words; anything with a module part is an import path."""
+    return ":" in name or "." in name
+
+
+def _split(path: str, kind: str) -> tuple[str, str]:
+    module, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module or not attr:
+        raise PluginError(f"{kind} {path!r}: expected 'package.module:attr'")
+    return module, attr
+
+
+def import_object(path: str, kind: str) -> Any:
+    """The object at ``path`` (``module:attr``, the attr may be dotted, or ``module.attr``)."""
+    module_name, attr = _split(path, kind)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise PluginError(f"{kind} {path!r}: no module named {e.name!r} (is its package on PYTHONPATH "
+                              f"where the manager runs?)") from None
+        raise PluginError(f"{kind} {path!r}: importing {module_name!r} failed: {e}") from None
+    except Exception as e:  # the user's module raised while importing: say so, not which Ray call saw it
+        raise PluginError(f"{kind} {path!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{kind} {path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_signature(obj: Any, n_args: int, kind: str, path: str, protocol: str) -> None:
+    if not callable(obj):
+        raise PluginError(f"{kind} {path!r}: a {type(obj).__name__} is not callable; expected {protocol}")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        signature.bind(*range(n_args))
+    except TypeError:
+        raise PluginError(f"{kind} {path!r}: takes {signature}, expected {protocol}") from None
+
+
+def load_env(path: str) -> Env:
+    obj = import_object(path, "env")
+    if not isinstance(obj, Env):
+        raise PluginError(f"env {path!r}: a {type(obj).__name__}, expected a rayapp.envs.protocol.Env")
+    return obj
+
+
+def load_agent_factory(path: str) -> AgentFactory:
+    obj = import_object(path, "agent")
+    _check_signature(obj, 1, "agent", path, "factory(deps: AgentDeps) -> AgentHandler")
+    return obj
+
+
+def check_agent(agent: Any, made_by: str) -> AgentHandler:
+    """What an agent factory returned, checked before any episode runs it."""
+    if not isinstance(agent, AgentHandler):
+        raise PluginError(f"agent {made_by!r}: returned a {type(agent).__name__}, expected an AgentHandler "
+                          f"(async run(sample, ctx) and evaluate(sample, result, ctx))")
+    return agent
+
+
+def load_verifier(path: str) -> Any:
+    obj = import_object(path, "verifier")
+    _check_signature(obj, 2, "verifier", path, "verify(sample, result) -> dict[str, float]")
+    return obj
+
+
+def load_tool(name: str) -> tuple[str, ToolFn]:
+    """A built-in tool by name, or a plug-in by path: (the name the model calls it by, the tool)."""
+    if not is_import_path(name):
+        if name not in TOOLS:
+            raise PluginError(f"tool {name!r}: not one of {sorted(TOOLS)} nor an import path")
+        return name, TOOLS[name]
+    obj = import_object(name, "tool")
+    protocol = "async tool(arguments: dict, sandbox) -> str"
+    _check_signature(obj, 2, "tool", name, protocol)
+    if not inspect.iscoroutinefunction(obj):
+        raise PluginError(f"tool {name!r}: not a coroutine function; expected {protocol}")
+    return _split(name, "tool")[1].rpartition(".")[2], obj
+
+
+def load_tools(names: list[str]) -> dict[str, ToolFn]:
+    tools: dict[str, ToolFn] = {}
+    for name in names:
+        tool_name, fn = load_tool(name)
+        if tool_name in tools:
+            raise PluginError(f"tool {name!r}: a second tool named {tool_name!r}")
+        tools[tool_name] = fn
+    return tools
+
+
+def load_rows(path: str) -> RowsFn:
+    obj = import_object(path, "data source")
+    _check_signature(obj, 1, "data source", path, "rows(cfg: DatasetConfig) -> Iterable[Task]")
+    return obj

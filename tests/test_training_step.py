@@ -2,6 +2,7 @@
 FunctionAgent, driven through StepRunner as the Serve manager drives it."""
 
 import asyncio
+import importlib.util
 import json
 from pathlib import Path
 
@@ -81,6 +82,14 @@ def test_roll_in_metrics_count_every_sample_before_the_filters_drop_any(make_poo
     assert result.artifacts == {}  # no trajectory folder, no details, no checkpoint
 
 
+def timeline(root, stem):
+    """The timeline artifacts a step with details writes: the trace, and the PNG where matplotlib is."""
+    out = {"timeline": str(root / "timeline" / f"{stem}.trace.json")}
+    if importlib.util.find_spec("matplotlib") is not None:
+        out["timeline_png"] = str(root / "timeline" / f"{stem}.png")
+    return out
+
+
 def test_a_fresh_rollout_names_its_files_by_kind_and_a_later_one_reuses_them(make_pool, tmp_path):
     ran = []
     traj, details = tmp_path / "traj", tmp_path / "out"
@@ -89,7 +98,8 @@ def test_a_fresh_rollout_names_its_files_by_kind_and_a_later_one_reuses_them(mak
     first = run(runner.rollout(0))
     assert first.artifacts == {"trajectory": str(traj / MAIN_FILE),
                                "trajectory_iter": str(traj / "trajectory_sft_samples_iter_000.pt"),
-                               "train_summary": str(details / "eval_details" / "train_0.summary.json")}
+                               "train_summary": str(details / "eval_details" / "train_0.summary.json"),
+                               **timeline(details, "train_0")}
     assert all(Path(p).exists() for p in first.artifacts.values())
     assert len(ran) == 8
 
@@ -112,7 +122,7 @@ def test_an_eval_step_writes_its_details_and_names_them(make_pool, tmp_path):
     result = run(runner.evaluate(0))
     d = tmp_path / "eval_details"
     assert result.artifacts == {"samples": str(d / "0.jsonl"), "placement": str(d / "0.placement.jsonl"),
-                                "summary": str(d / "0.summary.json")}
+                                "summary": str(d / "0.summary.json"), **timeline(tmp_path, "eval_0")}
     assert len(read_jsonl(d / "0.jsonl")) == 2 and set(result.samples) == {"arith"}
 
 

@@ -1,4 +1,4 @@
-"""The math environment: arithmetic and word problems, answer extraction, exact-match scoring; a
+"""The math environment: arithmetic and word problems, answer extraction, math-verify scoring; a
 multi-turn agent with a calculator tool, and its DAgger variant (``ENV``, what recipes name ``math``).
 
 Guarantees:
@@ -10,8 +10,10 @@ Guarantees:
   the last ``#### N``, the last "answer is N" / "answer: N", else the last number in the text.
   It returns the answer normalised (thousands commas, ``$``, trailing period and zeros after the
   decimal point removed, ``-0`` is ``0``) or None when there is none.
-- ``verify`` scores 1.0 exactly when the normalised extracted answer equals the normalised label;
-  it never raises on a malformed response (no answer is a wrong answer).
+- ``verify`` scores 1.0 exactly when math-verify finds the response's answer equal to the label
+  (``rayapp.verify.math``, so ``\\frac{1}{2}`` is 0.5); it never raises on a malformed response (no
+  answer, or one it cannot check in time, is a wrong answer). ``extract_answer`` stays for callers
+  that want the answer as a string.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.agents.tools import calculator
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.types import AgentResult, Sample, Task, TaskConfig
+from rayapp.verify.math import verify_math
 
 INSTRUCTION = "Solve the problem. End your reply with 'The answer is N.' where N is the final number."
 
@@ -164,9 +167,10 @@ def extract_answer(text: str | None) -> str | None:
 
 
 def verify(sample: Sample, result: AgentResult) -> dict[str, float]:
-    """Exact match after normalisation; the label is the reference answer (str or number)."""
-    got = extract_answer(result.response)
-    return {"score": 1.0 if got is not None and got == normalize(str(sample.label)) else 0.0}
+    """The response's answer against the label (the reference answer, str or number) by math-verify
+    (``rayapp.verify.math``: ``\\frac{1}{2}`` equals 0.5, ``\\sqrt{2}``, tuples, choices), in a
+    killable child process: an answer it cannot check in time scores 0."""
+    return {"score": 1.0 if verify_math(result.response or "", str(sample.label)) else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------- environment

@@ -27,6 +27,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rayapp.envs.protocol import Env
 from rayapp.types import AgentResult, Sample, Task, TaskConfig
 
 TASK_TYPE = "reasoning_gym"
@@ -138,3 +139,7 @@ class _Families:
 
 
 tasks = _Families()
+
+
+# a recipe names it by path: ``env: rayapp.envs.reasoning_gym:ENV`` (an optional extra, never imported unasked)
+ENV = Env(TASK_TYPE, None, make_agent, verify=verify)

@@ -153,7 +153,8 @@ class StepRunner:
                                                msgspec.structs.replace(ran, metrics=result.metrics),
                                                report.summary() if report is not None else None)
                 artifacts["train_summary"] = str(path)
-                artifacts |= await self._timeline("train", rollout_id, [s for g in ran.groups for s in g])
+                if "reused" not in ran.artifacts:  # a reused step ran nothing now: no timeline of its own
+                    artifacts |= await self._timeline("train", rollout_id, [s for g in ran.groups for s in g])
             return msgspec.structs.replace(result, artifacts=artifacts)
 
     def _observed(self, kind: str, then: OnTaskDone | None = None) -> OnTaskDone | None:

@@ -114,7 +114,7 @@ def test_a_fresh_rollout_names_its_files_by_kind_and_a_later_one_reuses_them(mak
 
     runner.reuse = ReusePolicy(force_fresh=True, save_per_iter_pt=False)
     fresh = run(runner.rollout(2))
-    assert len(ran) == 16 and set(fresh.artifacts) == {"trajectory", "train_summary"}
+    assert len(ran) == 16 and set(fresh.artifacts) == {"trajectory", "train_summary", *timeline(details, "train_2")}
 
 
 def test_an_eval_step_writes_its_details_and_names_them(make_pool, tmp_path):

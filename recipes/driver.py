@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections import Counter
 
@@ -17,21 +18,45 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 onl
 
 
 def wait_with_progress(handle, response, what: str, timeout_s: float):
-    """Wait for a step, printing the manager's status counts while it runs."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while True:
-        try:
-            return response.result(timeout_s=2.0)
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                response.cancel()
-                raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
-            st = handle.status.remote().result(timeout_s=30)
-            line = f"  {what}: {st.get('tasks_done', 0)}/{st.get('tasks', '?')} tasks, " \
-                   f"{st.get('batches_running', 0)} batches running, {st.get('batches_waiting', 0)} waiting"
-            if line != last:
-                print(line, flush=True)
+    """Wait for a step with a live status line (rewritten in place on a terminal, a new line per
+    change otherwise): tasks and samples done, batches running and waiting, seconds so far."""
+    started, last = time.monotonic(), None
+    live = sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                return response.result(timeout_s=1.0)
+            except TimeoutError:
+                if time.monotonic() - started > timeout_s:
+                    response.cancel()
+                    raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
+                st = handle.status.remote().result(timeout_s=30)
+                line = (f"  {what}: {st.get('tasks_done', 0)}/{st.get('tasks', '?')} tasks, "
+                        f"{st.get('samples_done', 0)} samples done, {st.get('batches_running', 0)} batches "
+                        f"running, {st.get('batches_waiting', 0)} waiting")
+                if live:
+                    print(f"\r{line} [{time.monotonic() - started:.0f}s]\033[K", end="", flush=True)
+                elif line != last:
+                    print(line, flush=True)
                 last = line
+    finally:
+        if live and last is not None:
+            print(flush=True)
+
+
+def show_statistics(metrics: dict, prefix: str) -> None:
+    """The step's statistics per dataset, one line each (``rayapp.core.stats``)."""
+    names = sorted({k.split("/")[1] for k in metrics if k.startswith(prefix + "/") and k.endswith("/n_samples")})
+    for name in names:
+        m = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"{prefix}/{name}/")}
+        reward = f"{m['reward_mean']:.3f}±{m['reward_std']:.3f}" if "reward_mean" in m else "n/a"
+        print(f"  {name:<12} n={m['n_samples']:.0f} reward={reward} length={m.get('response_length_mean', 0):.1f} "
+              f"truncated={m['truncated_rate']:.2f} aborted={m['abort_rate']:.2f} "
+              f"wait={m.get('wait_s_mean', 0):.2f}s run={m.get('run_s_mean', 0):.2f}s "
+              f"verify={m.get('verify_s_mean', 0):.2f}s")
+    if f"{prefix}/samples_per_s" in metrics:
+        print(f"  {metrics[f'{prefix}/samples_per_s']:.2f} samples/s; fetch {metrics[f'{prefix}/time/fetch_s']:.2f}s, "
+              f"step {metrics[f'{prefix}/time/step_s']:.1f}s")
 
 
 def show_rollout(result) -> None:
@@ -53,8 +78,11 @@ def show_rollout(result) -> None:
         lp = [p for p, m in zip(s.rollout_log_probs, s.loss_mask, strict=False) if m]
         print(f"  {name} sample {s.task_id}#{s.index}: response={s.response[:80]!r} mean_logprob="
               f"{(sum(lp) / len(lp)) if lp else 0.0:.3f} placed_on={s.metadata.get('_placement')}")
-    print("  failure classes:", {k.removeprefix("rollout/"): v for k, v in result.metrics.items()
-                                   if k.startswith("rollout/") and v})
+    from rayapp.core.termination import FailureClass
+
+    print("  failure classes:", {c.value: result.metrics[f"rollout/{c.value}"] for c in FailureClass
+                                 if result.metrics.get(f"rollout/{c.value}")})
+    show_statistics(result.metrics, "rollout")
     m = result.metrics
     if "filter/kept_groups" in m:
         drops = {k.removeprefix("filter/").replace("/dropped/", ": "): int(v) for k, v in m.items()
@@ -88,11 +116,13 @@ def show_placement(result) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default="auto")
-    p.add_argument("--app", default="rayapp")
-    p.add_argument("--rollouts", type=int, default=1)
-    p.add_argument("--eval", action="store_true")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--address", default="auto",
+                   help="the Ray cluster to connect to (default: auto, the one running on this machine)")
+    p.add_argument("--app", default="rayapp", help="the Serve application's name in the recipe (default: rayapp)")
+    p.add_argument("--rollouts", type=int, default=1, help="rollout steps to ask for, ids 0..N-1 (default: 1)")
+    p.add_argument("--eval", action="store_true", help="after rollout k, ask for eval step k too")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds a step may take before the driver cancels it (default: 900)")
     a = p.parse_args()
 
     import ray
@@ -113,7 +143,9 @@ def main() -> None:
             beta = f" (beta={ev.iteration['beta']})" if "beta" in ev.iteration else ""
             print(f"[{time.monotonic() - t0:.1f}s] eval {rid}{beta}:")
             for k, v in sorted(ev.metrics.items()):
-                print(f"  {k:<28} {v:.3f}")
+                if k.endswith(("/accuracy", "/n_samples")) or "/pass@" in k:
+                    print(f"  {k:<28} {v:.3f}")
+            show_statistics(ev.metrics, "eval")
             show_artifacts(ev)
     ray.shutdown()
 

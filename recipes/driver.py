@@ -123,7 +123,15 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="after rollout k, ask for eval step k too")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds a step may take before the driver cancels it (default: 900)")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write each step's metrics to TensorBoard in DIR "
+                   "(the tensorboard extra)")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log each step's metrics to this wandb project "
+                   "(the wandb extra; WANDB_MODE=offline without a network)")
     a = p.parse_args()
+    from rayapp.training.sinks import open_sink
+
+    sinks = [open_sink(kind, target) for kind, target in (("tensorboard", a.tensorboard), ("wandb", a.wandb))
+             if target]
 
     import ray
     from ray import serve
@@ -137,6 +145,8 @@ def main() -> None:
         print(f"[{time.monotonic() - t0:.1f}s] ", end="")
         show_rollout(result)
         show_placement(result)
+        for sink in sinks:
+            sink.log(rid, result.metrics)
         if a.eval:
             t0 = time.monotonic()
             ev = wait_with_progress(handle, handle.evaluate.remote(rid), f"eval {rid}", a.timeout)
@@ -147,6 +157,10 @@ def main() -> None:
                     print(f"  {k:<28} {v:.3f}")
             show_statistics(ev.metrics, "eval")
             show_artifacts(ev)
+            for sink in sinks:
+                sink.log(rid, ev.metrics)
+    for sink in sinks:
+        sink.close()
     ray.shutdown()
 
 

@@ -4,7 +4,8 @@ that says what went wrong:
 - 422: bad input (a step id out of range: FastAPI's own validation answer; a ``ValueError``);
 - 404: nothing there (no such step asked for, a recipe without eval datasets);
 - 409: a conflicting request (another step of the same kind in flight);
-- 503: a part is unavailable (an engine or the pool lost or unreachable, a step cancelled);
+- 503: a part is unavailable (an engine or the pool lost, unreachable or too slow to answer, a step
+  cancelled);
 - 500: anything else, with the error's class and message.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from rayapp.actors.remote import is_lost
+from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.convert import clip
 from rayapp.core.termination import EngineConnectionError
 
@@ -33,10 +35,21 @@ def error_response(status: int, error: str, message: str) -> JSONResponse:
 
 
 def exception_response(error: BaseException) -> JSONResponse:
-    if isinstance(error, EngineConnectionError) or is_lost(error):
+    if isinstance(error, EngineConnectionError | TimeoutError) or is_lost(error):
         status = 503
     elif isinstance(error, ValueError):
         status = 422
     else:
         status = 500
     return error_response(status, type(error).__name__, str(error))
+
+
+def summary(result: RolloutResult | EvalResult) -> dict[str, Any]:
+    """What a poll of a finished step answers: its size and metrics, not its samples."""
+    if isinstance(result, EvalResult):
+        return {"samples": sum(len(s) for s in result.samples.values()), "metrics": result.metrics,
+                "artifacts": result.artifacts}
+    samples = [s for g in result.groups for s in g]
+    return {"groups": len(result.groups), "samples": len(samples), "metrics": result.metrics,
+            "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples)),
+            "artifacts": result.artifacts}

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
-from rayapp.actors.http import ERRORS, error_response, exception_response
+from rayapp.actors.http import ERRORS, error_response, exception_response, summary
 from rayapp.actors.logs import follow_serve_logging
 from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool import run_in_bundle
@@ -36,6 +36,13 @@ from rayapp.training.step_results import MAX_STEP_ID
 STEP_ID = Path(ge=0, le=MAX_STEP_ID, description="the rollout or eval step's id")
 
 api = FastAPI(title="rayapp rollout manager")
+
+
+# Registered before the class: @serve.ingress takes the app (and the names the class uses) as they are then.
+# The endpoints answer their own errors; this is the net for anything else.
+@api.exception_handler(Exception)
+async def _unhandled(request: Request, error: Exception) -> JSONResponse:
+    return exception_response(error)
 
 
 @serve.ingress(api)
@@ -84,11 +91,14 @@ class SchedulerRolloutManager:
     def status(self) -> dict[str, Any]:
         return self.steps.status()
 
-    @api.get("/placement")
-    async def placement(self) -> dict[str, Any]:
+    @api.get("/placement", responses=ERRORS)
+    async def placement(self) -> Any:
         if self.pool_client is None:
             return {"gated": False, "batches": {}}
-        return {"gated": True, **await self.pool_client.placement()}
+        try:
+            return {"gated": True, **await self.pool_client.placement()}
+        except Exception as e:  # the pool lost or slow: a 503 that says so, not a bare 500
+            return exception_response(e)
 
     @api.get("/healthz")
     def healthz(self) -> dict[str, bool]:
@@ -137,19 +147,3 @@ class SchedulerRolloutManager:
         if job.error is not None:
             return exception_response(job.error)
         return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": "done", **summary(job.result)})
-
-
-def summary(result: RolloutResult | EvalResult) -> dict[str, Any]:
-    """What a poll of a finished step answers: its size and metrics, not its samples."""
-    if isinstance(result, EvalResult):
-        return {"samples": sum(len(s) for s in result.samples.values()), "metrics": result.metrics,
-                "artifacts": result.artifacts}
-    samples = [s for g in result.groups for s in g]
-    return {"groups": len(result.groups), "samples": len(samples), "metrics": result.metrics,
-            "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples)),
-            "artifacts": result.artifacts}
-
-
-@api.exception_handler(Exception)
-async def _unhandled(request: Request, error: Exception) -> JSONResponse:
-    return exception_response(error)

@@ -29,7 +29,7 @@ from rayapp.types import Sample
 
 log = logging.getLogger(__name__)
 
-POLL_S = 5.0
+POLL_S = 10.0  # the pool's placement() reads its groups' states from the GCS: not too often
 SECONDS = [0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600]
 _SAMPLE_TAGS = ("kind", "dataset")
 

@@ -12,6 +12,7 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from contextvars import ContextVar
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -188,6 +189,12 @@ class EpisodeRecord(msgspec.Struct):
 
 
 R = TypeVar("R")
+
+# The episode the running code belongs to (``rollout3/math-12#0``), set by the evaluator for each
+# sample's run and verify: the Ray shell names the work it starts for the sample after it (verifier
+# tasks, sandbox hosts), so a person can follow a sample in the dashboard. Threads that run plain
+# agent functions inherit it (``asyncio.to_thread`` copies the context).
+EPISODE: ContextVar[str | None] = ContextVar("rayapp_episode", default=None)
 
 
 class EpisodeContext(msgspec.Struct):

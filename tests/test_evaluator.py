@@ -340,3 +340,23 @@ def test_a_callback_that_raises_cancels_the_batch_and_every_token_comes_back():
     assert sorted(started) == ["t0", "t0", "t1", "t1", "t2", "t2"]
     assert all(s.status is Status.PENDING for g in groups[1:] for s in g.samples)  # cancelled, not finished
     assert ev._local.qsize() == 6
+
+
+def test_the_running_episode_is_named_for_the_work_it_starts_threads_included():
+    from rayapp.episode import EPISODE
+
+    seen = []
+
+    async def run_fn(s, c):
+        seen.append(("run", EPISODE.get()))
+        return AgentResult(tokens=[1, 2], response_length=1)
+
+    def verify(s, r):  # a plain function: it runs in a thread, which inherits the name
+        seen.append(("verify", EPISODE.get()))
+        return {"score": 1.0}
+
+    groups = make_groups(1, 2)
+    run(Evaluator(spec(FunctionAgent(run_fn, verify)), rollout_id=3, tokens=tokens(2)).run(groups))
+    names = {f"rollout3/{s.task_id}#{s.index}" for s in groups[0].samples}
+    assert {n for _, n in seen} == names and len(seen) == 4
+    assert EPISODE.get() is None  # nothing leaks out of the episode

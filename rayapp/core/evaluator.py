@@ -44,7 +44,7 @@ from rayapp.core.clock import loop_time
 from rayapp.core.convert import InputError, check, clip, show
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentOutputError, AgentTimeout, classify_abort
-from rayapp.episode import AbortRecord, EpisodeContext, EpisodeKey, EpisodeTiming, Placement
+from rayapp.episode import EPISODE, AbortRecord, EpisodeContext, EpisodeKey, EpisodeTiming, Placement
 from rayapp.types import (
     AgentResult,
     EpisodePhase,
@@ -293,6 +293,7 @@ class Evaluator:
             ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
         handler, phase, started = self.spec.handler, EpisodePhase.RUN, loop_time()
         timing = ctx.record.timing = EpisodeTiming(started, self.batch, *(self.admission or ()))
+        episode = EPISODE.set(f"{self.step.value}{self.rollout_id}/{sample.task_id}#{sample.index}")
         try:
             async with ctx:  # closes what the agent kept between the phases, whatever happens
                 limit = group.stopping.timeout_s
@@ -322,6 +323,8 @@ class Evaluator:
                 raise asyncio.CancelledError from e  # an agent that turned the cancellation into another error
         else:
             timing.ended = loop_time()
+        finally:
+            EPISODE.reset(episode)
         sample.metadata.update(ctx.record.to_metadata())
 
     def _abort(self, sample: Sample, ctx: EpisodeContext, e: BaseException, phase: EpisodePhase,

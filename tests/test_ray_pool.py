@@ -342,3 +342,46 @@ def test_an_owner_that_stops_renewing_has_its_batches_freed_after_the_lease(ray_
         assert ray.get(actor.release_owner.remote("live"), timeout=30) == 1
     finally:
         ray.kill(actor)
+
+
+def test_the_service_reads_its_groups_states_once_per_period_however_often_it_admits(monkeypatch):
+    """The background watcher reads every ``state_poll_s``; admissions in between use its reading
+    (one GCS read per period, not one more at each period's edge). Virtual time, Ray's groups faked."""
+    from rayapp.actors import pool as pool_mod
+    from rayapp.core.clock import run_virtual
+
+    reads: list = []
+
+    class Groups(pool_mod.NodeGroups):
+        def start(self, timeout_s):
+            pass
+
+        def states(self):
+            reads.append(1)
+            return {node: "CREATED" for node in self.layout}
+
+    monkeypatch.setattr(pool_mod, "NodeGroups", Groups)
+    monkeypatch.setattr(pool_mod.ray, "nodes", lambda: [])
+    monkeypatch.setattr(pool_mod, "resolve_nodes", lambda names, nodes: {n: f"id-{n}" for n in names})
+    service = pool_mod.PlacementPoolService(LAYOUT, state_poll_s=1.0, lease_s=None)
+
+    async def expire_leases():  # the watcher's other work takes time too, between its read and its sleep
+        await asyncio.sleep(0.05)
+        return 0
+
+    service.pool.expire_leases = expire_leases
+    budget = Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1)
+
+    async def admit_for(seconds: float) -> int:
+        loop, admitted = asyncio.get_running_loop(), 0
+        end = loop.time() + seconds
+        while loop.time() < end:  # an admission every 10 ms, landing on every edge of the period
+            tokens = await service.acquire_batch(BatchRequest(budget, QUARTER, 4, label=f"b{admitted}"))
+            await service.release_batch(tokens)
+            admitted += 1
+            await asyncio.sleep(0.01)
+        service._watch.cancel()
+        return admitted
+
+    assert run_virtual(admit_for(50.0)) > 500  # many admissions in every period
+    assert 45 <= len(reads) <= 51  # one read per period (1 s + the watcher's 50 ms) over 50 s, none on demand

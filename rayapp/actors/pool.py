@@ -26,9 +26,11 @@ first GPU's, or the CPU/memory bundle when it holds no GPU): ``reserve`` is a di
 Ray counts GPU in steps of 1e-4: finer GPU shares than that are not supported.
 
 A node that dies loses its group's bundles: work running there fails (``SandboxError`` through
-``rayapp.actors.remote``), and work sent there later fails at once instead of waiting; the other
+``rayapp.actors.remote``), work still waiting for its bundle there fails within about
+``bundle_watch.LOST_POLL_S`` seconds (Ray would keep it pending), and work sent there later fails at
+once instead of waiting; the other
 nodes' groups carry on. The service reads its groups' states every ``state_poll_s`` seconds (a
-background task it owns, and before admitting when the last reading is older than that) and cordons
+background task it owns; before admitting, only when that task is a whole period late) and cordons
 a node whose group is not CREATED: no new token goes there, it leaves ``capacity_for`` (a batch that
 can no longer fit fails at once), and it is uncordoned if its group is CREATED again. Only the
 samples that held tokens there when it died abort; ``placement()`` lists such nodes under
@@ -56,6 +58,7 @@ from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayapp.actors.bundle_watch import watched
 from rayapp.actors.nodes import layout_from_cluster, resolve_nodes
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
@@ -71,6 +74,7 @@ GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<lay
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
 RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
 STATE_POLL_S = 2.0  # how often the service reads its groups' states (a lost node is cordoned within this)
+STALE_POLLS = 2  # a caller reads the states itself only when the last reading is this many periods old
 STATE_READ_TIMEOUT_S = 10.0  # one reading of the placement group table from the GCS
 
 
@@ -225,15 +229,16 @@ def _call(fn: Any, *args: Any) -> Any:
 
 async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: float = 300.0) -> Any:
     """Run ``fn(*args)`` as a Ray task inside the token's bundle, asking for the token's share, so Ray
-    holds it to what the ledger granted. A lost worker, node or bundle is a sandbox fault; a timeout
-    kills the task."""
+    holds it to what the ledger granted. A lost worker, node or bundle is a sandbox fault, also while
+    the task still waits for its bundle (``bundle_watch``); a timeout kills the task."""
     if token is None or not token.placement_group:
         return await asyncio.to_thread(fn, *args)
-    ref = _call.options(**work_options(token)).remote(fn, *args)
+    options = work_options(token)
+    ref = _call.options(**options).remote(fn, *args)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
-    return await bounded(ref, timeout_s, force=True,
-                         late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),
-                         lost=lambda e: SandboxError(f"work in {where} was lost: {e}"))
+    work = bounded(ref, timeout_s, force=True, late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),
+                   lost=lambda e: SandboxError(f"work in {where} was lost: {e}"))
+    return await watched(work, options["scheduling_strategy"].placement_group.id.hex(), where)
 
 
 class PlacementPoolService:
@@ -295,10 +300,12 @@ class PlacementPoolService:
 
     async def _ready(self) -> None:
         """Before admitting: the watcher runs (started on the replica's loop at its first call), and
-        the states are no older than ``state_poll_s``."""
+        the states are no older than twice ``state_poll_s``. The watcher alone reads every period (a
+        reading is just past one period old when it reads again); a caller reads only when the
+        watcher is behind by a whole period (a slow GCS), so the states are read once per period."""
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(self._watch_groups())
-        await self._refresh(self.state_poll_s)
+        await self._refresh(STALE_POLLS * self.state_poll_s)
 
     def __del__(self) -> None:
         # Ray removes a group when the job that made it ends, not when this actor dies: a replica

@@ -159,8 +159,10 @@ class LocalProcessSandbox:
                 if self.uid is not None:
                     os.chown(folder, self.uid, self._gid)
             os.mkdir(os.path.join(state.base, "empty"), 0o500)  # covers the checkout: nothing to read or write
-            with open(os.path.join(state.base, OWNER_FILE), "w") as f:
+            stamp = os.path.join(state.base, OWNER_FILE)
+            with open(stamp + ".new", "w") as f:
                 f.write(owner_stamp())
+            os.replace(stamp + ".new", stamp)  # whole or absent: another host's sweep never reads it empty
             os.chmod(state.base, 0o711)  # the sandbox user may pass through to its folders, not list or write
         except OSError as e:
             raise SandboxError(f"sandbox {self.name!r}: cannot create its folder under {self.root}: {e}") from e

@@ -117,7 +117,7 @@ class ChaosManager:
     a PoolClient; a replacement replica first frees what its predecessor held, as the app's does."""
 
     def __init__(self, pool, engine, batch_size: int, n_samples: int):
-        self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30)
+        self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30, packed=True)  # as the app's manager
         self.spec, self.batch_size, self.n_samples = make_spec(engine), batch_size, n_samples
         self.steps = StepResults(keep=1000)
         self.freed_previous: asyncio.Task | None = None

@@ -36,7 +36,7 @@ class SchedulerRolloutManager:
     def __init__(self, recipe: dict[str, Any], engines: dict[str, Any], pool: Any | None = None,
                  owner: str = "rayapp-manager"):
         self.cfg = apply_env(parse_recipe(recipe), os.environ)
-        self.pool_client = PoolClient(pool, owner) if pool is not None else None
+        self.pool_client = PoolClient(pool, owner, packed=True) if pool is not None else None
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s)
                         for name, h in engines.items()}
         # A replica that replaced a crashed one first frees what its predecessor still held.

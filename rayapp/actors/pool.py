@@ -60,6 +60,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayapp.actors.bundle_watch import watched
 from rayapp.actors.nodes import layout_from_cluster, resolve_nodes
+from rayapp.actors.pool_wire import pack, unpack_request, unpack_tokens
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.leases import LEASE_S, LeasedPool
@@ -321,7 +322,12 @@ class PlacementPoolService:
             except Exception as e:  # Ray already gone (interpreter shutdown): nothing left to free
                 log.debug("removing the pool's placement groups failed: %s", e)
 
-    async def acquire_batch(self, request: BatchRequest, request_id: str | None = None) -> list[Token]:
+    async def acquire_batch(self, request: BatchRequest | bytes, request_id: str | None = None) -> list[Token] | bytes:
+        """A request sent packed (``pool_wire``) is answered packed."""
+        tokens = await self._acquire(unpack_request(request), request_id)
+        return pack(tokens) if isinstance(request, bytes) else tokens
+
+    async def _acquire(self, request: BatchRequest, request_id: str | None) -> list[Token]:
         await self._ready()
         return await self.pool.acquire_batch(request, request_id)
 
@@ -333,11 +339,11 @@ class PlacementPoolService:
         """``owner`` is alive: its batches are kept another lease period."""
         self.pool.renew(owner)
 
-    async def release_tokens(self, tokens: list[Token]) -> None:
-        await self.pool.release_tokens(tokens)
+    async def release_tokens(self, tokens: list[Token] | bytes) -> None:
+        await self.pool.release_tokens(unpack_tokens(tokens, "release_tokens"))
 
-    async def release_batch(self, tokens: list[Token]) -> None:
-        await self.pool.release_batch(tokens)
+    async def release_batch(self, tokens: list[Token] | bytes) -> None:
+        await self.pool.release_batch(unpack_tokens(tokens, "release_batch"))
 
     async def release_owner(self, owner: str) -> int:
         """Free what a restarted manager's predecessor held, and cancel its waiting acquires."""

@@ -161,7 +161,7 @@ def measure(setup: str, layout: dict[str, Any], batches: int, designs: list[str]
     rows += rounds(setup, shared, actors, batches)
     for actor in actors.values():
         ray.kill(actor)
-    remove_leftovers()  # a killed service's groups outlive it (Ray ties them to the job)
+    remove_leftovers()  # whatever of the killed services' groups Ray has not reaped yet
     if "group per batch" in designs:
         actor = ray.remote(PerBatchService).options(num_cpus=0).remote(json.dumps(layout))
         rows += rounds(setup, ["group per batch"], {PerBatchService: actor}, max(8, batches // 20))  # it is slow

@@ -36,8 +36,9 @@ can no longer fit fails at once), and it is uncordoned if its group is CREATED a
 samples that held tokens there when it died abort; ``placement()`` lists such nodes under
 ``lost_nodes`` and ``cordoned``. At start-up the service removes every group
 named with the ``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
-design), then makes its own. Ray ties a group to the job that made it, not to the actor, so a crashed
-service's groups live on until the next one starts; a service stopped in order removes its own.
+design), then makes its own. Ray removes a group when the actor that made it dies (the chaos run
+sees a killed replica's groups gone at once), so the samples in flight then lose their bundles
+(``infra_sandbox``); a service stopped in order removes its own.
 
 Layout node names resolve to Ray nodes as ``rayapp.actors.nodes`` says; with no layout, the pool
 reads one off what the live cluster leaves free (``layout_from_cluster``).
@@ -309,9 +310,8 @@ class PlacementPoolService:
         await self._refresh(STALE_POLLS * self.state_poll_s)
 
     def __del__(self) -> None:
-        # Ray removes a group when the job that made it ends, not when this actor dies: a replica
-        # stopped in order (Serve calls __del__) gives its groups back now; a crashed one's are
-        # removed by the next service at start-up.
+        # A replica stopped in order (Serve calls __del__) gives its groups back now, not when Ray
+        # reaps the dead actor's; what any other creator left is removed by the next service's start.
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.cancel()

@@ -243,3 +243,28 @@ def test_work_still_waiting_for_its_bundle_when_the_group_is_lost_aborts_and_lea
             await pool.release_batch(tokens)
 
     asyncio.run(scenario())
+
+
+def test_a_sandbox_host_that_cannot_start_in_a_removed_group_is_a_sandbox_fault():
+    """Ray refuses to create a host whose bundle's group was removed after the sample looked it up
+    (a pool replica restarting): that is the lost-bundle class, like every other."""
+    from ray.exceptions import ActorUnschedulableError
+
+    from rayapp.actors.sandbox import BundleSandbox
+    from rayapp.core.termination import AbortReason, SandboxError, classify_abort
+    from rayapp.envs.sandboxes import SandboxLimits
+
+    async def refused():
+        raise ActorUnschedulableError("Could not create the actor because its associated placement group was "
+                                      "removed.")
+
+    class Host:
+        class start:  # an actor method's shape: start.remote(...)
+            @staticmethod
+            def remote(*args):
+                return refused()
+
+    box = BundleSandbox(Host(), SandboxLimits(wall_seconds=1, cpu_seconds=1), "bundle g[0] on n", "g")
+    with pytest.raises(SandboxError, match=r"sandbox in bundle g\[0\] on n could not start") as info:
+        asyncio.run(box.start())
+    assert classify_abort(info.value) is AbortReason.INFRA_SANDBOX

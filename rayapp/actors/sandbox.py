@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnschedulableError
 
 from rayapp.actors.bundle_watch import watched
 from rayapp.actors.pool import bundle_strategy
@@ -61,7 +62,10 @@ class BundleSandbox:
             getattr(self.actor, method).remote(*args), timeout_s,
             late=lambda: SandboxError(f"sandbox in {self.where}: {method} gave no answer within {timeout_s:.0f}s"),
             lost=lambda e: SandboxError(f"sandbox in {self.where} was lost: {e}"))
-        return await watched(call, self.group_id, f"sandbox in {self.where}")
+        try:
+            return await watched(call, self.group_id, f"sandbox in {self.where}")
+        except ActorUnschedulableError as e:  # its bundle's group was removed before the host started
+            raise SandboxError(f"sandbox in {self.where} could not start: {e}") from e
 
     async def start(self, kind: str = "local", timeout_s: float = 120.0, **kw: Any) -> BundleSandbox:
         info = await self._call("start", kind, self.limits, kw, timeout_s=timeout_s)

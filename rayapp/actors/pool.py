@@ -28,9 +28,9 @@ Ray counts GPU in steps of 1e-4: finer GPU shares than that are not supported.
 A node that dies loses its group's bundles: work running there fails (``SandboxError`` through
 ``rayapp.actors.remote``), work still waiting for its bundle there fails within about
 ``bundle_watch.LOST_POLL_S`` seconds (Ray would keep it pending), and work sent there later fails at
-once instead of waiting; the other
-nodes' groups carry on. The service reads its groups' states every ``state_poll_s`` seconds (a
-background task it owns; before admitting, only when that task is a whole period late) and cordons
+once instead of waiting; the other nodes' groups carry on. The service reads its groups' states
+every ``state_poll_s`` seconds (a background task it owns; before admitting, only when that task is a
+whole period late) and cordons
 a node whose group is not CREATED: no new token goes there, it leaves ``capacity_for`` (a batch that
 can no longer fit fails at once), and it is uncordoned if its group is CREATED again. Only the
 samples that held tokens there when it died abort; ``placement()`` lists such nodes under
@@ -324,12 +324,10 @@ class PlacementPoolService:
 
     async def acquire_batch(self, request: BatchRequest | bytes, request_id: str | None = None) -> list[Token] | bytes:
         """A request sent packed (``pool_wire``) is answered packed."""
-        tokens = await self._acquire(unpack_request(request), request_id)
-        return pack(tokens) if isinstance(request, bytes) else tokens
-
-    async def _acquire(self, request: BatchRequest, request_id: str | None) -> list[Token]:
+        plain = unpack_request(request)
         await self._ready()
-        return await self.pool.acquire_batch(request, request_id)
+        tokens = await self.pool.acquire_batch(plain, request_id)
+        return pack(tokens) if isinstance(request, bytes) else tokens
 
     async def cancel(self, request_id: str) -> str:
         """The caller of ``request_id`` is gone: withdraw its acquire or free what it was granted."""

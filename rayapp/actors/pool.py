@@ -30,12 +30,11 @@ A node that dies loses its group's bundles: work running there fails (``SandboxE
 ``bundle_watch.LOST_POLL_S`` seconds (Ray would keep it pending), and work sent there later fails at
 once instead of waiting; the other nodes' groups carry on. The service reads its groups' states
 every ``state_poll_s`` seconds (a background task it owns; before admitting, only when that task is a
-whole period late) and cordons
-a node whose group is not CREATED: no new token goes there, it leaves ``capacity_for`` (a batch that
-can no longer fit fails at once), and it is uncordoned if its group is CREATED again. Only the
-samples that held tokens there when it died abort; ``placement()`` lists such nodes under
-``lost_nodes`` and ``cordoned``. At start-up the service removes every group
-named with the ``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
+whole period late) and cordons a node whose group is not CREATED: no new token goes there, it leaves
+``capacity_for`` (a batch that can no longer fit fails at once), and it is uncordoned if its group is
+CREATED again. Only the samples that held tokens there when it died abort; ``placement()`` lists such
+nodes under ``lost_nodes`` and ``cordoned``. At start-up the service removes every group named with the
+``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
 design), then makes its own. Ray removes a group when the actor that made it dies (the chaos run
 sees a killed replica's groups gone at once), so the samples in flight then lose their bundles
 (``infra_sandbox``); a service stopped in order removes its own.

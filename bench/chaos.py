@@ -58,6 +58,8 @@ LAYOUT = '{"node-a": {"gpus": [0, 1], "cpu": 4, "memory_gb": 2}, "node-b": {"gpu
 KINDS = ("engine", "sandbox", "pool", "manager", "node")
 MASK = re.compile(r"[0-9a-f]{12,}|\d+")  # ids and numbers, so that like aborts count together
 LIMITS = SandboxLimits(wall_seconds=30, cpu_seconds=10)
+SANDBOX_WAIT_S = 20.0  # how long one kill request waits in the manager replica for a live sandbox host
+INJECT_WITHIN_S = 120.0  # a fault that finds nothing to kill for this long is given up (and reported)
 
 # The manager replica's live sandbox hosts: the chaos driver asks the replica to kill one of them.
 SANDBOXES: set = set()
@@ -115,7 +117,7 @@ class ChaosManager:
     a PoolClient; a replacement replica first frees what its predecessor held, as the app's does."""
 
     def __init__(self, pool, engine, batch_size: int, n_samples: int):
-        self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30)
+        self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30, packed=True)  # as the app's manager
         self.spec, self.batch_size, self.n_samples = make_spec(engine), batch_size, n_samples
         self.steps = StepResults(keep=1000)
         self.freed_previous: asyncio.Task | None = None
@@ -131,11 +133,18 @@ class ChaosManager:
         sched = TaskScheduler([self.spec], StepSource(rollout_id, self.n_samples), self.pool, config)
         return await sched.execute_rollout(rollout_id)
 
-    def kill_a_sandbox(self) -> bool:
-        if not SANDBOXES:
-            return False
+    async def kill_a_sandbox(self, wait_s: float) -> float | None:
+        """Kill a live sandbox host, waiting up to ``wait_s`` for one (a host lives only while its
+        sample's command runs); the kill's time (monotonic), or None when none was live."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not SANDBOXES:
+            if loop.time() > deadline:
+                return None
+            await asyncio.sleep(0.02)
+        at = time.monotonic()
         ray.kill(random.choice(sorted(SANDBOXES, key=id)))
-        return True
+        return at
 
 
 @dataclass
@@ -156,37 +165,44 @@ def replica(deployment: str):
     return ray.get_actor(sorted(names)[0], namespace="serve") if names else None
 
 
-def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> bool:
-    """One real kill of ``kind``; False when there was nothing of that kind to kill just then."""
-    if kind == "sandbox":
-        return manager.kill_a_sandbox.remote().result(timeout_s=30)
+def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> float | None:
+    """One real kill of ``kind``: its time (monotonic), or None when there was nothing of that kind to
+    kill just then."""
+    if kind == "sandbox":  # the manager replica waits for a live host, up to SANDBOX_WAIT_S
+        return manager.kill_a_sandbox.remote(SANDBOX_WAIT_S).result(timeout_s=SANDBOX_WAIT_S + 30)
     if kind == "node":  # a worker node dies; a fresh one with the same label joins for the next pool
         # All nodes share 127.0.0.1, so the driver may be attached to a worker's raylet: spare that one.
         mine = ray._private.worker.global_worker.node._raylet_socket_name
         name = next(n for n in sorted(nodes) if nodes[n]._raylet_socket_name != mine)
+        at = time.monotonic()
         cluster.remove_node(nodes[name])
         nodes[name] = cluster.add_node(num_cpus=4, num_gpus=2, labels={NODE_LABEL: name}, node_ip_address="127.0.0.1")
-        return True
+        return at
     target = replica({"engine": "engine", "pool": "PlacementPoolService", "manager": "ChaosManager"}[kind])
     if target is None:
-        return False
+        return None
+    at = time.monotonic()
     ray.kill(target)
-    return True
+    return at
 
 
 def chaos(plan: list[tuple[float, str]], t0: float, run: Run, stop: threading.Event, cluster, nodes, manager):
     for at, kind in plan:
         if stop.wait(max(0.0, t0 + at - time.monotonic())):
             return
-        for _ in range(60):  # a sandbox (or replica) to kill may not exist at this very moment
-            try:
-                if inject(kind, cluster, nodes, manager):
-                    run.faults.append((kind, time.monotonic()))
+        give_up = time.monotonic() + INJECT_WITHIN_S
+        while time.monotonic() < give_up:  # what to kill may not exist at this very moment (or the
+            try:                           # manager asked to kill a sandbox is itself restarting)
+                killed = inject(kind, cluster, nodes, manager)
+                if killed is not None:
+                    run.faults.append((kind, killed))
                     break
             except Exception as e:
                 print(f"  could not inject {kind} yet: {type(e).__name__}: {str(e)[:200]}", flush=True)
             if stop.wait(0.5):
                 return
+        else:
+            print(f"  gave up injecting {kind}: nothing of that kind was live for {INJECT_WITHIN_S:.0f}s", flush=True)
 
 
 def drive(manager, min_steps: int, faults_over: threading.Event, run: Run, step_timeout_s: float,
@@ -238,13 +254,18 @@ def plan_faults(args) -> list[tuple[float, str]]:
     return sorted((rng.uniform(lo, hi), k) for k in kinds)
 
 
+def uncordoned(snapshot: dict) -> dict:
+    """A pool snapshot with every node's cordon flag cleared: a node lost for good stays cordoned."""
+    return {n: {**v, "cordoned": False} if isinstance(v, dict) and "cordoned" in v else v for n, v in snapshot.items()}
+
+
 def settle(pool_handle, initial: dict, timeout_s: float = 60.0) -> tuple[dict, dict]:
     """The pool's snapshot and placement once held tokens are back (or ``timeout_s`` passed)."""
     deadline = time.monotonic() + timeout_s
     while True:
         snap = pool_handle.snapshot.remote().result(timeout_s=30)
         placement = pool_handle.placement.remote().result(timeout_s=30)
-        if snap == initial or time.monotonic() > deadline:
+        if uncordoned(snap) == uncordoned(initial) or time.monotonic() > deadline:
             return snap, placement
         time.sleep(1.0)
 
@@ -258,7 +279,8 @@ def leaked_groups() -> list[str]:
     return [n for n in live if n.split("@")[0] not in own] + [n for n, k in own.items() for _ in range(k - 1)]
 
 
-def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: float) -> list[tuple[str, str]]:
+def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: float,
+          cordoned: list[str]) -> list[tuple[str, str]]:
     requested = run.requested_steps * args.batch_size * args.n_samples
     returned, lost, duplicated, statuses, reasons = 0, 0, 0, Counter(), Counter()
     for rid, result in run.results.items():
@@ -286,7 +308,8 @@ def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: f
         ("lost", str(lost)),
         ("duplicated", str(duplicated)),
         ("leaked placement groups", f"{len(groups)} {groups or ''}".strip()),
-        ("leaked tokens", f"{held} (snapshot {'equals' if snap_ok else 'differs from'} the initial one)"),
+        ("leaked tokens", f"{held} (snapshot {'equals' if snap_ok else 'differs from'} the initial one"
+                          + (f", {', '.join(cordoned)} cordoned)" if cordoned else ")")),
         ("time to recover, s", ", ".join(f"{k} {r:.1f}" for (k, _), r in zip(run.faults, recover, strict=True))
          or "-"),
         ("slowest step, s", f"{max(took):.1f} (median {statistics.median(took):.1f})"),
@@ -321,7 +344,8 @@ def main() -> int:
         driver.join()
         wall_s = time.monotonic() - t0
         snap, placement = settle(pool_handle, initial)
-        rows = table(run, a, snap == initial, placement.get("held_tokens", -1), leaked_groups(), wall_s)
+        rows = table(run, a, uncordoned(snap) == uncordoned(initial), placement.get("held_tokens", -1),
+                     leaked_groups(), wall_s, placement.get("cordoned", []))
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -4,9 +4,13 @@ The manager's path: ``PoolClient`` over an actor handle, one 8-token batch (gpu 
 memory 0.01 GB each) acquired and released whole, sequentially and from 8 concurrent callers. Prints
 p50 and p99 per batch (ms) and batches/s, on one node (``ray.init`` with 8 logical GPUs) and on a
 4-node ``ray.cluster_utils.Cluster``, for the pool's design (one long-lived placement group per node,
-the ledger sub-allocating it) and, unless ``--smoke``, for the former design kept here as a bench-only
-mode (one placement group made and removed per batch) and for Ray's floor (the same two calls to an
-async actor that does nothing: what any design through one actor pays). Figures only; nothing here asserts on time.
+the ledger sub-allocating it, with the app's client: ``PoolClient(packed=True)``) and, unless
+``--smoke``, for the same with its calls not packed (Ray pickles each token) and with the client's
+background release (``background_release=True``: the caller waits for the acquire's round trip only),
+for the former design kept here as a bench-only mode (one placement group made and removed per batch)
+and for Ray's floor (the same calls to an async actor that does nothing: what any design through one
+actor pays), with and without the background release. The designs over one actor take turns in
+rounds, so the load of a shared machine hits them alike. Figures only; nothing here asserts on time.
 Ray listens on 127.0.0.1 only, with local auth off.
 
 Run from the repo root: ``.venv/bin/python bench/ray_pool.py [--smoke] [--batches N]``.
@@ -107,10 +111,17 @@ class RayFloor:
         pass
 
 
-DESIGNS = {"group per node": PlacementPoolService, "group per batch": PerBatchService, "no-op (Ray floor)": RayFloor}
+# design -> (the actor's class, the PoolClient's options); "group per node" is the app's client
+PACKED, BG = {"packed": True}, {"background_release": True}
+DESIGNS = {"group per node": (PlacementPoolService, PACKED), "node, not packed": (PlacementPoolService, {}),
+           "node, bg release": (PlacementPoolService, PACKED | BG), "no-op (Ray floor)": (RayFloor, {}),
+           "no-op, bg release": (RayFloor, BG), "group per batch": (PerBatchService, {})}
+ROUNDS = 5  # the designs sharing a setup take turns, so that the load of a shared machine hits them alike
 
 
 async def one_batch(client: PoolClient) -> float:
+    """What the caller waits for one batch: with a background release, the acquire's round trip and
+    the release's sending (the pool applies it before this client's next call)."""
     start = time.perf_counter()
     tokens = await client.acquire_batch(REQUEST)
     await client.release_batch(tokens)
@@ -128,6 +139,7 @@ async def run(client: PoolClient, batches: int, concurrency: int) -> tuple[list[
     start = time.perf_counter()
     share = [batches // concurrency + (i < batches % concurrency) for i in range(concurrency)]
     await asyncio.gather(*(caller(n) for n in share))
+    await client.drain()  # the background releases' answers are in: the pool has freed every batch
     return times, time.perf_counter() - start
 
 
@@ -139,19 +151,41 @@ def row(setup: str, design: str, mode: str, times: list[float], wall: float) -> 
 
 
 def measure(setup: str, layout: dict[str, Any], batches: int, designs: list[str]) -> list[str]:
+    """Sequential, then concurrent: the designs over one actor class each take turns in ``ROUNDS``
+    rounds; the per-batch design (its groups would clash with the pool's) runs alone, after."""
     rows = []
-    for design in designs:
-        cls = DESIGNS[design]
-        actor = ray.remote(cls).options(num_cpus=0).remote(json.dumps(layout))
-        client = PoolClient(actor, "bench")
-        n = max(8, batches // 20) if design == "group per batch" else batches  # the old design is slow
-        asyncio.run(run(client, 4, 1))  # warm up the actor and the client's path
-        for mode, concurrency in (("sequential", 1), (f"concurrent {CONCURRENCY}", CONCURRENCY)):
-            times, wall = asyncio.run(run(client, n, concurrency))
-            rows.append(row(setup, design, mode, times, wall))
-            print(rows[-1], flush=True)
+    actors: dict[type, Any] = {}
+    for cls in dict.fromkeys(DESIGNS[d][0] for d in designs if d != "group per batch"):
+        actors[cls] = ray.remote(cls).options(num_cpus=0).remote(json.dumps(layout))
+    shared = [d for d in designs if d != "group per batch"]
+    rows += rounds(setup, shared, actors, batches)
+    for actor in actors.values():
         ray.kill(actor)
-        remove_leftovers()  # a killed service's groups outlive it (Ray ties them to the job)
+    remove_leftovers()  # whatever of the killed services' groups Ray has not reaped yet
+    if "group per batch" in designs:
+        actor = ray.remote(PerBatchService).options(num_cpus=0).remote(json.dumps(layout))
+        rows += rounds(setup, ["group per batch"], {PerBatchService: actor}, max(8, batches // 20))  # it is slow
+        ray.kill(actor)
+        remove_leftovers()
+    return rows
+
+
+def rounds(setup: str, designs: list[str], actors: dict[type, Any], batches: int) -> list[str]:
+    clients = {d: PoolClient(actors[DESIGNS[d][0]], "bench", **DESIGNS[d][1]) for d in designs}
+    for client in clients.values():
+        asyncio.run(run(client, 4, 1))  # warm up the actor and the client's path
+    rows = []
+    for mode, concurrency in (("sequential", 1), (f"concurrent {CONCURRENCY}", CONCURRENCY)):
+        times: dict[str, list[float]] = {d: [] for d in designs}
+        walls = dict.fromkeys(designs, 0.0)
+        for _ in range(ROUNDS):
+            for d in designs:
+                t, wall = asyncio.run(run(clients[d], max(1, batches // ROUNDS), concurrency))
+                times[d] += t
+                walls[d] += wall
+        for d in designs:
+            rows.append(row(setup, d, mode, times[d], walls[d]))
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -159,18 +193,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="few batches, the pool's design only")
     ap.add_argument("--batches", type=int, default=1000, help="batches per measurement (default 1000)")
+    ap.add_argument("--design", action="append", choices=list(DESIGNS), help="only these designs (repeatable)")
+    ap.add_argument("--setup", action="append", choices=["1", "4"], help="only 1 node or only 4 nodes")
     args = ap.parse_args()
     batches = 40 if args.smoke else args.batches
-    designs = ["group per node"] if args.smoke else list(DESIGNS)
+    designs = args.design or (["group per node"] if args.smoke else list(DESIGNS))
+    setups = args.setup or ["1", "4"]
     print(f"acquire+release of one {BATCH}-token batch through PlacementPoolService (PoolClient over an actor)")
     print(f"{'setup':<8} {'design':<18} {'mode':<12} {'batches':>7} {'p50 ms':>8} {'p99 ms':>8} {'batches/s':>10}")
 
-    ray.init(address="local", num_cpus=10, num_gpus=8, include_dashboard=False, logging_level="warning",
-             log_to_driver=False)
-    try:
-        measure("1 node", {"127.0.0.1": NODE}, batches, designs)
-    finally:
-        ray.shutdown()
+    if "1" in setups:
+        ray.init(address="local", num_cpus=10, num_gpus=8, include_dashboard=False, logging_level="warning",
+                 log_to_driver=False)
+        try:
+            measure("1 node", {"127.0.0.1": NODE}, batches, designs)
+        finally:
+            ray.shutdown()
+    if "4" not in setups:
+        return
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
                                                             "include_dashboard": False})

@@ -135,3 +135,136 @@ def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):
 
     asyncio.run(scenario())
     ray.kill(actor)
+
+
+
+# ---- work waiting on a bundle whose group Ray reports lost ---------------------------------------------
+
+
+def _hang(cancelled: list):
+    async def hang():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+    return hang()
+
+
+async def _fail_after(seconds: float):
+    await asyncio.sleep(seconds)
+    raise KeyError("the work's own error")
+
+
+def test_a_wait_on_bundle_work_ends_as_infra_sandbox_once_its_group_is_lost_and_cancels_the_work():
+    from rayapp.actors.bundle_watch import GroupStates, watched
+    from rayapp.core.clock import run_virtual
+    from rayapp.core.termination import AbortReason, SandboxError, classify_abort
+
+    reported = {"g": "CREATED", "other": "CREATED"}
+    states = GroupStates(max_age_s=1.0, read=lambda: dict(reported))
+    cancelled: list = []
+
+    async def scenario():
+        waiter = asyncio.create_task(watched(_hang(cancelled), "g", "bundle g[0] on n", states))
+        bystander = asyncio.create_task(watched(_hang([]), "other", "bundle other[0] on n", states))
+        await asyncio.sleep(30)
+        assert not waiter.done() and not cancelled  # its group is CREATED: it waits as long as the work
+        reported["g"] = "RESCHEDULING"
+        with pytest.raises(SandboxError, match=r"bundle g\[0\] on n is lost .*RESCHEDULING") as info:
+            await waiter
+        assert classify_abort(info.value) is AbortReason.INFRA_SANDBOX
+        assert cancelled == [True]  # the work itself was cancelled, not left running for nobody
+        await asyncio.sleep(5)
+        assert not bystander.done()  # another group's work is untouched
+        bystander.cancel()
+        # Work that ends first gives its own result or error, whatever its group's state.
+        assert await watched(asyncio.sleep(0.5, "done"), "g", "w", states) == "done"
+        with pytest.raises(KeyError, match="own error"):
+            await watched(_fail_after(0.5), "other", "w", states)
+
+    run_virtual(scenario())
+
+
+def test_an_unreadable_group_table_is_not_a_lost_group_and_waiters_share_one_read_per_period():
+    from rayapp.actors.bundle_watch import GroupStates, watched
+    from rayapp.core.clock import run_virtual
+
+    reads: list = []
+
+    def read():
+        reads.append(1)  # counted; the GCS answers with an error
+        raise TimeoutError("GCS unavailable")
+
+    states = GroupStates(max_age_s=1.0, read=read)
+
+    async def scenario():
+        waiters = [asyncio.create_task(watched(asyncio.sleep(20, i), "g", "w", states)) for i in range(50)]
+        return await asyncio.gather(*waiters)
+
+    assert run_virtual(scenario()) == list(range(50))  # nothing known of the group: the work ran to its end
+    assert 0 < len(reads) <= 21  # 50 waiters polling every second for 20 s: one shared read per period
+
+
+def test_work_still_waiting_for_its_bundle_when_the_group_is_lost_aborts_and_leaves_the_bundle_free(
+        ray_session, pool, monkeypatch):
+    """Ray keeps a task that waits for a bundle pending while its group is RESCHEDULING (a dead node;
+    here the group's state is reported so, since one local node cannot lose itself): the wait ends as
+    infra_sandbox, and the waiting and running tasks are cancelled, so the bundle serves again."""
+    import time
+
+    from rayapp.actors import bundle_watch
+    from rayapp.actors.pool import run_in_bundle
+    from rayapp.core.termination import SandboxError
+    from rayapp.types import BatchRequest
+
+    quarter = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
+    request = BatchRequest(Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1), quarter, 4, label="full")
+
+    async def scenario():
+        tokens = await pool.acquire_batch(request)
+        try:
+            assert len({(t.placement_group, t.bundle_index) for t in tokens}) == 1  # four quarters, one GPU
+            busy = [asyncio.create_task(run_in_bundle(t, time.sleep, 600, timeout_s=900)) for t in tokens]
+            waiting = asyncio.create_task(run_in_bundle(tokens[0], sum, [1, 2], timeout_s=900))
+            await asyncio.sleep(3)
+            assert not waiting.done()  # the bundle is full: Ray keeps it pending
+            group_id = ray_session.util.get_placement_group(tokens[0].placement_group).id.hex()
+            real = bundle_watch.read_group_states
+            monkeypatch.setattr(bundle_watch.STATES, "read", lambda: {**real(), group_id: "RESCHEDULING"})
+            for work in (waiting, *busy):
+                with pytest.raises(SandboxError, match="is lost while work waited there"):
+                    await asyncio.wait_for(work, 120)
+            monkeypatch.setattr(bundle_watch.STATES, "read", real)
+            await asyncio.sleep(2 * bundle_watch.LOST_POLL_S)  # the next reading sees the group CREATED
+            # Nothing of the cancelled work holds the bundle: four quarters fit again at once.
+            assert await asyncio.gather(*(run_in_bundle(t, sum, [1, 2], timeout_s=120) for t in tokens)) == [3] * 4
+        finally:
+            await pool.release_batch(tokens)
+
+    asyncio.run(scenario())
+
+
+def test_a_sandbox_host_that_cannot_start_in_a_removed_group_is_a_sandbox_fault():
+    """Ray refuses to create a host whose bundle's group was removed after the sample looked it up
+    (a pool replica restarting): that is the lost-bundle class, like every other."""
+    from ray.exceptions import ActorUnschedulableError
+
+    from rayapp.actors.sandbox import BundleSandbox
+    from rayapp.core.termination import AbortReason, SandboxError, classify_abort
+    from rayapp.envs.sandboxes import SandboxLimits
+
+    async def refused():
+        raise ActorUnschedulableError("Could not create the actor because its associated placement group was "
+                                      "removed.")
+
+    class Host:
+        class start:  # an actor method's shape: start.remote(...)
+            @staticmethod
+            def remote(*args):
+                return refused()
+
+    box = BundleSandbox(Host(), SandboxLimits(wall_seconds=1, cpu_seconds=1), "bundle g[0] on n", "g")
+    with pytest.raises(SandboxError, match=r"sandbox in bundle g\[0\] on n could not start") as info:
+        asyncio.run(box.start())
+    assert classify_abort(info.value) is AbortReason.INFRA_SANDBOX

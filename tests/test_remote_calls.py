@@ -145,7 +145,7 @@ def test_bundle_sandbox_maps_a_late_answer_and_a_lost_host_to_infra_sandbox():
     limits = SandboxLimits(wall_seconds=1, cpu_seconds=1)
     actor = FakeHandle(write_file=hang, read_file=raising(RayActorError()), exec=raising(RayTaskError(
         "exec", "AgentTimeout: command ran past its limit", AgentTimeout("command ran past its limit"))))
-    box = BundleSandbox(actor, limits, "bundle g[0] on n")
+    box = BundleSandbox(actor, limits, "bundle g[0] on n", "g")
     with pytest.raises(SandboxError, match=r"sandbox in bundle g\[0\] on n: write_file gave no answer"):
         run(box._call("write_file", "x", "y", timeout_s=0.01))
     assert actor.responses[0].cancelled

@@ -26,16 +26,18 @@ first GPU's, or the CPU/memory bundle when it holds no GPU): ``reserve`` is a di
 Ray counts GPU in steps of 1e-4: finer GPU shares than that are not supported.
 
 A node that dies loses its group's bundles: work running there fails (``SandboxError`` through
-``rayapp.actors.remote``), and work sent there later fails at once instead of waiting; the other
-nodes' groups carry on. The service reads its groups' states every ``state_poll_s`` seconds (a
-background task it owns, and before admitting when the last reading is older than that) and cordons
-a node whose group is not CREATED: no new token goes there, it leaves ``capacity_for`` (a batch that
-can no longer fit fails at once), and it is uncordoned if its group is CREATED again. Only the
-samples that held tokens there when it died abort; ``placement()`` lists such nodes under
-``lost_nodes`` and ``cordoned``. At start-up the service removes every group
-named with the ``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
-design), then makes its own. Ray ties a group to the job that made it, not to the actor, so a crashed
-service's groups live on until the next one starts; a service stopped in order removes its own.
+``rayapp.actors.remote``), work still waiting for its bundle there fails within about
+``bundle_watch.LOST_POLL_S`` seconds (Ray would keep it pending), and work sent there later fails at
+once instead of waiting; the other nodes' groups carry on. The service reads its groups' states
+every ``state_poll_s`` seconds (a background task it owns; before admitting, only when that task is a
+whole period late) and cordons a node whose group is not CREATED: no new token goes there, it leaves
+``capacity_for`` (a batch that can no longer fit fails at once), and it is uncordoned if its group is
+CREATED again. Only the samples that held tokens there when it died abort; ``placement()`` lists such
+nodes under ``lost_nodes`` and ``cordoned``. At start-up the service removes every group named with the
+``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
+design), then makes its own. Ray removes a group when the actor that made it dies (the chaos run
+sees a killed replica's groups gone at once), so the samples in flight then lose their bundles
+(``infra_sandbox``); a service stopped in order removes its own.
 
 Layout node names resolve to Ray nodes as ``rayapp.actors.nodes`` says; with no layout, the pool
 reads one off what the live cluster leaves free (``layout_from_cluster``).
@@ -56,7 +58,9 @@ from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayapp.actors.bundle_watch import watched
 from rayapp.actors.nodes import layout_from_cluster, resolve_nodes
+from rayapp.actors.pool_wire import pack, unpack_request, unpack_tokens
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.leases import LEASE_S, LeasedPool
@@ -71,6 +75,7 @@ GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<lay
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
 RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
 STATE_POLL_S = 2.0  # how often the service reads its groups' states (a lost node is cordoned within this)
+STALE_POLLS = 2  # a caller reads the states itself only when the last reading is this many periods old
 STATE_READ_TIMEOUT_S = 10.0  # one reading of the placement group table from the GCS
 
 
@@ -225,15 +230,16 @@ def _call(fn: Any, *args: Any) -> Any:
 
 async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: float = 300.0) -> Any:
     """Run ``fn(*args)`` as a Ray task inside the token's bundle, asking for the token's share, so Ray
-    holds it to what the ledger granted. A lost worker, node or bundle is a sandbox fault; a timeout
-    kills the task."""
+    holds it to what the ledger granted. A lost worker, node or bundle is a sandbox fault, also while
+    the task still waits for its bundle (``bundle_watch``); a timeout kills the task."""
     if token is None or not token.placement_group:
         return await asyncio.to_thread(fn, *args)
-    ref = _call.options(**work_options(token)).remote(fn, *args)
+    options = work_options(token)
+    ref = _call.options(**options).remote(fn, *args)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
-    return await bounded(ref, timeout_s, force=True,
-                         late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),
-                         lost=lambda e: SandboxError(f"work in {where} was lost: {e}"))
+    work = bounded(ref, timeout_s, force=True, late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),
+                   lost=lambda e: SandboxError(f"work in {where} was lost: {e}"))
+    return await watched(work, options["scheduling_strategy"].placement_group.id.hex(), where)
 
 
 class PlacementPoolService:
@@ -295,15 +301,16 @@ class PlacementPoolService:
 
     async def _ready(self) -> None:
         """Before admitting: the watcher runs (started on the replica's loop at its first call), and
-        the states are no older than ``state_poll_s``."""
+        the states are no older than twice ``state_poll_s``. The watcher alone reads every period (a
+        reading is just past one period old when it reads again); a caller reads only when the
+        watcher is behind by a whole period (a slow GCS), so the states are read once per period."""
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(self._watch_groups())
-        await self._refresh(self.state_poll_s)
+        await self._refresh(STALE_POLLS * self.state_poll_s)
 
     def __del__(self) -> None:
-        # Ray removes a group when the job that made it ends, not when this actor dies: a replica
-        # stopped in order (Serve calls __del__) gives its groups back now; a crashed one's are
-        # removed by the next service at start-up.
+        # A replica stopped in order (Serve calls __del__) gives its groups back now, not when Ray
+        # reaps the dead actor's; what any other creator left is removed by the next service's start.
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.cancel()
@@ -314,9 +321,12 @@ class PlacementPoolService:
             except Exception as e:  # Ray already gone (interpreter shutdown): nothing left to free
                 log.debug("removing the pool's placement groups failed: %s", e)
 
-    async def acquire_batch(self, request: BatchRequest, request_id: str | None = None) -> list[Token]:
+    async def acquire_batch(self, request: BatchRequest | bytes, request_id: str | None = None) -> list[Token] | bytes:
+        """A request sent packed (``pool_wire``) is answered packed."""
+        plain = unpack_request(request)
         await self._ready()
-        return await self.pool.acquire_batch(request, request_id)
+        tokens = await self.pool.acquire_batch(plain, request_id)
+        return pack(tokens) if isinstance(request, bytes) else tokens
 
     async def cancel(self, request_id: str) -> str:
         """The caller of ``request_id`` is gone: withdraw its acquire or free what it was granted."""
@@ -326,11 +336,11 @@ class PlacementPoolService:
         """``owner`` is alive: its batches are kept another lease period."""
         self.pool.renew(owner)
 
-    async def release_tokens(self, tokens: list[Token]) -> None:
-        await self.pool.release_tokens(tokens)
+    async def release_tokens(self, tokens: list[Token] | bytes) -> None:
+        await self.pool.release_tokens(unpack_tokens(tokens, "release_tokens"))
 
-    async def release_batch(self, tokens: list[Token]) -> None:
-        await self.pool.release_batch(tokens)
+    async def release_batch(self, tokens: list[Token] | bytes) -> None:
+        await self.pool.release_batch(unpack_tokens(tokens, "release_batch"))
 
     async def release_owner(self, owner: str) -> int:
         """Free what a restarted manager's predecessor held, and cancel its waiting acquires."""

@@ -13,6 +13,14 @@ predecessor held. A grant must never outlive its caller:
   background, so a client that hangs or dies stops renewing and the pool frees its batches;
 * a release that fails for want of an answer (a timeout, a lost replica) is retried with backoff
   and logged each time; a release the pool refuses (a PoolError) is not retried.
+
+With ``packed`` the request and the tokens travel as msgpack bytes (``pool_wire``): Ray pickles
+nothing per token. With ``background_release`` a release costs its caller no round trip: ``release_batch`` and
+``release_tokens`` return once the call is sent, and its answer is awaited (and retried as above)
+in the background, never cancelled with its caller; a refusal is logged instead of raised, and
+``drain()`` waits for the releases in flight. Calls of one client to one actor run in the order
+sent, so the pool frees the tokens before it sees this client's next acquire. The owner's lease
+still frees what a release that never lands held.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from rayapp.actors.pool_wire import pack, unpack_tokens
 from rayapp.actors.remote import bounded, is_lost
 from rayapp.core.units import PoolError
 from rayapp.types import BatchRequest, Resource, Token
@@ -37,10 +46,13 @@ RELEASE_BACKOFF_S = 0.5  # doubled after each failed try
 
 
 class PoolClient:
-    def __init__(self, handle: Any, owner: str, call_timeout_s: float = 60.0, renew_s: float = RENEW_S):
+    def __init__(self, handle: Any, owner: str, call_timeout_s: float = 60.0, renew_s: float = RENEW_S,
+                 background_release: bool = False, packed: bool = False):
         self.handle, self.owner, self.call_timeout_s, self.renew_s = handle, owner, call_timeout_s, renew_s
+        self.background_release, self.packed = background_release, packed
         self._renewer: asyncio.Task | None = None
         self._cancels: set[asyncio.Task] = set()  # best-effort cancels in flight (kept from the GC)
+        self._releases: set[asyncio.Task] = set()  # background releases in flight (kept from the GC)
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         return await bounded(getattr(self.handle, method).remote(*args), timeout_s or self.call_timeout_s)
@@ -69,7 +81,9 @@ class PoolClient:
         self._keep_renewing()
         request_id = uuid.uuid4().hex
         try:
-            return await self._call("acquire_batch", request, request_id, timeout_s=wait_s + self.call_timeout_s)
+            answer = await self._call("acquire_batch", pack(request) if self.packed else request, request_id,
+                                      timeout_s=wait_s + self.call_timeout_s)
+            return unpack_tokens(answer, "acquire_batch")
         except (TimeoutError, asyncio.CancelledError):
             # The pool may have granted it meanwhile, or may still be waiting: nobody takes it now.
             task = asyncio.get_running_loop().create_task(self._cancel(request_id, request.label))
@@ -93,22 +107,50 @@ class PoolClient:
         await self._release("release_tokens", tokens)
 
     async def _release(self, method: str, tokens: list[Token]) -> None:
+        payload = pack(tokens) if self.packed else tokens
+        if not self.background_release:
+            return await self._release_tries(method, payload, len(tokens))
+        sent = getattr(self.handle, method).remote(payload)  # sent now, ahead of this client's next call
+        task = asyncio.get_running_loop().create_task(self._settle(method, payload, len(tokens), sent))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _settle(self, method: str, payload: Any, n: int, sent: Any) -> None:
+        """A background release's answer; retried as an awaited one would be, logged, never raised.
+        Only its answer is abandoned if the loop ends first: the call itself is not cancelled."""
+        try:
+            await self._release_tries(method, payload, n, sent)
+        except Exception as e:
+            log.error("pool: background %s of %d tokens failed: %s: %s", method, n, type(e).__name__, e)
+
+    async def drain(self) -> None:
+        """Wait for the background releases in flight (their failures are logged, not raised)."""
+        while self._releases:
+            await asyncio.wait(set(self._releases))
+
+    async def _release_tries(self, method: str, payload: Any, n: int, sent: Any = None) -> None:
         """Retried with backoff while the pool gives no answer; the pool tolerates a release that
-        already landed (a batch freed already is ignored), so a retry after a lost answer is safe."""
+        already landed (a batch freed already is ignored), so a retry after a lost answer is safe.
+        ``payload``: the ``n`` tokens as sent (packed or not); ``sent``: the first try's call, already
+        sent and not to be cancelled (a background release)."""
         delay = RELEASE_BACKOFF_S
         for attempt in range(1, RELEASE_TRIES + 1):
             try:
-                await self._call(method, tokens)
+                if sent is not None:
+                    first, sent = asyncio.ensure_future(sent), None
+                    await asyncio.wait_for(asyncio.shield(first), self.call_timeout_s)
+                else:
+                    await self._call(method, payload)
                 return
             except PoolError:
                 raise  # refused: the same call would be refused again
             except Exception as e:
                 if not (isinstance(e, TimeoutError) or is_lost(e)) or attempt == RELEASE_TRIES:
                     log.error("pool: %s of %d tokens failed for good (try %d): %s; the owner's lease frees "
-                              "them", method, len(tokens), attempt, e)
+                              "them", method, n, attempt, e)
                     raise
                 log.warning("pool: %s of %d tokens failed (try %d of %d), retrying in %.1fs: %s", method,
-                            len(tokens), attempt, RELEASE_TRIES, delay, e)
+                            n, attempt, RELEASE_TRIES, delay, e)
             await asyncio.sleep(delay)
             delay *= 2
 

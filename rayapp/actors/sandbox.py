@@ -6,9 +6,9 @@ on the node, and under the reservation, that the ledger granted. The host asks f
 the token's share is asked for by the sample's function calls (``run_in_bundle``), and a sandbox that
 asked too would make an agent that keeps its sandbox open while it calls one wait on itself. The
 agent talks to it through ``BundleSandbox``, which has the ``Sandbox`` interface: every call is
-bounded, and a lost actor or bundle (killed, its node gone) is a ``SandboxError``
-(``infra_sandbox``). Without a placement group (an ungated recipe, a unit test) the sandbox runs in
-the calling process.
+bounded, and a lost actor or bundle (killed, its node gone, also while the host still waits to
+start there: ``rayapp.actors.bundle_watch``) is a ``SandboxError`` (``infra_sandbox``). Without a
+placement group (an ungated recipe, a unit test) the sandbox runs in the calling process.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnschedulableError
 
+from rayapp.actors.bundle_watch import watched
 from rayapp.actors.pool import bundle_strategy
 from rayapp.actors.remote import bounded
 from rayapp.core.termination import SandboxError
@@ -49,16 +51,21 @@ class SandboxHost:
 
 
 class BundleSandbox:
-    def __init__(self, actor: Any, limits: SandboxLimits, where: str):
-        self.actor, self.limits, self.where = actor, limits, where
+    def __init__(self, actor: Any, limits: SandboxLimits, where: str, group_id: str):
+        self.actor, self.limits, self.where, self.group_id = actor, limits, where, group_id
         self.workdir, self.network_isolated, self.node_id = "", False, ""
 
     async def _call(self, method: str, *args: Any, timeout_s: float) -> Any:
-        # The host's own errors (SandboxError, AgentTimeout, ValueError) come back as themselves.
-        return await bounded(
+        # The host's own errors (SandboxError, AgentTimeout, ValueError) come back as themselves. A host
+        # still waiting for its bundle when the node died would wait for ever: the group is watched.
+        call = bounded(
             getattr(self.actor, method).remote(*args), timeout_s,
             late=lambda: SandboxError(f"sandbox in {self.where}: {method} gave no answer within {timeout_s:.0f}s"),
             lost=lambda e: SandboxError(f"sandbox in {self.where} was lost: {e}"))
+        try:
+            return await watched(call, self.group_id, f"sandbox in {self.where}")
+        except ActorUnschedulableError as e:  # its bundle's group was removed before the host started
+            raise SandboxError(f"sandbox in {self.where} could not start: {e}") from e
 
     async def start(self, kind: str = "local", timeout_s: float = 120.0, **kw: Any) -> BundleSandbox:
         info = await self._call("start", kind, self.limits, kw, timeout_s=timeout_s)
@@ -91,9 +98,11 @@ async def open_sandbox(token: Token | None, kind: str = "local", limits: Sandbox
     if token is None or not token.placement_group:
         return await make_sandbox(kind, limits, **kw)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
-    actor = SandboxHost.options(scheduling_strategy=bundle_strategy(token)).remote()
+    strategy = bundle_strategy(token)
+    actor = SandboxHost.options(scheduling_strategy=strategy).remote()
     try:
-        return await BundleSandbox(actor, limits, where).start(kind, start_timeout_s, **kw)
+        return await BundleSandbox(actor, limits, where, strategy.placement_group.id.hex()).start(
+            kind, start_timeout_s, **kw)
     except BaseException:
         ray.kill(actor)
         raise

@@ -48,9 +48,13 @@ def where_am_i(delay: float) -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), ray.util.get_current_placement_group().id.hex()
 
 
-def make_spec(delay: float, seen: list) -> EvaluatorSpec:
+def make_spec(delay: float, seen: list, pieces: int = 1) -> EvaluatorSpec:
+    """Each sample runs ``pieces`` tasks at once in its bundle: past four quarters of one GPU's bundle
+    the rest wait there for a free share."""
     async def run(sample, ctx):
-        node_id, group_id = await run_in_bundle(ctx.token, where_am_i, delay, timeout_s=120)
+        done = await asyncio.gather(*(run_in_bundle(ctx.token, where_am_i, delay, timeout_s=120)
+                                      for _ in range(pieces)))
+        node_id, group_id = done[0]
         seen.append((ctx.token.node, node_id, group_id))
         return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label))
 
@@ -92,14 +96,17 @@ def test_a_node_removed_mid_run_aborts_its_samples_and_the_step_returns_them_all
     pool = start_pool()
     initial = ray.get(pool.snapshot.remote(), timeout=60)
     seen: list = []
-    sched = TaskScheduler([make_spec(8.0, seen)], ArithmeticSource(seed=1), PoolClient(pool, "t2"),
+    # Three pieces per sample: some wait for their share in node-b's bundle when it dies. Ray keeps
+    # those pending (its group is RESCHEDULING) until their 120 s timeout; the bundle watch ends them
+    # as infra_sandbox instead.
+    sched = TaskScheduler([make_spec(8.0, seen, pieces=3)], ArithmeticSource(seed=1), PoolClient(pool, "t2"),
                           SchedulerConfig(rollout_batch_size=4, progress=False))
 
     async def scenario():
         step = asyncio.create_task(sched.execute_rollout(0))
         await asyncio.sleep(4.0)  # every sample is inside its bundle by now
         await asyncio.to_thread(c.remove_node, nodes["node-b"])
-        return await asyncio.wait_for(step, 120)
+        return await asyncio.wait_for(step, 300)
 
     result = asyncio.run(scenario())
     samples = [s for g in result.groups for s in g]

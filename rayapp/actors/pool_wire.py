@@ -1,0 +1,42 @@
+"""The pool's calls packed: a batch request and its tokens as msgpack bytes on the wire.
+
+Ray pickles an argument or a result it does not know with cloudpickle, one object at a time: for a
+batch of tokens (msgspec structs) that is most of what an acquire or a release costs beyond Ray's
+own round trip (``bench/ray_pool.py``). Packed, each call moves one bytes object, which Ray copies
+as it is. ``PoolClient(packed=True)`` packs; the service answers a packed request packed and
+takes packed or plain tokens alike, so plain callers (tests, tools) keep working.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rayapp.core.units import PoolError
+from rayapp.types import BatchRequest, Token
+
+_ENCODER = msgspec.msgpack.Encoder()
+_TOKENS = msgspec.msgpack.Decoder(list[Token])
+_REQUEST = msgspec.msgpack.Decoder(BatchRequest)
+
+
+def pack(value: BatchRequest | list[Token]) -> bytes:
+    return _ENCODER.encode(value)
+
+
+def unpack_tokens(tokens: list[Token] | bytes, where: str) -> list[Token]:
+    """Tokens as sent: packed bytes are decoded (and checked), a list passes as it is."""
+    if not isinstance(tokens, bytes):
+        return tokens
+    try:
+        return _TOKENS.decode(tokens)
+    except msgspec.DecodeError as e:
+        raise PoolError(f"{where}: the packed tokens do not decode: {e}") from None
+
+
+def unpack_request(request: BatchRequest | bytes) -> BatchRequest:
+    if not isinstance(request, bytes):
+        return request
+    try:
+        return _REQUEST.decode(request)
+    except msgspec.DecodeError as e:
+        raise PoolError(f"acquire_batch: the packed request does not decode: {e}") from None

@@ -342,3 +342,32 @@ def test_an_owner_that_stops_renewing_has_its_batches_freed_after_the_lease(ray_
         assert ray.get(actor.release_owner.remote("live"), timeout=30) == 1
     finally:
         ray.kill(actor)
+
+
+def test_work_for_a_sample_is_named_after_its_episode_in_the_dashboard(ray_session, pool):
+    # the verifier's task and the sandbox host a sample starts carry its episode (EPISODE, set by the
+    # evaluator), so a person can follow the sample in the dashboard's task and actor lists
+    ray = ray_session
+    from rayapp.actors.pool import run_in_bundle
+    from rayapp.actors.sandbox import open_sandbox
+    from rayapp.episode import EPISODE
+
+    def task_name():
+        return ray.get_runtime_context().get_task_name()
+
+    budget = Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1)
+    tokens = ray.get(pool.acquire_batch.remote(BatchRequest(budget, QUARTER, 1, label="named")), timeout=30)
+    try:
+        async def episode():
+            EPISODE.set("rollout3/swe-2#1")
+            name = await run_in_bundle(tokens[0], task_name, timeout_s=60)
+            sandbox = await open_sandbox(tokens[0])
+            try:
+                host = await sandbox.actor.__ray_call__.remote(lambda self: repr(self))
+            finally:
+                await sandbox.close()
+            return name, host
+
+        assert asyncio.run(episode()) == ("task_name rollout3/swe-2#1", "SandboxHost(rollout3/swe-2#1)")
+    finally:
+        ray.get(pool.release_batch.remote(tokens), timeout=30)

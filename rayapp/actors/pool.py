@@ -66,6 +66,7 @@ from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.leases import LEASE_S, LeasedPool
 from rayapp.core.termination import AgentTimeout, SandboxError
 from rayapp.core.units import CPU_UNIT, MEM_UNIT, to_units
+from rayapp.episode import EPISODE
 from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,13 @@ def _call(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+def work_name(fn: Any) -> str:
+    """The dashboard's name for ``fn`` run for the episode in flight: ``verify rollout3/math-12#0``."""
+    episode = EPISODE.get()
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return f"{name} {episode}" if episode else name
+
+
 async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: float = 300.0) -> Any:
     """Run ``fn(*args)`` as a Ray task inside the token's bundle, asking for the token's share, so Ray
     holds it to what the ledger granted. A lost worker, node or bundle is a sandbox fault, also while
@@ -235,7 +243,7 @@ async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: flo
     if token is None or not token.placement_group:
         return await asyncio.to_thread(fn, *args)
     options = work_options(token)
-    ref = _call.options(**options).remote(fn, *args)
+    ref = _call.options(**options, name=work_name(fn)).remote(fn, *args)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
     work = bounded(ref, timeout_s, force=True, late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),
                    lost=lambda e: SandboxError(f"work in {where} was lost: {e}"))

@@ -23,6 +23,7 @@ from rayapp.actors.pool import bundle_strategy
 from rayapp.actors.remote import bounded
 from rayapp.core.termination import SandboxError
 from rayapp.envs.sandboxes import DEFAULT_LIMITS, ExecResult, Sandbox, SandboxLimits, make_sandbox
+from rayapp.episode import EPISODE
 from rayapp.types import Token
 
 MARGIN_S = 30.0  # on top of a command's own wall clock, for the call across processes
@@ -30,7 +31,14 @@ MARGIN_S = 30.0  # on top of a command's own wall clock, for the call across pro
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=16)
 class SandboxHost:
-    """Hosts one sandbox inside a bundle; the token's share is its function calls' to ask for."""
+    """Hosts one sandbox inside a bundle; the token's share is its function calls' to ask for. The
+    dashboard shows it by its repr: the episode it serves (``SandboxHost(rollout3/swe-2#1)``)."""
+
+    def __init__(self, episode: str | None = None):
+        self.episode = episode or "-"
+
+    def __repr__(self) -> str:
+        return f"SandboxHost({self.episode})"
 
     async def start(self, kind: str, limits: SandboxLimits, kw: dict[str, Any]) -> dict[str, Any]:
         self.sandbox = await make_sandbox(kind, limits, **kw)
@@ -99,7 +107,7 @@ async def open_sandbox(token: Token | None, kind: str = "local", limits: Sandbox
         return await make_sandbox(kind, limits, **kw)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
     strategy = bundle_strategy(token)
-    actor = SandboxHost.options(scheduling_strategy=strategy).remote()
+    actor = SandboxHost.options(scheduling_strategy=strategy).remote(EPISODE.get())
     try:
         return await BundleSandbox(actor, limits, where, strategy.placement_group.id.hex()).start(
             kind, start_timeout_s, **kw)

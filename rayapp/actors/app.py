@@ -31,6 +31,9 @@ from rayapp.recipe import ARGS_SOURCE, check_live_gpus, load_recipe, parse_recip
 
 # Waiting acquires are long-lived requests: the pool must take many at once.
 POOL_MAX_ONGOING = 100_000
+# Serve's controller notices a dead replica at its next health check (10 s by default): the pool and
+# the manager are single replicas every step needs, so they are checked every 2 s.
+CONTROL_HEALTH_CHECK_S = 2.0
 # The pool and the manager live on the head node: losing a worker node must not take the ledger along.
 HEAD = "node:__internal_head__"
 
@@ -59,10 +62,10 @@ def build_app(args: dict[str, Any]) -> Application:
     if cfg.pool.gate:
         p = cfg.pool
         pool = serve.deployment(PlacementPoolService, name="PlacementPoolService", num_replicas=1,
-                                max_ongoing_requests=POOL_MAX_ONGOING,
+                                max_ongoing_requests=POOL_MAX_ONGOING, health_check_period_s=CONTROL_HEALTH_CHECK_S,
                                 ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}}).bind(
             p.cluster_layout, p.num_cpus, p.memory_gb, p.pg_ready_timeout_s)
     manager = serve.deployment(SchedulerRolloutManager, name="SchedulerRolloutManager", num_replicas=1,
-                               max_ongoing_requests=1_000,
+                               max_ongoing_requests=1_000, health_check_period_s=CONTROL_HEALTH_CHECK_S,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
     return manager.bind(args, engines, pool)

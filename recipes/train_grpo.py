@@ -40,7 +40,8 @@ def stale_samples(groups: list, version: int) -> int:
 
 
 def tool_share(groups: list) -> float:
-    samples = [s for g in groups for s in g]
+    """The share of arithmetic problems' samples that called the calculator (took a second turn)."""
+    samples = [s for g in groups for s in g if s.metadata.get("kind") == "arithmetic"]
     return sum(1 for s in samples if s.metadata.get("_turns", 0) > 1) / max(1, len(samples))
 
 
@@ -63,6 +64,8 @@ def plot(history: list[dict], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [h["step"] for h in history if "reward_mean" in h]
     ax.plot(steps, [h["reward_mean"] for h in history if "reward_mean" in h], label="rollout reward (mean)", alpha=0.7)
+    ax.plot(steps, [h["tool_share"] for h in history if "reward_mean" in h], ":", color="grey",
+            label="arithmetic rollouts that call the calculator")
     ev = [h for h in history if "acc_arithmetic" in h]
     ax.plot([h["step"] for h in ev], [h["acc_arithmetic"] for h in ev], "o-", label="held-out accuracy: arithmetic")
     ax.plot([h["step"] for h in ev], [h["acc_word"] for h in ev], "s--", label="held-out accuracy: word problems")
@@ -106,9 +109,9 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
             raise RuntimeError(f"step {step}: weight update not on every replica at version {step}: {replies}")
         row = {"step": step, "t": round(time.monotonic() - t0, 1), **m, "tool_share": tool_share(result.groups),
                "stale_samples": float(stale), "replica_versions": versions}
-        line = (f"[{row['t']:6.1f}s] step {step}: reward {m['reward_mean']:.3f}, calculator used "
-                f"{row['tool_share']:.2f}, logprob diff before update {m['logprob_diff_first']:.1e} (max over "
-                f"micro-steps {m['logprob_diff_max']:.2f}), clipped {m['clip_frac']:.2f}, samples off-version "
+        line = (f"[{row['t']:6.1f}s] step {step}: reward {m['reward_mean']:.3f}, calculator called on "
+                f"{row['tool_share']:.2f} of arithmetic, logprob diff before update {m['logprob_diff_first']:.1e} "
+                f"(max over micro-steps {m['logprob_diff_max']:.2f}), clipped {m['clip_frac']:.2f}, off-version "
                 f"{stale}, replicas at version {versions}")
         if step % args.eval_every == 0 or step == args.steps:
             row |= evaluate(handle, step, args.timeout)

@@ -67,8 +67,9 @@ def plot(history: list[dict], path: Path) -> Path | None:
     ax.plot(steps, [h["tool_share"] for h in history if "reward_mean" in h], ":", color="grey",
             label="arithmetic rollouts that call the calculator")
     ev = [h for h in history if "acc_arithmetic" in h]
-    ax.plot([h["step"] for h in ev], [h["acc_arithmetic"] for h in ev], "o-", label="held-out accuracy: arithmetic")
-    ax.plot([h["step"] for h in ev], [h["acc_word"] for h in ev], "s--", label="held-out accuracy: word problems")
+    at = [h["step"] for h in ev]
+    ax.plot(at, [h["acc_arithmetic"] for h in ev], "o-", label="held-out accuracy (greedy): arithmetic")
+    ax.plot(at, [h["acc_word"] for h in ev], "s--", label="held-out accuracy (greedy): word problems")
     ax.set_xlabel("GRPO step (weights version)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("GRPO on the tiny model through the Serve app (CPU)")
@@ -137,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--address", default=None, help="a running cluster with the app; unset: start a local one")
     p.add_argument("--recipe", default=str(RECIPE))
     p.add_argument("--app", default="rayapp")
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps (each one rollout)")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps (each one rollout)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop after the step that passes this (0: none)")
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -1,9 +1,9 @@
 """The tiny CPU model the ``hf`` backend serves by default, built offline on first use.
 
 ``ensure_tiny_model()`` returns a folder that ``transformers`` loads with ``local_files_only=True``:
-a 2-layer Llama-shaped ``LlamaForCausalLM`` (safetensors) and a byte-level BPE tokenizer trained here
-on a corpus made by code (arithmetic Q&A, tool calls, English), with bos/eos/pad, chat role markers
-and a Jinja chat template. Guarantees:
+a 2-layer Llama-shaped ``LlamaForCausalLM`` (safetensors) and a byte-level BPE tokenizer (one token
+per digit) trained here on a corpus made by code (arithmetic Q&A, tool calls, English, the math
+environment's prompts), with bos/eos/pad, chat role markers and a Jinja chat template. Guarantees:
 
 - nothing touches the network: the corpus, the tokenizer and the weights are all made by this module;
 - the build is deterministic: fixed seeds, a fixed number of pretraining steps, one torch thread;
@@ -11,8 +11,11 @@ and a Jinja chat template. Guarantees:
   place with ``os.replace`` under an exclusive ``flock``, so a second process (or thread) waits for
   the first and then reuses its result; a folder is only ever used once its manifest is in place.
 
-The short pretraining teaches the model the chat format and the ``The answer is N.`` reply of the
-built-in arithmetic task, so rollouts produce well-formed text and, sometimes, the right answer.
+The short pretraining (``_pretrain_batches``) teaches the model the chat format, the ``The answer is
+N.`` reply, and the mechanics of the ``math`` environment's calculator (write the problem's expression
+into a call, copy the result into the answer) while it seldom chooses to call it: the model cannot do
+two-digit arithmetic itself, so its arithmetic accuracy starts near 0, and GRPO can raise it within
+minutes on CPU by learning to call the tool (``recipes/train_grpo.py``, ``docs/training.md``).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def plot(history: list[dict], path: Path) -> Path | None:
     ax.set_xlabel("GRPO step (weights version)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("GRPO on the tiny model through the Serve app (CPU)")
-    ax.legend(loc="upper left")
+    ax.legend(loc="center right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

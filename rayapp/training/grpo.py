@@ -105,14 +105,6 @@ def token_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, tempe
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def max_logprob_diff(model: Any, samples: Sequence[Sample], temperature: float = 1.0) -> float:
-    """The largest ``|recomputed - rollout|`` log-prob over the masked response tokens of ``samples``."""
-    b = make_batch(samples, [0.0] * len(samples))
-    with torch.no_grad():
-        new = token_logprobs(model, b.ids, b.attention, temperature)
-    return float(((new - b.old_logp).abs() * b.mask).max())
-
-
 class GRPOTrainer:
     """Holds the policy and its optimiser. ``step(groups)`` is one GRPO update on one rollout:
     advantages per group, then ``micro_steps`` optimiser steps on equal slices of the samples (the

@@ -141,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="GRPO steps (each one rollout)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop after the step that passes this (0: none)")
     p.add_argument("--eval-every", type=int, default=3)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--micro-steps", type=int, default=2, help="optimiser steps per rollout")
     p.add_argument("--seed", type=int, default=0)

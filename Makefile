@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dagger demo-core test lint bench clean
+.PHONY: demo demo-dagger demo-core demo-train test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 # Three DAgger iterations (rollout k, eval k) on the embedded default; artifacts in /tmp/rayapp-dagger-local.
 demo-dagger: $(STAMP)
 	$(BIN)/rayapp demo --recipe recipes/dagger_local/rollout.yaml --rollouts 3
+
+# GRPO through the Serve app on CPU (about 10 minutes): held-out accuracy and a plot in /tmp/rayapp-train.
+# matplotlib comes with the 'bench' extra; without it the run skips the plot and says so.
+demo-train: $(STAMP)
+	$(BIN)/python recipes/train_grpo.py
 
 demo-core: $(STAMP)
 	$(BIN)/python -m rayapp.demo

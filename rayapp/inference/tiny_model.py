@@ -1,9 +1,9 @@
 """The tiny CPU model the ``hf`` backend serves by default, built offline on first use.
 
 ``ensure_tiny_model()`` returns a folder that ``transformers`` loads with ``local_files_only=True``:
-a 2-layer Llama-shaped ``LlamaForCausalLM`` (safetensors) and a byte-level BPE tokenizer trained here
-on a corpus made by code (arithmetic Q&A, tool calls, English), with bos/eos/pad, chat role markers
-and a Jinja chat template. Guarantees:
+a 2-layer Llama-shaped ``LlamaForCausalLM`` (safetensors) and a byte-level BPE tokenizer (one token
+per digit) trained here on a corpus made by code (arithmetic Q&A, tool calls, English, the math
+environment's prompts), with bos/eos/pad, chat role markers and a Jinja chat template. Guarantees:
 
 - nothing touches the network: the corpus, the tokenizer and the weights are all made by this module;
 - the build is deterministic: fixed seeds, a fixed number of pretraining steps, one torch thread;
@@ -11,8 +11,11 @@ and a Jinja chat template. Guarantees:
   place with ``os.replace`` under an exclusive ``flock``, so a second process (or thread) waits for
   the first and then reuses its result; a folder is only ever used once its manifest is in place.
 
-The short pretraining teaches the model the chat format and the ``The answer is N.`` reply of the
-built-in arithmetic task, so rollouts produce well-formed text and, sometimes, the right answer.
+The short pretraining (``_pretrain_batches``) teaches the model the chat format, the ``The answer is
+N.`` reply, and the mechanics of the ``math`` environment's calculator (write the problem's expression
+into a call, copy the result into the answer) while it seldom chooses to call it: the model cannot do
+two-digit arithmetic itself, so its arithmetic accuracy starts near 0, and GRPO can raise it within
+minutes on CPU by learning to call the tool (``recipes/train_grpo.py``, ``docs/training.md``).
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 MODEL_NAME = "tiny-llama-v1"
-RECIPE_VERSION = 1  # bump when anything below changes what gets built
+RECIPE_VERSION = 2  # bump when anything below changes what gets built
 MANIFEST = "rayapp_tiny_model.json"  # written last: its presence marks a complete build
 SEED = 1234
-PRETRAIN_STEPS = 300
+PRETRAIN_STEPS = 1200
+# The share of the first reply token's loss a calculator-call example carries: the model learns how
+# to call the tool and read its result, but calls it first in only about one math prompt in ten, so
+# that reinforcement learning has a choice to learn (see ``_chat_examples``).
+TOOL_FIRST_TOKEN_WEIGHT = 0.1
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLES = ("system", "user", "assistant", "tool")
@@ -158,9 +165,13 @@ _ENGLISH = [
 
 
 def corpus_lines(n: int = 3000, seed: int = SEED) -> list[str]:
-    """Arithmetic Q&A, tool-call JSON and English sentences, made by code (no download)."""
+    """Arithmetic Q&A, tool-call JSON, English sentences and the math environment's prompts, made by
+    code (no download)."""
+    from rayapp.envs.agents.tools import describe
+    from rayapp.envs.datasets.math import INSTRUCTION
+
     rng = random.Random(seed)
-    lines = []
+    lines = [describe(["calculator"]), INSTRUCTION] * 20
     for i in range(n):
         question, answer = arithmetic_pair(rng)
         a, b = rng.randint(2, 99), rng.randint(2, 99)
@@ -169,7 +180,8 @@ def corpus_lines(n: int = 3000, seed: int = SEED) -> list[str]:
             lines.append(f"{question} {answer}")
         elif kind == 1:
             expr = question.removeprefix("What is ").removesuffix("?")
-            lines.append(f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>')
+            lines.append(f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
+                         f' {{"name": "calculator", "result": "{a}"}}')
         else:
             lines.append(rng.choice(_ENGLISH).format(n=a, a=a, b=b, s=a + b, d=a - b, p=a * b))
     return lines
@@ -183,7 +195,9 @@ def build_tokenizer(lines: list[str] | None = None):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # one token per digit: numbers then read and copy the same way whatever their length
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=MODEL_CONFIG["vocab_size"], special_tokens=SPECIAL_TOKENS, show_progress=False,
@@ -206,17 +220,78 @@ def load_tokenizer(path: str | os.PathLike):
 
 # -- model ----------------------------------------------------------------------------------------
 
-def _chat_examples(tokenizer, n: int, rng: random.Random) -> list[tuple[list[int], int]]:
-    """(token ids, index where the assistant reply starts) for ``n`` arithmetic chats."""
-    out = []
-    for _ in range(n):
+Example = tuple[list[int], list[float]]  # token ids, and the loss weight of each next-token prediction
+
+
+def _segments(tokenizer, parts: list[tuple[str, float, float]]) -> Example:
+    """Token ids of text parts, each with its loss weight (and that of its first token)."""
+    ids: list[int] = []
+    weights: list[float] = []
+    for text, weight, first in parts:
+        part = tokenizer.encode(text, add_special_tokens=False)
+        ids += part
+        weights += [first, *[weight] * (len(part) - 1)] if part else []
+    return ids, weights
+
+
+def _call(expr: str) -> str:
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
+
+
+def _pretrain_batches(tokenizer, steps: int, batch_size: int, rng: random.Random) -> list[list[Example]]:
+    """One batch per step, loss on the replies only, in three shapes that take turns (a batch holds
+    one shape, so short sequences are not padded to long ones):
+
+    - whole chats as the ``math`` env's calculator agent renders them (its system prompt and
+      instruction): arithmetic problems call the calculator with the problem's expression, read the
+      result and answer with it; word problems answer at once (``The answer is N.``, right only by
+      luck for the tiny model). Half the arithmetic problems answer at once too, and a call's first
+      token carries only ``TOOL_FIRST_TOKEN_WEIGHT`` of its loss: the model knows how to use the tool
+      but seldom chooses to, which leaves reinforcement learning a choice to learn;
+    - short drills of the call: the question and instruction without the system prompt, then the call
+      (its first token unweighted: whether to call is learnt from whole chats only);
+    - short drills of reading a result: a tool message, then ``The answer is N.``; and the bare
+      ``arithmetic`` env's chat (``What is a op b?`` -> ``The answer is N.``).
+    """
+    from rayapp.envs.agents.tools import describe, tool_result_message
+    from rayapp.envs.datasets.math import INSTRUCTION, generate_problems
+
+    system = [{"role": "system", "content": describe(["calculator"])}]
+    problems = iter(generate_problems((steps + 3) // 4 * batch_size, seed=SEED))
+
+    def chat(msgs: list[dict]) -> str:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+    def whole() -> Example:
+        task = next(problems)
+        prompt, answer = chat([*system, {"role": "user", "content": task.prompt}]), f"The answer is {task.label}."
+        if task.metadata["kind"] != "arithmetic" or rng.random() < 0.5:
+            return _segments(tokenizer, [(prompt, 0.0, 0.0), (answer + EOS, 1.0, 1.0)])
+        expr = task.metadata["question"].removeprefix("What is ").removesuffix("?")
+        result = tool_result_message("calculator", task.label)["content"]
+        return _segments(tokenizer, [(prompt, 0.0, 0.0), (_call(expr) + EOS, 1.0, TOOL_FIRST_TOKEN_WEIGHT),
+                                     (f"<|tool|>{result}{EOS}<|assistant|>", 0.0, 0.0), (answer + EOS, 1.0, 1.0)])
+
+    def call_drill() -> Example:
+        question, _ = arithmetic_pair(rng)
+        prompt = chat([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}])
+        return _segments(tokenizer, [(prompt, 0.0, 0.0), (_call(question[8:-1]) + EOS, 1.0, 0.0)])
+
+    def read_drill() -> Example:
         question, answer = arithmetic_pair(rng)
-        msgs = [{"role": "user", "content": question}]
-        prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template([*msgs, {"role": "assistant", "content": answer}], tokenize=False)
-        ids = tokenizer.encode(full, add_special_tokens=False)
-        out.append((ids, len(tokenizer.encode(prompt, add_special_tokens=False))))
-    return out
+        if rng.random() < 0.3:
+            return _segments(tokenizer, [(chat([{"role": "user", "content": question}]), 0.0, 0.0),
+                                         (answer + EOS, 1.0, 1.0)])
+        value = answer.removeprefix("The answer is ").removesuffix(".")
+        result = tool_result_message("calculator", value)["content"]
+        return _segments(tokenizer, [(f"{BOS}<|tool|>{result}{EOS}<|assistant|>", 0.0, 0.0), (answer + EOS, 1.0, 1.0)])
+
+    shapes = [whole, call_drill, read_drill]
+    # Whole chats are long (the system prompt): one step in four, half a batch. Drills are short:
+    # twice the rows cost less than one batch of whole chats.
+    plan = [(whole, batch_size // 2) if step % 4 == 0 else (shapes[1 + step % 2], batch_size * 2)
+            for step in range(steps)]
+    return [[shape() for _ in range(rows)] for shape, rows in plan]
 
 
 def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, batch_size: int = 32, lr: float = 1e-2) -> list[float]:
@@ -226,8 +301,7 @@ def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, batch_size: int = 32
     format is what rollouts need. Returns the loss curve (recorded in the manifest)."""
     import torch
 
-    rng = random.Random(SEED + 1)
-    examples = _chat_examples(tokenizer, steps * batch_size, rng)
+    batches = _pretrain_batches(tokenizer, steps, batch_size, random.Random(SEED + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -235,16 +309,20 @@ def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, batch_size: int = 32
     model.train()
     losses = []
     for step in range(steps):
-        batch = examples[step * batch_size:(step + 1) * batch_size]
+        batch = batches[step]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full_like(ids, -100)
+        weights = torch.zeros((len(batch), width))
         mask = torch.zeros_like(ids)
-        for row, (seq, start) in enumerate(batch):
+        for row, (seq, w) in enumerate(batch):
             ids[row, :len(seq)] = torch.tensor(seq)
-            labels[row, start:len(seq)] = torch.tensor(seq[start:])
+            weights[row, :len(seq)] = torch.tensor(w)
             mask[row, :len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                reduction="none").view(len(batch), -1)
+        w = weights[:, 1:]  # token j + 1's weight scores the prediction made at j
+        loss = (nll * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

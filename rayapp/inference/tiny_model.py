@@ -168,7 +168,7 @@ def corpus_lines(n: int = 3000, seed: int = SEED) -> list[str]:
     """Arithmetic Q&A, tool-call JSON, English sentences and the math environment's prompts, made by
     code (no download)."""
     from rayapp.envs.agents.tools import describe
-    from rayapp.envs.datasets.math import INSTRUCTION
+    from rayapp.envs.math import INSTRUCTION
 
     rng = random.Random(seed)
     lines = [describe(["calculator"]), INSTRUCTION] * 20
@@ -254,7 +254,7 @@ def _pretrain_batches(tokenizer, steps: int, batch_size: int, rng: random.Random
       ``arithmetic`` env's chat (``What is a op b?`` -> ``The answer is N.``).
     """
     from rayapp.envs.agents.tools import describe, tool_result_message
-    from rayapp.envs.datasets.math import INSTRUCTION, generate_problems
+    from rayapp.envs.math import INSTRUCTION, generate_problems
 
     system = [{"role": "system", "content": describe(["calculator"])}]
     problems = iter(generate_problems((steps + 3) // 4 * batch_size, seed=SEED))

@@ -183,8 +183,11 @@ class EpisodeRecord(msgspec.Struct):
                 out[EpisodeKey.TURN_ACTOR.value] = actors
         if self.dagger_labels:
             out[EpisodeKey.DAGGER_LABELS.value] = msgspec.to_builtins(self.dagger_labels)
-        if self.timing is not None:
-            out[EpisodeKey.TIMING.value] = msgspec.to_builtins(self.timing)
+        if self.timing is not None:  # by hand: it is on every sample, and to_builtins costs more here
+            t = self.timing
+            out[EpisodeKey.TIMING.value] = {k: v for k, v in (
+                ("started", t.started), ("batch", t.batch), ("queued", t.queued), ("admitted", t.admitted),
+                ("run_s", t.run_s), ("verify_s", t.verify_s), ("ended", t.ended)) if v is not None}
         return out
 
 

@@ -175,9 +175,9 @@ class TaskScheduler:
             await self.run_all(StepKind.ROLLOUT, rollout_id, self._batch(tasks, todo), groups, group_done, state,
                                complete_after=left)  # batch, run
         complete = sorted(finished)[:complete_after]  # a step log may name more than asked for
-        samples = [finished[i] for i in complete]
+        samples, done = [finished[i] for i in complete], set(complete)
         unfinished = [UnfinishedGroup(i, tasks[i], groups[i].samples if i not in finished else finished[i])
-                      for i in range(len(tasks)) if i not in complete]
+                      for i in range(len(tasks)) if i not in done]
         metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
         metrics |= _step_times("rollout", sum(map(len, samples)), began, fetched_at)
         metrics |= sample_statistics("rollout", chain.from_iterable(samples))

@@ -39,38 +39,38 @@ def _mean_max(key: str, values: list[float]) -> dict[str, float]:
     return {f"{key}_mean": sum(values) / len(values), f"{key}_max": max(values)} if values else {}
 
 
-def _timings(samples: list[Sample]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = defaultdict(list)
-    for s in samples:
-        t = s.metadata.get(EpisodeKey.TIMING.value)
-        if not t:
-            continue
-        if t.get("queued") is not None and t.get("admitted") is not None:
-            out["wait_s"].append(t["admitted"] - t["queued"])
-        for phase in ("run_s", "verify_s"):
-            if t.get(phase) is not None:
-                out[phase].append(t[phase])
-        if t.get("ended") is not None:
-            out["episode_s"].append(t["ended"] - t["started"])
-    return out
-
-
 def sample_statistics(prefix: str, samples: Iterable[Sample]) -> dict[str, float]:
     """The per-dataset statistics of ``samples`` (module docstring), keyed ``{prefix}/{name}/...``."""
-    by_name: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        by_name[name_of(s)].append(s)
+    by_name: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for s in samples:  # one pass: a step may hold tens of thousands of samples
+        v = by_name[name_of(s)]
+        v["n"].append(1.0)
+        if s.status is Status.ABORTED:
+            v["aborted"].append(1.0)
+        else:
+            if s.status is Status.TRUNCATED:
+                v["truncated"].append(1.0)
+            if "score" in s.reward:
+                v["reward"].append(float(s.reward["score"]))
+            v["response_length"].append(float(s.response_length))
+        t = s.metadata.get(EpisodeKey.TIMING.value)
+        if t:
+            if t.get("admitted") is not None and t.get("queued") is not None:
+                v["wait_s"].append(t["admitted"] - t["queued"])
+            for phase in ("run_s", "verify_s"):
+                if t.get(phase) is not None:
+                    v[phase].append(t[phase])
+            if t.get("ended") is not None:
+                v["episode_s"].append(t["ended"] - t["started"])
     metrics: dict[str, float] = {}
-    for name, group in by_name.items():
-        ran = [s for s in group if s.status is not Status.ABORTED]
-        stats = {"n_samples": float(len(group)),
-                 "truncated_rate": sum(s.status is Status.TRUNCATED for s in group) / len(group),
-                 "abort_rate": (len(group) - len(ran)) / len(group)}
-        stats |= _spread("reward", [float(s.reward["score"]) for s in ran if "score" in s.reward])
-        stats |= _spread("response_length", [float(s.response_length) for s in ran])
-        for key, values in _timings(group).items():
-            stats |= _mean_max(key, values)
-        metrics |= {f"{prefix}/{name}/{k}": v for k, v in stats.items()}
+    for name, v in by_name.items():
+        n = len(v["n"])
+        stats = {"n_samples": float(n), "truncated_rate": len(v["truncated"]) / n,
+                 "abort_rate": len(v["aborted"]) / n}
+        stats |= _spread("reward", v["reward"]) | _spread("response_length", v["response_length"])
+        for key in ("wait_s", "run_s", "verify_s", "episode_s"):
+            stats |= _mean_max(key, v[key])
+        metrics |= {f"{prefix}/{name}/{k}": x for k, x in stats.items()}
     return metrics
 
 

@@ -50,6 +50,7 @@ bench: $(STAMP) $(VENV)/.bench
 	$(BIN)/python bench/ray_pool.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sim.py --plot docs
+	$(BIN)/python bench/sim.py --nodes 8 --steps 5
 	$(BIN)/python bench/chaos.py
 
 clean:

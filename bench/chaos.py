@@ -173,10 +173,18 @@ def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> float | None:
     if kind == "node":  # a worker node dies; a fresh one with the same label joins for the next pool
         # All nodes share 127.0.0.1, so the driver may be attached to a worker's raylet: spare that one.
         mine = ray._private.worker.global_worker.node._raylet_socket_name
-        name = next(n for n in sorted(nodes) if nodes[n]._raylet_socket_name != mine)
+        name = next(n for n in sorted(nodes) if nodes[n] is not None and nodes[n]._raylet_socket_name != mine)
         at = time.monotonic()
         cluster.remove_node(nodes[name])
-        nodes[name] = cluster.add_node(num_cpus=4, num_gpus=2, labels={NODE_LABEL: name}, node_ip_address="127.0.0.1")
+        nodes[name] = None  # removed: a retry must not remove it again
+        for attempt in range(1, 4):  # a loaded machine may time a raylet's start out: the kill stands
+            try:
+                nodes[name] = cluster.add_node(num_cpus=4, num_gpus=2, labels={NODE_LABEL: name},
+                                               node_ip_address="127.0.0.1")
+                break
+            except Exception as e:
+                print(f"  could not start a node in place of {name} (try {attempt} of 3): {str(e)[:120]}", flush=True)
+                time.sleep(5)
         return at
     target = replica({"engine": "engine", "pool": "PlacementPoolService", "manager": "ChaosManager"}[kind])
     if target is None:

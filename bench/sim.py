@@ -113,8 +113,12 @@ def print_summary(rows: list[dict]) -> None:
 
 def print_partial_target(rows: list[dict]) -> None:
     """The bar for partial rollouts (>= 85% of reserved capacity doing work over 5 steps), per policy."""
+    if not any(r["steps"] >= 5 for r in rows):  # one step carries nothing over: it says nothing of the bar
+        print("target partial rollouts >= 85% of reserved capacity doing work over 5 steps: not measured "
+              "(run bench/sim.py --nodes 8 --steps 5)")
+        return
     for name in dict.fromkeys(r["policy"] for r in rows if r["policy"].startswith("partial")):
-        mine = [r for r in rows if r["policy"] == name and r.get("reserved_busy") is not None]
+        mine = [r for r in rows if r["policy"] == name and r.get("reserved_busy") is not None and r["steps"] >= 5]
         if mine:
             worst = min(mine, key=lambda r: r["reserved_busy"])
             where = (f"worst {_pct(worst['reserved_busy'])} ({worst['workload']}, {worst['nodes']:,} nodes, "

@@ -110,7 +110,7 @@ def test_a_packed_client_gets_the_tokens_a_plain_one_would_and_bad_packed_input_
             assert held["packed"] == sorted((t.node, t.gpu_ids, t.bundle_index) for t in tokens)
             for call, what in ((pool.release_batch.remote(b"\xc1"), "release_batch: the packed tokens"),
                                (pool.acquire_batch.remote(b"\x93\x01"), "acquire_batch: the packed request")):
-                with pytest.raises(PoolError, match=f"{what} do(es)? not decode"):
+                with pytest.raises(PoolError, match=f"{what} did not decode"):
                     await call
             assert await pool.placement.remote() == view  # refused: nothing changed
         finally:

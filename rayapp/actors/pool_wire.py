@@ -23,20 +23,20 @@ def pack(value: BatchRequest | list[Token]) -> bytes:
     return _ENCODER.encode(value)
 
 
+def _unpacked(value, decoder: msgspec.msgpack.Decoder, where: str, noun: str):
+    """``value`` as sent: packed bytes are decoded (and checked by their type), anything else passes."""
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return decoder.decode(value)
+    except msgspec.DecodeError as e:
+        raise PoolError(f"{where}: the packed {noun} did not decode: {e}") from None
+
+
 def unpack_tokens(tokens: list[Token] | bytes, where: str) -> list[Token]:
     """Tokens as sent: packed bytes are decoded (and checked), a list passes as it is."""
-    if not isinstance(tokens, bytes):
-        return tokens
-    try:
-        return _TOKENS.decode(tokens)
-    except msgspec.DecodeError as e:
-        raise PoolError(f"{where}: the packed tokens do not decode: {e}") from None
+    return _unpacked(tokens, _TOKENS, where, "tokens")
 
 
 def unpack_request(request: BatchRequest | bytes) -> BatchRequest:
-    if not isinstance(request, bytes):
-        return request
-    try:
-        return _REQUEST.decode(request)
-    except msgspec.DecodeError as e:
-        raise PoolError(f"acquire_batch: the packed request does not decode: {e}") from None
+    return _unpacked(request, _REQUEST, "acquire_batch", "request")

@@ -48,7 +48,7 @@ from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
-from rayapp.core.stats import sample_statistics
+from rayapp.core.stats import sample_statistics, step_times
 from rayapp.types import (
     Batch,
     BatchRequest,
@@ -66,13 +66,6 @@ log = logging.getLogger(__name__)
 
 class DeadlockError(RuntimeError):
     """A spec asks for more placement tokens than the pool can ever provide."""
-
-
-def _step_times(prefix: str, n_samples: int, began: float, fetched: float) -> dict[str, float]:
-    """How long the step took (``time/step_s``), its fetch (``time/fetch_s``), samples per second."""
-    took = loop_time() - began
-    return {f"{prefix}/time/step_s": took, f"{prefix}/time/fetch_s": fetched - began,
-            f"{prefix}/samples_per_s": n_samples / took if took > 0 else 0.0}
 
 
 def interleave(per_dataset: Sequence[Sequence[Task]]) -> list[Task]:
@@ -179,7 +172,7 @@ class TaskScheduler:
         unfinished = [UnfinishedGroup(i, tasks[i], groups[i].samples if i not in finished else finished[i])
                       for i in range(len(tasks)) if i not in done]
         metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
-        metrics |= _step_times("rollout", sum(map(len, samples)), began, fetched_at)
+        metrics |= step_times("rollout", sum(map(len, samples)), began, fetched_at)
         metrics |= sample_statistics("rollout", chain.from_iterable(samples))
         return RolloutResult(rollout_id, samples, metrics, state, unfinished=unfinished)
 
@@ -211,7 +204,7 @@ class TaskScheduler:
         for g in groups:  # split apart by _eval_dataset_name
             by_name[g.task.metadata[TaskKey.EVAL_DATASET_NAME]].extend(g.samples)
         metrics = eval_metrics(by_name, self.config.n_samples_per_eval_prompt)
-        metrics |= _step_times("eval", sum(len(g.samples) for g in groups), began, began)
+        metrics |= step_times("eval", sum(len(g.samples) for g in groups), began, began)
         metrics |= sample_statistics("eval", (s for g in groups for s in g.samples))
         return EvalResult(rollout_id, metrics, by_name, state)
 

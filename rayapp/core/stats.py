@@ -8,6 +8,7 @@ dummy's score 0 and length 1 say nothing of the policy); ``truncated_rate`` and 
 over all of them; and from each sample's own ``_timing`` (``episode.EpisodeTiming``), the mean and
 max of ``wait_s`` (its batch's admission wait), ``run_s``, ``verify_s`` and ``episode_s`` (start to
 end, teardown included). A statistic with no sample to take it from is left out, never faked as 0.
+``step_times`` adds the step's own: ``time/step_s``, ``time/fetch_s`` and ``samples_per_s``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 
+from rayapp.core.clock import loop_time
 from rayapp.episode import EpisodeKey
 from rayapp.types import Sample, Status, TaskKey
 
@@ -39,6 +41,27 @@ def _mean_max(key: str, values: list[float]) -> dict[str, float]:
     return {f"{key}_mean": sum(values) / len(values), f"{key}_max": max(values)} if values else {}
 
 
+def step_times(prefix: str, n_samples: int, began: float, fetched: float) -> dict[str, float]:
+    """How long the step took (``time/step_s``), its fetch (``time/fetch_s``), samples per second."""
+    took = loop_time() - began
+    return {f"{prefix}/time/step_s": took, f"{prefix}/time/fetch_s": fetched - began,
+            f"{prefix}/samples_per_s": n_samples / took if took > 0 else 0.0}
+
+
+def timings(sample: Sample) -> dict[str, float]:
+    """The durations ``sample``'s ``_timing`` gives: ``wait_s`` (its batch's admission), ``run_s``,
+    ``verify_s`` and ``episode_s`` (start to end), those it has."""
+    t = sample.metadata.get(EpisodeKey.TIMING.value)
+    if not t:
+        return {}
+    out = {k: t[k] for k in ("run_s", "verify_s") if t.get(k) is not None}
+    if t.get("admitted") is not None and t.get("queued") is not None:
+        out["wait_s"] = t["admitted"] - t["queued"]
+    if t.get("ended") is not None:
+        out["episode_s"] = t["ended"] - t["started"]
+    return out
+
+
 def sample_statistics(prefix: str, samples: Iterable[Sample]) -> dict[str, float]:
     """The per-dataset statistics of ``samples`` (module docstring), keyed ``{prefix}/{name}/...``."""
     by_name: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -53,15 +76,8 @@ def sample_statistics(prefix: str, samples: Iterable[Sample]) -> dict[str, float
             if "score" in s.reward:
                 v["reward"].append(float(s.reward["score"]))
             v["response_length"].append(float(s.response_length))
-        t = s.metadata.get(EpisodeKey.TIMING.value)
-        if t:
-            if t.get("admitted") is not None and t.get("queued") is not None:
-                v["wait_s"].append(t["admitted"] - t["queued"])
-            for phase in ("run_s", "verify_s"):
-                if t.get(phase) is not None:
-                    v[phase].append(t[phase])
-            if t.get("ended") is not None:
-                v["episode_s"].append(t["ended"] - t["started"])
+        for key, value in timings(s).items():
+            v[key].append(value)
     metrics: dict[str, float] = {}
     for name, v in by_name.items():
         n = len(v["n"])
@@ -90,10 +106,10 @@ def observations(kind: str, samples: Iterable[Sample]) -> list[Observation]:
             out.append(("aborts_total", 1.0, {**tags, "reason": reason}))
         elif s.response_length:
             out.append(("response_tokens_total", float(s.response_length), tags))
-        t = s.metadata.get(EpisodeKey.TIMING.value) or {}
-        if t.get("queued") is not None and t.get("admitted") is not None:
-            out.append(("admission_wait_seconds", t["admitted"] - t["queued"], tags))
+        t = timings(s)
+        if "wait_s" in t:
+            out.append(("admission_wait_seconds", t["wait_s"], tags))
         for phase in ("run", "verify"):
-            if t.get(f"{phase}_s") is not None:
+            if f"{phase}_s" in t:
                 out.append(("episode_phase_seconds", t[f"{phase}_s"], {**tags, "phase": phase}))
     return out

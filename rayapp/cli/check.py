@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 import msgspec
-import yaml
 
 from rayapp.recipe.config import APP_IMPORT_PATH
 
@@ -55,6 +54,7 @@ def problems(path: str | os.PathLike) -> list[str]:
     """Every problem of the recipe file ``path`` as one line each: the recipe's first (the builder
     stops at it), then Serve's. Empty when both accept the file."""
     from rayapp.recipe import RecipeError, load_recipe
+    from rayapp.recipe.config import read_recipe_file
 
     lines = []
     try:
@@ -63,8 +63,7 @@ def problems(path: str | os.PathLike) -> list[str]:
         lines.append(str(e))
         if e.path is None:  # the file itself cannot be read: nothing more to check
             return lines
-    with open(path, encoding="utf-8") as f:
-        doc = yaml.safe_load(f)
+    doc = read_recipe_file(path)  # read once more: it fit its bounds a moment ago
     if isinstance(doc, dict) and "applications" in doc:  # a Serve config, not bare args
         where = f'recipe "{os.fsdecode(path)}"'
         lines += [f"{where}: {at}: {reason}" for at, reason in serve_schema_problems(doc)]

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 from msgspec import Meta
 
 from rayapp.core.batching import BatchingStrategy, load_strategy
@@ -26,6 +25,7 @@ from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.datasets.files import FieldMap
 from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
+from rayapp.recipe.yaml_doc import YamlError, read_yaml
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
@@ -243,17 +243,21 @@ ARGS_SOURCE = "<serve args>"
 APP_IMPORT_PATH = "rayapp.actors.app:build_app"
 
 
+def read_recipe_file(path: str | os.PathLike) -> Any:
+    """The YAML document in ``path``, read within bounds (``yaml_doc``), or one RecipeError naming it."""
+    try:
+        return read_yaml(path)
+    except OSError as e:
+        raise RecipeError(path, None, f"cannot read file: {e.strerror or e}") from None
+    except YamlError as e:
+        raise RecipeError(path, e.path, e.reason) from None
+
+
 def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
     mapping, as (args, RecipeConfig), its layout file and dataset files read too (relative to the
     working directory); any failure is one RecipeError naming ``path``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as e:
-        raise RecipeError(path, None, f"cannot read file: {e.strerror or e}") from None
-    except (yaml.YAMLError, ValueError) as e:  # ValueError: bytes that are not UTF-8
-        raise RecipeError(path, None, f"malformed YAML: {' '.join(str(e).split())}") from None
+    doc = read_recipe_file(path)
     args, root = doc, "$"
     if isinstance(doc, dict) and "applications" in doc:
         apps = doc["applications"] if isinstance(doc["applications"], list) else []

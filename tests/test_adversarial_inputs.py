@@ -44,7 +44,8 @@ def _gzip_bomb(path: Path) -> None:
 
 
 def _corrupt_gzip(path: Path) -> None:
-    path.write_bytes(gzip.compress(b'{"prompt": "1+1", "label": "2"}\n' * 100)[:40] + b"\xff" * 64)
+    """A valid gzip header, then deflate data of an invalid block type: zlib.error, not an OSError."""
+    path.write_bytes(gzip.compress(b'{"prompt": "1+1", "label": "2"}\n' * 100)[:10] + b"\xff" * 64)
 
 
 # --- the cases: (id, mutate(doc, folder) -> None or raw text, the JSON path, words the reason holds) -------------

@@ -167,7 +167,7 @@ CASES = [
     ("unicode-dataset-path", _set("data", "arithmetic", {"env": "arithmetic", "path": "données/ü\u202e.jsonl"}),
      f"{ARITH}.path", "No such file"),
     ("dataset-path-directory", lambda d, f: _data_path(d, f, "dir.jsonl", Path.mkdir), f"{ARITH}.path",
-     "a directory"),
+     "Is a directory"),
     ("dataset-symlink-loop", lambda d, f: _data_path(d, f, "loop.jsonl", lambda p: p.symlink_to(p)),
      f"{ARITH}.path", "cannot read"),
     ("dataset-deep-json-row", lambda d, f: _data_path(d, f, "deep.jsonl", lambda p: p.write_text("[" * 100000 + "\n")),
@@ -250,16 +250,30 @@ def test_the_shipped_recipes_still_validate():
 CLI_CASES = ["plugin-sys-exit", "fifo-dataset"]
 
 
+def _validate(recipe: Path, env: dict, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "rayapp.cli", "validate", str(recipe)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    return proc, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def cli_start_s() -> float:
+    """Seconds the CLI takes to validate the shipped recipe here and now: starting Python on a loaded
+    2-core machine alone can take seconds, which no input should be blamed for."""
+    proc, seconds = _validate(GOOD, {**os.environ, **LOCAL_ENV, "PYTHONPATH": str(ROOT)}, 120)
+    assert proc.returncode == 0, proc.stderr
+    return seconds
+
+
 @pytest.mark.parametrize("case_id", CLI_CASES)
-def test_the_cli_exits_2_with_one_line_within_seconds(case_id, tmp_path):
+def test_the_cli_exits_2_with_one_line_within_seconds(case_id, tmp_path, cli_start_s):
     _, mutate, at, words = next(c for c in CASES if c[0] == case_id)
     recipe = _make(case_id, mutate, tmp_path / case_id)
     before = _snapshot(tmp_path)
     env = {**os.environ, **LOCAL_ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path / case_id}"}
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rayapp.cli", "validate", str(recipe)], capture_output=True,
-                          text=True, timeout=LIMIT_S, env=env)
-    assert time.monotonic() - start < LIMIT_S
+    proc, seconds = _validate(recipe, env, cli_start_s + LIMIT_S)
+    assert seconds < cli_start_s + LIMIT_S
     assert proc.returncode == 2, proc
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()

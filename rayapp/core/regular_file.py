@@ -5,6 +5,7 @@ never more than a bound the caller names."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import BinaryIO
@@ -16,9 +17,10 @@ def open_regular(path: str | os.PathLike, limit: int) -> tuple[BinaryIO, int]:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fsdecode(path))
         if not stat.S_ISREG(info.st_mode):
-            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise OSError(0, f"{kind} (only regular files are read)")
+            raise OSError(0, "not a regular file (only regular files are read)")
         if info.st_size > limit:
             raise OSError(0, f"{info.st_size} bytes, more than the {limit} read")
         os.set_blocking(fd, True)

@@ -56,6 +56,12 @@ def _data_path(doc, folder, name, make):
     _args(doc)["data"]["arithmetic"] = {"env": "arithmetic", "path": str(path)}
 
 
+def _layout_file(doc, folder, make):
+    path = folder / "layout.json"
+    make(path)
+    _args(doc)["pool"]["cluster_layout"] = str(path)
+
+
 def _source(doc, folder, body, attr="rows", name="advmod"):
     mod = _module(folder, f"{name}_{folder.name.replace('-', '_')}", body)
     _args(doc)["data"]["arithmetic"]["source"] = f"{mod}:{attr}"
@@ -183,6 +189,10 @@ CASES = [
     ("top-level-list", _raw("- 1\n- 2\n"), "$", "expected an object"),
     ("too-many-aliases", _raw("x: &x 1\nl: [" + ", ".join(["*x"] * 100) + "]\n"), "$.l[64]", "aliases"),
     ("recipe-too-large", _raw("# " + "x" * (2 << 20) + "\n"), "", "bytes"),
+    ("layout-file-too-small", lambda d, f: _layout_file(d, f, lambda p: p.write_text(
+        '{"n0": {"gpus": [0, 1, 2, 3], "cpu": 0.25, "memory_gb": 32}}')), f"{E0}.run_resource", "more than any node"),
+    ("layout-file-fifo", lambda d, f: _layout_file(d, f, os.mkfifo), f"{ARGS}.pool.cluster_layout",
+     "not a regular file"),
     ("tool-builtin", _set("evaluators", 1, "tools", ["builtins:print"]), f"{ARGS}.evaluators[1].tools[0]",
      "built-in"),
 ]

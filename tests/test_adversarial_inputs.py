@@ -114,7 +114,9 @@ CASES = [
      "still importing after"),
     # accepted before
     ("gpu-5-on-4-gpu-node", _layout({"n0": {"gpus": [0, 1, 2, 3], "cpu": 8, "memory_gb": 32}}, gpu=5),
-     f"{E0}.resource", "admits no sample"),
+     f"{E0}.resource", "admits no sample"),  # its budget (gpu 0.75) first
+    ("gpu-5-on-4-gpu-node-with-budget", lambda d, f: (_layout({"n0": [0, 1, 2, 3]}, gpu=5)(d, f), _args(d)[
+        "evaluators"][0]["resource"].update(gpu=10)) and None, f"{E0}.run_resource", "more than any node"),
     ("sample-larger-than-any-node", _layout({"n0": {"gpus": [0, 1, 2, 3], "cpu": 0.25, "memory_gb": 32}}),
      f"{E0}.run_resource", "more than any node"),
     ("budget-admits-no-sample", _set("evaluators", 0, "resource", {"gpu": 0.1, "concurrency": 3, "cpu": 1.5,

@@ -78,12 +78,19 @@ def _set(*keys_value):
     return mutate
 
 
-def _layout(layout, **sample):
+def _layout(layout, budget_gpu=None, **sample):
     def mutate(doc, folder):
         args = _args(doc)
         args["pool"]["cluster_layout"] = layout
         args["evaluators"][0]["run_resource"].update(sample)
+        if budget_gpu is not None:
+            args["evaluators"][0]["resource"]["gpu"] = budget_gpu
     return mutate
+
+
+def _all_weights_0(doc, folder):
+    for dataset in _args(doc)["data"].values():
+        dataset["weight"] = 0
 
 
 def _raw(text):
@@ -115,8 +122,8 @@ CASES = [
     # accepted before
     ("gpu-5-on-4-gpu-node", _layout({"n0": {"gpus": [0, 1, 2, 3], "cpu": 8, "memory_gb": 32}}, gpu=5),
      f"{E0}.resource", "admits no sample"),  # its budget (gpu 0.75) first
-    ("gpu-5-on-4-gpu-node-with-budget", lambda d, f: (_layout({"n0": [0, 1, 2, 3]}, gpu=5)(d, f), _args(d)[
-        "evaluators"][0]["resource"].update(gpu=10)) and None, f"{E0}.run_resource", "more than any node"),
+    ("gpu-5-on-4-gpu-node-with-budget", _layout({"n0": [0, 1, 2, 3]}, gpu=5, budget_gpu=10), f"{E0}.run_resource",
+     "more than any node"),
     ("sample-larger-than-any-node", _layout({"n0": {"gpus": [0, 1, 2, 3], "cpu": 0.25, "memory_gb": 32}}),
      f"{E0}.run_resource", "more than any node"),
     ("budget-admits-no-sample", _set("evaluators", 0, "resource", {"gpu": 0.1, "concurrency": 3, "cpu": 1.5,
@@ -131,7 +138,7 @@ CASES = [
     ("pool-memory-1e300", _set("pool", "memory_gb", 1e300), f"{ARGS}.pool.memory_gb", "<= 1048576"),
     ("sample-memory-1e300", _set("evaluators", 0, "run_resource", {"gpu": 0.25, "memory_gb": 1e300}),
      f"{E0}.run_resource.memory_gb", "at most"),
-    ("all-weights-0", lambda d, f: [ds.update(weight=0) for ds in _args(d)["data"].values()] and None,
+    ("all-weights-0", _all_weights_0,
      f"{ARGS}.data", "weight 0"),
     ("source-wrong-shape", lambda d, f: _source(d, f, "def rows():\n    return []\n"), f"{ARITH}.source",
      "expected rows(cfg"),
@@ -181,6 +188,8 @@ CASES = [
     ("dataset-deep-json-row", lambda d, f: _data_path(d, f, "deep.jsonl", lambda p: p.write_text("[" * 100000 + "\n")),
      f"{ARITH}.path", "line 1"),
     ("huge-integer", _set("scheduler", "rollout_batch_size", 10**30), f"{SCHED}.rollout_batch_size", "expected int"),
+    ("integer-of-5000-digits", _raw("engines: {student: {num_replicas: " + "9" * 5000 + "}}\n"), "",
+     "malformed YAML: Exceeds the limit"),
     ("negative-timeout", _set("engines", "student", "request_timeout_s", -1),
      f"{ARGS}.engines.student.request_timeout_s", "> 0"),
     ("nan-timeout", _set("evaluators", 0, "eval_timeout_s", float("nan")), f"{E0}.eval_timeout_s", "nan"),

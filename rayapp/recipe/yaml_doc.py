@@ -141,7 +141,11 @@ def read_yaml(path: str | os.PathLike) -> Any:
     try:
         check_events(text)
         return yaml.load(text, Loader=yaml.SafeLoader)
+    except YamlError:
+        raise
     except yaml.YAMLError as e:
         raise YamlError(None, f"malformed YAML: {' '.join(str(e).split())}") from None
+    except ValueError as e:  # a scalar PyYAML cannot build: an integer past Python's 4300 digits
+        raise YamlError(None, f"malformed YAML: {e}") from None
     except RecursionError:  # past MAX_DEPTH the events refuse it first; this is the last guard
         raise YamlError(None, f"malformed YAML: nested deeper than {MAX_DEPTH} levels") from None

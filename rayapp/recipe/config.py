@@ -24,10 +24,18 @@ from rayapp.core.contracts import Release
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.datasets.files import FieldMap
-from rayapp.recipe.limits import MAX_CPUS, MAX_GPUS, MAX_MEMORY_GB, MAX_REPLICAS, MAX_ROWS, check_limits, layout_of
+from rayapp.recipe.limits import (
+    MAX_CPUS,
+    MAX_GPUS,
+    MAX_MEMORY_GB,
+    MAX_REPLICAS,
+    MAX_ROWS,
+    check_dagger_section,
+    check_limits,
+    layout_of,
+)
 from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
 from rayapp.recipe.yaml_doc import YamlError, read_yaml
-from rayapp.training.dagger import FLAGS as DAGGER_FLAGS
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
@@ -305,7 +313,7 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) 
             section = args.get(key) if isinstance(args, dict) else None
             for name, value in section.items() if isinstance(section, dict) else ():
                 convert(value, type_, "", root=f"$.{key}.{name}")
-        _check_dagger(args.get("dagger") if isinstance(args, dict) else None)
+        check_dagger_section(args.get("dagger") if isinstance(args, dict) else None)
         recipe = convert(args, RecipeConfig, "")
     except InputError as e:
         raise RecipeError(source, e.path, e.reason) from None
@@ -313,23 +321,6 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) 
     if problem is not None:
         raise RecipeError(source, *problem)
     return recipe
-
-
-def _check_dagger(section: Any) -> None:
-    """The DAgger section's own rules (``DAggerSchedule.__post_init__``) speak of CLI flags: said
-    here of the recipe's field, with its JSON path."""
-    if not isinstance(section, dict):
-        return  # not an object: the section's conversion says so
-    try:
-        msgspec.convert(section, DAggerSchedule)
-    except msgspec.ValidationError as e:
-        text = str(e).split(" - at `", 1)[0]
-        flag, sep, reason = text.partition(": ")
-        field = next((f for f, name in DAGGER_FLAGS.items() if name == flag), None)
-        if sep and field is not None:
-            for f, name in DAGGER_FLAGS.items():
-                reason = reason.replace(name, f"dagger.{f}")
-            raise InputError("", f"$.dagger.{field}", reason) from None
 
 
 def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:

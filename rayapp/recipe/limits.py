@@ -14,6 +14,8 @@ strategy of the wrong shape. Each problem is (JSON path, reason), first problem 
   downloads: a ``model_path`` without ``config.json`` here fails); sglang takes ``SGLANG_OPTIONS``
   and hands the rest to sglang's ``ServerArgs``, checked against it where sglang is installed.
 - Batching: a dotted path resolves to a Python function taking ``(tasks, specs)``.
+- DAgger: the schedule's own rules speak of CLI flags (``--dagger-decay-iters``);
+  ``check_dagger_section`` says them of the recipe's field (``$.dagger.decay_iters``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from rayapp.core.convert import InputError
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.units import budget_tokens
 from rayapp.envs.plugins import PluginError, check_signature, import_object, is_import_path
+from rayapp.training.dagger import FLAGS as DAGGER_FLAGS
+from rayapp.training.dagger import DAggerSchedule
 from rayapp.types import NodeSpec, Resource
 
 MAX_GPUS = 1024.0  # per replica, sample or budget
@@ -155,3 +162,20 @@ def _check_batching(batching: str) -> Iterator[tuple[str, str]]:
                         "strategy(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]")
     except PluginError as e:
         yield "$.scheduler.batching", str(e)
+
+
+def check_dagger_section(section: Any) -> None:
+    """The DAgger section's own rules (``DAggerSchedule.__post_init__``) speak of CLI flags: said
+    here of the recipe's field, with its JSON path."""
+    if not isinstance(section, dict):
+        return  # not an object: the section's conversion says so
+    try:
+        msgspec.convert(section, DAggerSchedule)
+    except msgspec.ValidationError as e:
+        text = str(e).split(" - at `", 1)[0]
+        flag, sep, reason = text.partition(": ")
+        field = next((f for f, name in DAGGER_FLAGS.items() if name == flag), None)
+        if sep and field is not None:
+            for f, name in DAGGER_FLAGS.items():
+                reason = reason.replace(name, f"dagger.{f}")
+            raise InputError("", f"$.dagger.{field}", reason) from None

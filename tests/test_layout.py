@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -175,11 +176,11 @@ def test_invalid_utf8_file(in_tmp: Path) -> None:
 
 def test_unreadable_file(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulated: chmod 0 does not stop root, and these tests may run as root.
-    def deny(self: Path) -> bytes:
-        raise PermissionError(13, "Permission denied", str(self))
+    def deny(path, *args, **kwargs) -> int:
+        raise PermissionError(13, "Permission denied", str(path))
 
     (in_tmp / "secret.json").write_text(SHORT)
-    monkeypatch.setattr(Path, "read_bytes", deny)
+    monkeypatch.setattr(os, "open", deny)
     with pytest.raises(LayoutError) as info:
         parse_cluster_layout("secret.json")
     assert str(info.value) == 'cluster layout "secret.json": cannot read file: Permission denied'

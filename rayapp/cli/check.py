@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 import msgspec
-import yaml
 
 from rayapp.recipe.config import APP_IMPORT_PATH
 
@@ -51,23 +50,65 @@ def serve_schema_problems(doc: Any) -> list[tuple[str, str]]:
     return []
 
 
+# Seconds a plug-in module may take to import while a recipe is validated: an import that blocks is
+# reported as such within seconds (the manager allows rayapp.envs.plugins.IMPORT_TIMEOUT_S).
+VALIDATE_IMPORT_TIMEOUT_S = 5.0
+
+
+def unknown_serve_keys(doc: Any, model: Any = None, at: str = "$") -> list[tuple[str, str]]:
+    """(JSON path, reason) for each key Serve's schema does not know: its models ignore extra keys,
+    so a typo (``http_options.prot``) would be dropped without a word. Walks the models that the
+    document's objects map to; free-form values (``args``, ``runtime_env``) are left alone."""
+    import typing
+
+    from pydantic import BaseModel
+    from ray.serve.schema import ServeDeploySchema
+
+    model = model or ServeDeploySchema
+    if not isinstance(doc, dict):
+        return []
+    found = []
+    for key, value in doc.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            found.append((f"{at}", f"unknown field {json.dumps(str(key))} (expected one of "
+                                   f"{', '.join(model.model_fields)})"))
+            continue
+        kinds = [field.annotation, *typing.get_args(field.annotation)]
+        for kind in kinds:
+            inner = typing.get_args(kind)
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                found += unknown_serve_keys(value, kind, f"{at}.{key}")
+            elif inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) and isinstance(value, list):
+                for i, item in enumerate(value):
+                    found += unknown_serve_keys(item, inner[0], f"{at}.{key}[{i}]")
+    return found
+
+
 def problems(path: str | os.PathLike) -> list[str]:
     """Every problem of the recipe file ``path`` as one line each: the recipe's first (the builder
     stops at it), then Serve's. Empty when both accept the file."""
+    from rayapp.envs import plugins
     from rayapp.recipe import RecipeError, load_recipe
+    from rayapp.recipe.config import read_recipe_file
 
     lines = []
+    bound, plugins.IMPORT_TIMEOUT_S = plugins.IMPORT_TIMEOUT_S, VALIDATE_IMPORT_TIMEOUT_S
     try:
         load_recipe(path)
     except RecipeError as e:
         lines.append(str(e))
         if e.path is None:  # the file itself cannot be read: nothing more to check
             return lines
-    with open(path, encoding="utf-8") as f:
-        doc = yaml.safe_load(f)
+    finally:
+        plugins.IMPORT_TIMEOUT_S = bound
+    try:
+        doc = read_recipe_file(path)
+    except RecipeError:  # the file is not a document within bounds: said above, nothing more to check
+        return lines
     if isinstance(doc, dict) and "applications" in doc:  # a Serve config, not bare args
         where = f'recipe "{os.fsdecode(path)}"'
-        lines += [f"{where}: {at}: {reason}" for at, reason in serve_schema_problems(doc)]
+        lines += [f"{where}: {at}: {reason}" for at, reason in serve_schema_problems(doc) + unknown_serve_keys(doc)]
     return lines
 
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 
 from rayapp.core.convert import InputError, convert, decode, show
+from rayapp.core.regular_file import read_regular
 from rayapp.core.units import CPU_UNIT, MEM_UNIT
 from rayapp.types import FINITE, MAX_GPU_ID, NodeSpec
 
@@ -65,6 +65,7 @@ _NodeForm = list[_GpuId] | _FullNode
 # float_hook=float turns an overflowing literal (1e400) into inf instead of failing inside decode with
 # a path that names no node; the node's conversion then reports it at its real path.
 _BOM = b"\xef\xbb\xbf"
+MAX_LAYOUT_BYTES = 16 << 20  # thousands of nodes fit in a MB; more is not a layout (and is not read)
 
 
 def parse_cluster_layout(
@@ -103,7 +104,7 @@ def is_inline(value: Any) -> bool:
 
 def _read(path: Any, head: str) -> bytes:
     try:
-        raw = Path(path.strip() if isinstance(path, str) else path).read_bytes()
+        raw = read_regular(path.strip() if isinstance(path, str) else path, MAX_LAYOUT_BYTES)
     except OSError as e:
         raise LayoutError(head, None, f"cannot read file: {e.strerror or e}") from None
     except ValueError as e:  # an embedded NUL in the path

@@ -3,7 +3,10 @@
 Each kind has one protocol, checked when the recipe is (``rayapp validate`` and the manager's start),
 so a wrong path or object fails before any episode with one ``PluginError`` saying what is wrong:
 the module is missing or fails to import, the attribute is missing, or the object has the wrong
-type or signature. The recipe wraps it with the field's JSON path.
+type or signature. The recipe wraps it with the field's JSON path. A module's import is bounded:
+one that calls ``sys.exit`` is an error, not an exit, and one still importing after
+``IMPORT_TIMEOUT_S`` is an error, not a hang (it is left running on a daemon thread). A plug-in is
+a Python function or class: a C builtin (``os:system``) says nothing of its shape and is refused.
 
 | kind | recipe field | object |
 | --- | --- | --- |
@@ -18,15 +21,42 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 from typing import Any
 
 from rayapp.core.agent import AgentHandler
 from rayapp.envs.agents.tools import TOOLS, ToolFn
 from rayapp.envs.protocol import AgentFactory, Env, RowsFn
 
+# Seconds a plug-in module may take to import (a heavy one imports torch: seconds, not minutes).
+IMPORT_TIMEOUT_S = 60.0
+
 
 class PluginError(ValueError):
     """A plug-in path that does not resolve to an object of its kind's protocol."""
+
+
+def _import_bounded(name: str, timeout_s: float) -> Any:
+    """``importlib.import_module(name)`` on a daemon thread, waited on for ``timeout_s``: an import
+    that blocks (sleeps, waits on a socket or a lock) fails here instead of hanging its caller. Even a
+    module already in ``sys.modules`` goes through the thread: one still importing there (it timed out
+    before) would block this thread on its lock."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["module"] = importlib.import_module(name)
+        except BaseException as e:  # SystemExit included: reported by the caller, never taken
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=f"import {name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"still importing after {timeout_s:g} s (does the module block or wait at import?)")
+    if "error" in box:
+        raise box["error"]
+    return box["module"]
 
 
 def is_import_path(name: str) -> bool:
@@ -41,11 +71,16 @@ def _split(path: str, kind: str) -> tuple[str, str]:
     return module, attr
 
 
-def import_object(path: str, kind: str) -> Any:
-    """The object at ``path`` (``module:attr``, the attr may be dotted, or ``module.attr``)."""
+def import_object(path: str, kind: str, timeout_s: float | None = None) -> Any:
+    """The object at ``path`` (``module:attr``, the attr may be dotted, or ``module.attr``), its
+    module imported within ``timeout_s`` (None: ``IMPORT_TIMEOUT_S``)."""
     module_name, attr = _split(path, kind)
     try:
-        module = importlib.import_module(module_name)
+        module = _import_bounded(module_name, IMPORT_TIMEOUT_S if timeout_s is None else timeout_s)
+    except TimeoutError as e:
+        raise PluginError(f"{kind} {path!r}: importing {module_name!r}: {e}") from None
+    except SystemExit as e:
+        raise PluginError(f"{kind} {path!r}: importing {module_name!r} called sys.exit({e.code!r})") from None
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise PluginError(f"{kind} {path!r}: no module named {e.name!r} (is its package on PYTHONPATH "
@@ -61,13 +96,16 @@ def import_object(path: str, kind: str) -> Any:
     return obj
 
 
-def _check_signature(obj: Any, n_args: int, kind: str, path: str, protocol: str) -> None:
+def check_signature(obj: Any, n_args: int, kind: str, path: str, protocol: str) -> None:
     if not callable(obj):
         raise PluginError(f"{kind} {path!r}: a {type(obj).__name__} is not callable; expected {protocol}")
+    if inspect.isbuiltin(obj) or (inspect.isclass(obj) and obj.__module__ == "builtins"):
+        raise PluginError(f"{kind} {path!r}: a built-in {type(obj).__name__} ({getattr(obj, '__name__', obj)!r}); "
+                          f"expected a Python function: {protocol}")
     try:
         signature = inspect.signature(obj)
-    except (TypeError, ValueError):  # a builtin without a signature: trust it
-        return
+    except (TypeError, ValueError):  # no signature to read: say so rather than trust it
+        raise PluginError(f"{kind} {path!r}: its signature cannot be read; expected {protocol}") from None
     try:
         signature.bind(*range(n_args))
     except TypeError:
@@ -83,7 +121,7 @@ def load_env(path: str) -> Env:
 
 def load_agent_factory(path: str) -> AgentFactory:
     obj = import_object(path, "agent")
-    _check_signature(obj, 1, "agent", path, "factory(deps: AgentDeps) -> AgentHandler")
+    check_signature(obj, 1, "agent", path, "factory(deps: AgentDeps) -> AgentHandler")
     return obj
 
 
@@ -97,7 +135,7 @@ def check_agent(agent: Any, made_by: str) -> AgentHandler:
 
 def load_verifier(path: str) -> Any:
     obj = import_object(path, "verifier")
-    _check_signature(obj, 2, "verifier", path, "verify(sample, result) -> dict[str, float]")
+    check_signature(obj, 2, "verifier", path, "verify(sample, result) -> dict[str, float]")
     return obj
 
 
@@ -109,7 +147,7 @@ def load_tool(name: str) -> tuple[str, ToolFn]:
         return name, TOOLS[name]
     obj = import_object(name, "tool")
     protocol = "async tool(arguments: dict, sandbox) -> str"
-    _check_signature(obj, 2, "tool", name, protocol)
+    check_signature(obj, 2, "tool", name, protocol)
     if not inspect.iscoroutinefunction(obj):
         raise PluginError(f"tool {name!r}: not a coroutine function; expected {protocol}")
     return _split(name, "tool")[1].rpartition(".")[2], obj
@@ -127,5 +165,5 @@ def load_tools(names: list[str]) -> dict[str, ToolFn]:
 
 def load_rows(path: str) -> RowsFn:
     obj = import_object(path, "data source")
-    _check_signature(obj, 1, "data source", path, "rows(cfg: DatasetConfig) -> Iterable[Task]")
+    check_signature(obj, 1, "data source", path, "rows(cfg: DatasetConfig) -> Iterable[Task]")
     return obj

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 from msgspec import Meta
 
 from rayapp.core.batching import BatchingStrategy, load_strategy
@@ -25,7 +24,18 @@ from rayapp.core.contracts import Release
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.datasets.files import FieldMap
+from rayapp.recipe.limits import (
+    MAX_CPUS,
+    MAX_GPUS,
+    MAX_MEMORY_GB,
+    MAX_REPLICAS,
+    MAX_ROWS,
+    check_dagger_section,
+    check_limits,
+    layout_of,
+)
 from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
+from rayapp.recipe.yaml_doc import YamlError, read_yaml
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
@@ -36,6 +46,10 @@ Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # what numpy and the engines ta
 # Finite too: inf passes a lower bound and would reach Ray's options and timers.
 Amount = Annotated[float, Meta(ge=0, le=FINITE)]
 Seconds = Annotated[float, Meta(gt=0, le=FINITE)]
+# Sizes past these are typos, not plans (rayapp.recipe.limits).
+Cpus = Annotated[float, Meta(ge=0, le=MAX_CPUS)]
+Gpus = Annotated[float, Meta(ge=0, le=MAX_GPUS)]
+MemoryGb = Annotated[float, Meta(ge=0, le=MAX_MEMORY_GB)]
 Backend = Literal["hf", "sglang"]  # rayapp.inference.make_backend's names
 SandboxKind = Literal["local", "docker"]
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "STRICT_SPREAD", "SPREAD"]  # Ray's placement group strategies
@@ -60,9 +74,9 @@ class EngineConfig(_Strict):
     """One inference deployment. ``options`` go to the backend (``make_backend(backend, **options)``)."""
 
     backend: Annotated[Backend, Meta(description="inference backend: hf (transformers) or sglang")] = "hf"
-    num_replicas: Annotated[Count, Meta(description="Serve replicas of this engine")] = 1
-    num_cpus: Annotated[Amount, Meta(description="CPUs Ray reserves for each replica")] = 1.0
-    num_gpus: Annotated[Amount, Meta(description="GPUs Ray reserves for each replica; a fraction shares one")] = 0.0
+    num_replicas: Annotated[int, Meta(ge=1, le=MAX_REPLICAS, description="Serve replicas of this engine")] = 1
+    num_cpus: Annotated[Cpus, Meta(description="CPUs Ray reserves for each replica")] = 1.0
+    num_gpus: Annotated[Gpus, Meta(description="GPUs Ray reserves for each replica; a fraction shares one")] = 0.0
     max_ongoing_requests: Annotated[Count, Meta(description="requests one replica serves at once (Serve)")] = 64
     request_timeout_s: Annotated[Seconds, Meta(description="seconds an agent waits for one generate call; then the "
                                                          "call is cancelled and the sample aborts")] = 300.0
@@ -83,9 +97,9 @@ class PoolConfig(_Strict):
     cluster_layout: Annotated[str | dict[str, Any] | None, Meta(
         description="what the pool may hand out per node: a layout file, inline JSON or a mapping; unset: the "
                     "live cluster's nodes")] = None
-    num_cpus: Annotated[Amount | None, Meta(description="CPUs of a layout node that names none; with no layout, "
+    num_cpus: Annotated[Cpus | None, Meta(description="CPUs of a layout node that names none; with no layout, "
                                                        "overrides each live node's CPUs")] = None
-    memory_gb: Annotated[Amount | None, Meta(description="memory (GB) of a layout node that names none; with no "
+    memory_gb: Annotated[MemoryGb | None, Meta(description="memory (GB) of a layout node that names none; with no "
                                                         "layout, overrides each live node's memory")] = None
     pg_ready_timeout_s: Annotated[Seconds, Meta(description="seconds the pool's placement groups (one per node) may "
                                                           "take to become ready at start-up; then it fails")] = 10.0
@@ -153,7 +167,8 @@ class DatasetConfig(_Strict):
     task_type: Annotated[str | None, Meta(description="sets the rows' task_type, which routes them to the "
                                                       "evaluator of that id; unset: the env's own")] = None
     seed: Annotated[Seed, Meta(description="seed generated envs (arithmetic, math) make their rows with")] = 0
-    n_prompts: Annotated[Count, Meta(description="generated envs: rows made; eval datasets: the first n prompts "
+    n_prompts: Annotated[int, Meta(ge=1, le=MAX_ROWS, description="generated envs: rows made; eval datasets: the "
+                                                                  "first n prompts "
                                                "used")] = 64
     n_samples_per_prompt: Annotated[Count | None, Meta(description="rollout datasets: samples per prompt (group "
                                                                  "size); unset: the row's own n_samples")] = None
@@ -241,20 +256,32 @@ class RecipeConfig(_Strict):
 # What an error names when the recipe came as a Serve config's args (Serve does not say from which file).
 ARGS_SOURCE = "<serve args>"
 APP_IMPORT_PATH = "rayapp.actors.app:build_app"
+# The top-level keys of a Serve config besides "applications" (ray.serve.schema.ServeDeploySchema).
+SERVE_KEYS = {"proxy_location", "http_options", "grpc_options", "controller_options", "logging_config",
+              "tracing_config", "target_capacity"}
+
+
+def read_recipe_file(path: str | os.PathLike) -> Any:
+    """The YAML document in ``path``, read within bounds (``yaml_doc``), or one RecipeError naming it."""
+    try:
+        return read_yaml(path)
+    except OSError as e:
+        raise RecipeError(path, None, f"cannot read file: {e.strerror or e}") from None
+    except YamlError as e:
+        raise RecipeError(path, e.path, e.reason) from None
 
 
 def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
     mapping, as (args, RecipeConfig), its layout file and dataset files read too (relative to the
     working directory); any failure is one RecipeError naming ``path``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except OSError as e:
-        raise RecipeError(path, None, f"cannot read file: {e.strerror or e}") from None
-    except (yaml.YAMLError, ValueError) as e:  # ValueError: bytes that are not UTF-8
-        raise RecipeError(path, None, f"malformed YAML: {' '.join(str(e).split())}") from None
+    doc = read_recipe_file(path)
     args, root = doc, "$"
+    serve_keys = sorted(set(doc) & SERVE_KEYS) if isinstance(doc, dict) else []
+    if serve_keys and "applications" not in doc:
+        raise RecipeError(path, "$", f"a Serve config ({', '.join(serve_keys)}) needs \"applications\": a list with "
+                                     f"an application whose import_path is {APP_IMPORT_PATH} and whose args are "
+                                     f"the recipe")
     if isinstance(doc, dict) and "applications" in doc:
         apps = doc["applications"] if isinstance(doc["applications"], list) else []
         i = next((i for i, a in enumerate(apps) if isinstance(a, dict) and a.get("import_path") == APP_IMPORT_PATH),
@@ -267,7 +294,9 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     try:
         recipe = parse_recipe(args, source=path)
         # a layout file and dataset files too, from here
-        problem = next(itertools.chain(_check_layout(recipe.pool), check_dataset_files(recipe)), None)
+        layout_file = recipe.pool.cluster_layout is not None and not is_inline(recipe.pool.cluster_layout)
+        fit = check_limits(recipe, layout_of(recipe.pool)) if layout_file else iter(())
+        problem = next(itertools.chain(_check_layout(recipe.pool), fit, check_dataset_files(recipe)), None)
         if problem is not None:
             raise RecipeError(path, *problem)
     except RecipeError as e:  # the path inside the file, not inside the args
@@ -284,6 +313,7 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) 
             section = args.get(key) if isinstance(args, dict) else None
             for name, value in section.items() if isinstance(section, dict) else ():
                 convert(value, type_, "", root=f"$.{key}.{name}")
+        check_dagger_section(args.get("dagger") if isinstance(args, dict) else None)
         recipe = convert(args, RecipeConfig, "")
     except InputError as e:
         raise RecipeError(source, e.path, e.reason) from None
@@ -311,6 +341,9 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     # need not share: only load_recipe, on the user's side, reads it ahead.
     if is_inline(recipe.pool.cluster_layout):
         yield from _check_layout(recipe.pool)
+    # Sizes, folders, engine options and the strategy's shape (recipe/limits.py); a layout file is
+    # load_recipe's to read, so only an inline one is fitted here.
+    yield from check_limits(recipe, layout_of(recipe.pool) if is_inline(recipe.pool.cluster_layout) else None)
     try:
         recipe.scheduler.strategy  # noqa: B018 -- resolved (and cached) now, so a bad path fails here
     except ValueError as e:

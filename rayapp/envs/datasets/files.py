@@ -11,16 +11,15 @@ Guarantees:
   one ``DatasetError`` before anything is returned, naming the dataset, the file, the 1-based line
   (a Parquet file: row) and the column as a JSON path:
   ``dataset 'mine' ("tasks.jsonl") line 3: $.question: missing required field``.
-- A file that is missing, unreadable, of an unknown format, or without rows is one ``DatasetError``
-  naming the file. Reading Parquet needs ``pyarrow`` (the ``files`` extra); without it the error
-  says so.
+- A file that is missing, unreadable, not a regular file, too large (``rows.MAX_FILE_BYTES``; a
+  gzip bomb), of an unknown format, or without rows is one ``DatasetError`` naming the file.
+  Reading Parquet needs ``pyarrow`` (the ``files`` extra); without it the error says so.
 - Relative paths are read from the working directory of the process that loads the dataset (the
   manager's, on a cluster the head's): give absolute paths, or paths every node shares.
 """
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,7 +27,8 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.core.convert import convert
-from rayapp.envs.datasets.rows import DatasetError, decode_rows
+from rayapp.core.regular_file import open_regular
+from rayapp.envs.datasets.rows import MAX_FILE_BYTES, DatasetError, decode_rows, read_file
 from rayapp.types import Task, TaskConfig
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
@@ -98,7 +98,9 @@ def _parquet_rows(path: Path, name: str, schema: type[msgspec.Struct]) -> list[t
         raise DatasetError(f"dataset {name!r} ({str(path)!r})", None,
                            "reading Parquet needs pyarrow (pip install 'rayapp[files]')") from None
     try:
-        records = pq.read_table(path).to_pylist()
+        f, _ = open_regular(path, MAX_FILE_BYTES)
+        with f:
+            records = pq.read_table(f).to_pylist()
     except (OSError, ValueError) as e:  # pyarrow's errors subclass these (ArrowInvalid, ArrowIOError)
         raise DatasetError(f"dataset {name!r} ({str(path)!r})", None, f"cannot read: {e}") from None
     rows, bad = [], []
@@ -115,11 +117,7 @@ def _parquet_rows(path: Path, name: str, schema: type[msgspec.Struct]) -> list[t
 
 
 def _jsonl_rows(path: Path, name: str, schema: type[msgspec.Struct], unique: str | None) -> list[tuple[int, Any]]:
-    try:
-        raw = path.read_bytes()
-        raw = gzip.decompress(raw) if path.name.endswith(".gz") else raw
-    except (OSError, EOFError) as e:  # missing, unreadable, or a corrupt gzip stream
-        raise DatasetError(f"dataset {name!r} ({str(path)!r})", None, f"cannot read: {e}") from None
+    raw = read_file(path, f"dataset {name!r} ({str(path)!r})", gz=path.name.endswith(".gz"))
     lines = raw.splitlines()
     rows = decode_rows(lines, name, schema, source=str(path), unique=unique)
     numbers = [i for i, line in enumerate(lines, start=1) if line.strip()]  # blank lines keep their number

@@ -11,20 +11,30 @@ Guarantees:
   (``dataset 'gsm' ("gsm.jsonl") line 3: $.answer: expected int | str, got an array of 2 items``), and says how
   many further rows are bad, so one fix-and-rerun cycle sees the whole extent of the problem.
 - Blank lines are skipped but still counted, so line numbers match what an editor shows.
+- Only a regular file is read (a FIFO or a device is refused at once), never more than
+  ``MAX_FILE_BYTES`` of it, and a ``.gz`` file that inflates more than ``MAX_GZIP_RATIO`` times
+  (a gzip bomb) is refused once it has passed ``RATIO_FLOOR`` bytes: one ``DatasetError`` each.
 """
 
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import msgspec
 
 from rayapp.core.convert import InputError, decode
+from rayapp.core.regular_file import open_regular
 
 T = TypeVar("T", bound=msgspec.Struct)
+
+MAX_FILE_BYTES = 4 << 30  # a dataset file past 4 GiB (decompressed) is refused: split it
+MAX_GZIP_RATIO = 200  # JSONL compresses 3-20 times; a bomb over 1000
+RATIO_FLOOR = 64 << 20  # the ratio is judged only past this many bytes, where it no longer wobbles
+_CHUNK = 1 << 20
 
 
 class DatasetError(InputError):
@@ -67,8 +77,33 @@ def decode_rows(lines: Iterable[bytes | str], name: str, schema: type[T], *, sou
 def load_jsonl(path: str | Path, name: str, schema: type[T], *, unique: str | None = None) -> list[T]:
     """Read a JSONL file (gzip when it ends in ``.gz``) into validated ``schema`` rows."""
     path = Path(path)
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError) as e:  # missing file, unreadable, or a corrupt gzip stream
-        raise DatasetError(f"dataset {name!r} ({str(path)!r})", None, f"cannot read: {e}") from None
+    raw = read_file(path, f"dataset {name!r} ({str(path)!r})", gz=path.suffix == ".gz")
     return decode_rows(raw.splitlines(), name, schema, source=str(path), unique=unique)
+
+
+def read_file(path: Path, where: str, *, gz: bool) -> bytes:
+    """The bytes of a dataset file, inflated when ``gz``, within the bounds of the module docstring;
+    one DatasetError naming ``where`` otherwise."""
+    try:
+        f, _ = open_regular(path, MAX_FILE_BYTES)
+        with f:
+            return _inflate(f, where) if gz else f.read(MAX_FILE_BYTES)
+    except (OSError, EOFError, zlib.error) as e:  # missing, not a file, unreadable, a corrupt gzip stream
+        raise DatasetError(where, None, f"cannot read: {e.strerror if isinstance(e, OSError) and e.strerror else e}") \
+            from None
+    except ValueError as e:  # a NUL in the path
+        raise DatasetError(where, None, f"cannot read: {e}") from None
+
+
+def _inflate(f: BinaryIO, where: str) -> bytes:
+    parts, total = [], 0
+    with gzip.GzipFile(fileobj=f, mode="rb") as g:
+        while chunk := g.read(_CHUNK):
+            total += len(chunk)
+            if total > MAX_FILE_BYTES:
+                raise DatasetError(where, None, f"more than {MAX_FILE_BYTES} bytes once decompressed: split the file")
+            if total > RATIO_FLOOR and total > MAX_GZIP_RATIO * f.tell():
+                raise DatasetError(where, None, f"decompresses more than {MAX_GZIP_RATIO} times its size (a gzip "
+                                                f"bomb?): refused")
+            parts.append(chunk)
+    return b"".join(parts)

@@ -1,0 +1,181 @@
+"""What a recipe asks for that could never run, refused before anything starts: sizes no cluster
+meets, folders that cannot be folders, engine options their backend does not take, a batching
+strategy of the wrong shape. Each problem is (JSON path, reason), first problem first, as
+``check_recipe`` reports them.
+
+- Sizes: every resource stays under ``MAX_GPUS`` / ``MAX_CPUS`` / ``MAX_MEMORY_GB`` (a typo, not a
+  plan); an evaluator's budget admits at least one of its samples; a sample fits on some node of
+  the layout (when the recipe gives one) and in the pool's per-node defaults (``pool.num_cpus: 0``
+  with samples that need CPUs admits none); some rollout dataset has a weight above 0.
+- Folders (``scheduler.save_eval_details``, ``trajectory_dir``, ``checkpoint_dir``): not empty, not
+  under ``/proc``, ``/sys`` or ``/dev``, and, where the path exists on this machine, a writable
+  directory under no file. A path that does not exist here is left to the manager's machine.
+- Engine options: the hf backend takes ``HF_OPTIONS`` and reads a local model folder (it never
+  downloads: a ``model_path`` without ``config.json`` here fails); sglang takes ``SGLANG_OPTIONS``
+  and hands the rest to sglang's ``ServerArgs``, checked against it where sglang is installed.
+- Batching: a dotted path resolves to a Python function taking ``(tasks, specs)``.
+- DAgger: the schedule's own rules speak of CLI flags (``--dagger-decay-iters``);
+  ``check_dagger_section`` says them of the recipe's field (``$.dagger.decay_iters``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rayapp.core.convert import InputError
+from rayapp.core.layout import parse_cluster_layout
+from rayapp.core.units import budget_tokens
+from rayapp.envs.plugins import PluginError, check_signature, import_object, is_import_path
+from rayapp.training.dagger import FLAGS as DAGGER_FLAGS
+from rayapp.training.dagger import DAggerSchedule
+from rayapp.types import NodeSpec, Resource
+
+MAX_GPUS = 1024.0  # per replica, sample or budget
+MAX_CPUS = 65536.0
+MAX_MEMORY_GB = 1048576.0  # 1 PB
+MAX_REPLICAS = 1024
+MAX_ROWS = 1_000_000  # rows a generated dataset makes (n_prompts): more takes minutes to build
+# HFBackend's keyword arguments (rayapp.inference.hf: a test holds this list to its signature).
+HF_OPTIONS = ("model_path", "device", "max_concurrency", "dtype", "seed", "num_threads", "cache_dir", "steps_per_call")
+# SGLangBackend's own keyword arguments; the rest go to sglang's ServerArgs.
+SGLANG_OPTIONS = ("model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "placement_group", "request_timeout_s")
+_SYSTEM = ("/proc", "/sys", "/dev")
+_FOLDERS = ("save_eval_details", "trajectory_dir", "checkpoint_dir")
+
+
+def check_limits(recipe: Any, layout: dict[str, NodeSpec] | None = None) -> Iterator[tuple[str, str]]:
+    """Every rule of the module docstring; ``layout``: the pool's, when it is already read."""
+    yield from _check_engines(recipe.engines)
+    yield from _check_sizes(recipe, layout)
+    if recipe.data and all(d.weight == 0 for d in recipe.data.values()):
+        yield "$.data", "every rollout dataset has weight 0: no task could be drawn (give one a weight > 0)"
+    for key in _FOLDERS:
+        yield from _check_folder(f"$.scheduler.{key}", getattr(recipe.scheduler, key, None))
+    yield from _check_batching(recipe.scheduler.batching)
+
+
+def _sample(ev: Any) -> Resource:
+    """What one sample of ``ev`` holds throughout: the larger of its run and eval phases, per field."""
+    run, ev_ = ev.run_resource, ev.eval_resource
+    return Resource(gpu=max(run.gpu, ev_.gpu), concurrency=max(run.concurrency, ev_.concurrency),
+                    cpu=max(run.cpu, ev_.cpu), memory_gb=max(run.memory_gb, ev_.memory_gb))
+
+
+def _check_sizes(recipe: Any, layout: dict[str, NodeSpec] | None) -> Iterator[tuple[str, str]]:
+    for i, ev in enumerate(recipe.evaluators):
+        at = f"$.evaluators[{i}]"
+        for key in ("resource", "run_resource", "eval_resource"):
+            r = getattr(ev, key)
+            for field, most in (("gpu", MAX_GPUS), ("cpu", MAX_CPUS), ("memory_gb", MAX_MEMORY_GB)):
+                if getattr(r, field) > most:
+                    yield f"{at}.{key}.{field}", f"expected at most {most:g}, got {getattr(r, field)!r}"
+                    return
+        sample = _sample(ev)
+        if budget_tokens(ev.resource, sample) < 1:
+            yield f"{at}.resource", (f"the budget {_show(ev.resource)} admits no sample of {_show(sample)} "
+                                     f"(the larger of run_resource and eval_resource)")
+        pool = recipe.pool
+        if pool.gate and layout is None and pool.cluster_layout is None:
+            for field, need, have in (("num_cpus", sample.cpu, pool.num_cpus), ("memory_gb", sample.memory_gb,
+                                                                                 pool.memory_gb)):
+                if have is not None and need > have:
+                    yield f"$.pool.{field}", (f"each node offers {have:g}, but a sample of evaluator "
+                                              f"{ev.evaluator_id!r} needs {need:g}: none would be admitted")
+        if layout and not any(_fits(sample, node) for node in layout.values()):
+            yield f"{at}.run_resource", (f"a sample holds {_show(sample)}, more than any node of "
+                                         f"pool.cluster_layout offers: none would be admitted")
+
+
+def _fits(sample: Resource, node: NodeSpec) -> bool:
+    gpus = len(node.gpus) if sample.gpu > 1 else (1 if node.gpus else 0)
+    return sample.gpu <= gpus and sample.cpu <= node.cpu and sample.memory_gb <= node.memory_gb
+
+
+def _show(r: Resource) -> str:
+    return f"{{gpu: {r.gpu:g}, concurrency: {r.concurrency}, cpu: {r.cpu:g}, memory_gb: {r.memory_gb:g}}}"
+
+
+def layout_of(pool: Any) -> dict[str, NodeSpec] | None:
+    """The pool's layout, read (its problems are ``_check_layout``'s to report: None here then)."""
+    try:
+        return parse_cluster_layout(pool.cluster_layout, pool.num_cpus or 0.0, pool.memory_gb or 0.0)
+    except ValueError:
+        return None
+
+
+def _check_folder(at: str, value: str | None) -> Iterator[tuple[str, str]]:
+    if value is None:
+        return
+    if not value.strip() or "\0" in value:
+        yield at, f"expected a folder path, got {value!r}"
+        return
+    path = Path(value).expanduser().absolute()
+    if any(path == Path(s) or path.is_relative_to(s) for s in _SYSTEM):
+        yield at, f"{value!r} is under {', '.join(_SYSTEM)}: not a place for files"
+        return
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                yield at, f"{str(parent)!r} is a file, not a folder"
+            elif parent == path and not os.access(path, os.W_OK | os.X_OK):
+                yield at, f"{value!r} is not writable"
+            return
+
+
+def _check_engines(engines: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    for name, e in engines.items():
+        at = f"$.engines.{name}.options"
+        known = HF_OPTIONS if e.backend == "hf" else SGLANG_OPTIONS + _server_args()
+        checked = e.backend == "hf" or len(known) > len(SGLANG_OPTIONS)
+        for key in e.options if checked else ():
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"{len(known)} known, e.g. {', '.join(known[:8])}"
+                yield at, f"unknown {e.backend} option {key!r} ({hint})"
+        model = e.options.get("model_path")
+        if e.backend == "hf" and model is not None and not (Path(str(model)).expanduser() / "config.json").is_file():
+            yield f"{at}.model_path", (f"{str(model)!r} is not a local model folder (no config.json); the hf "
+                                       f"backend never downloads: unset it for the tiny model")
+
+
+def _server_args() -> tuple[str, ...]:
+    """sglang's ServerArgs fields, or () where sglang is not installed (its options go unchecked)."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception:  # not installed, or not importable here (no GPU build): nothing to check against
+        return ()
+    return tuple(f.name for f in dataclasses.fields(ServerArgs))
+
+
+def _check_batching(batching: str) -> Iterator[tuple[str, str]]:
+    if not is_import_path(batching):
+        return
+    try:
+        check_signature(import_object(batching, "batching strategy"), 2, "batching strategy", batching,
+                        "strategy(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]")
+    except PluginError as e:
+        yield "$.scheduler.batching", str(e)
+
+
+def check_dagger_section(section: Any) -> None:
+    """The DAgger section's own rules (``DAggerSchedule.__post_init__``) speak of CLI flags: said
+    here of the recipe's field, with its JSON path."""
+    if not isinstance(section, dict):
+        return  # not an object: the section's conversion says so
+    try:
+        msgspec.convert(section, DAggerSchedule)
+    except msgspec.ValidationError as e:
+        text = str(e).split(" - at `", 1)[0]
+        flag, sep, reason = text.partition(": ")
+        field = next((f for f, name in DAGGER_FLAGS.items() if name == flag), None)
+        if sep and field is not None:
+            for f, name in DAGGER_FLAGS.items():
+                reason = reason.replace(name, f"dagger.{f}")
+            raise InputError("", f"$.dagger.{field}", reason) from None

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 UID_RANGE = range(61184, 65520)  # systemd's dynamic users: no login account lives here
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable: swept of the sandbox uid's files
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # world-writable: swept of the sandbox uid's files
 _PROBE_UID = 65534  # nobody: only used to learn whether this process may switch users
 
 _probe_result: dict[str, str | None] | None = None

@@ -12,17 +12,25 @@ Guarantees, each enforced by the kernel rather than by politeness:
   its folder. Commands cannot write anywhere else that is not world-writable, cannot signal other
   sandboxes, and RLIMIT_NPROC (which the kernel ignores for root) counts only this sandbox's
   processes. On ``close`` every process of that uid is SIGKILLed (``kill(-1)`` as that uid, atomic
-  against fork bombs) and its files in /tmp, /var/tmp and /dev/shm are removed. Not root: commands
-  run as the current user and a warning is logged once.
+  against fork bombs) and its files in /tmp, /var/tmp, /dev/shm and /run/lock are removed. Not
+  root: commands run as the current user and a warning is logged once.
 - Processes: every command runs in its own session/process group (``start_new_session``) under
   rlimits on CPU seconds, address space (``memory_gb``), open files, processes, file size and core
   size 0. Its wall clock (``timeout_s``, never above ``limits.wall_seconds``) SIGKILLs the whole
   group, children included; so does the command's own exit, so nothing it started in the background
-  outlives it (a process that left the group with ``setsid`` dies on ``close``).
-- Files outside: each command runs in its own mount namespace where /tmp and /var/tmp are the
-  sandbox's own tmp folder and the project checkout (a source tree this code runs from) is an empty
-  folder. Without a mount namespace (seccomp, no user namespaces) a warning is logged once and only
-  TMPDIR/HOME point into the sandbox. Folders left by a host that died are swept when the next
+  outlives it (one that left the group with ``setsid`` dies with the PID namespace, or on ``close``).
+- Files outside: each command runs in its own mount namespace under a root of its own
+  (``_newroot.py``): the system's runtime read-only (/usr, /bin, /lib*, a Python outside /usr that
+  PATH names, a short list of /etc entries), private tmpfs on /dev/shm (``SHM_BYTES``) and /run/lock,
+  the sandbox's tmp at /tmp and /var/tmp (kept between its commands), its folder at its own path.
+  The host's /tmp, /home, /root, /work, other sandboxes, the project checkout and Ray's files are
+  not there at all. /dev/shm and /run/lock live as long as one command.
+- Other processes: each command runs in its own PID namespace with its own /proc (``hidepid=2``): ``ps``
+  shows its own processes only, and everything it started dies when it ends.
+  Where the kernel refuses a mount namespace (seccomp, no user namespaces) or only a fresh /proc,
+  a warning is logged once, commands get the host's files (TMPDIR and HOME still point into the
+  sandbox) or the host's /proc, and ``isolation`` (a subset of "user", "network", "filesystem",
+  "processes") names what is in force. Folders left by a host that died are swept when the next
   sandbox under the same root starts.
 - Environment: built from nothing: PATH, HOME=workdir, TMPDIR (a private folder), LANG/LC_ALL, TERM,
   thread-pool sizes for numeric libraries (from ``cpu``), plus what the caller passes in ``env``.
@@ -35,7 +43,8 @@ Guarantees, each enforced by the kernel rather than by politeness:
   or before running) raises ``SandboxError``; ``check_timeout=True`` turns a wall-clock expiry into
   ``AgentTimeout``.
 Not enforced here: CPU cores (``limits.cpu``; the placement pool gates it, Docker enforces it), a
-disk quota, and /proc visibility of other processes' command lines.
+disk quota. Not a boundary against kernel exploits (commands share the host's kernel): untrusted
+code belongs in Docker with gVisor, or a VM.
 """
 
 from __future__ import annotations

@@ -169,3 +169,29 @@ def test_fallbacks_are_logged_and_named(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger=_host.__name__):
             run(main())
         assert warning in caplog.text and refused[key] in caplog.text
+
+
+@strong
+def test_a_runtime_outside_usr_named_by_path_is_there_read_only():
+    prefix = Path(tempfile.mkdtemp(prefix=".rayapp-runtime-", dir=CHECKOUT.parent))
+    try:
+        prefix.chmod(0o755)
+        (prefix / "bin").mkdir(mode=0o755)
+        tool = prefix / "bin" / "rayapp-tool"
+        tool.write_text("#!/bin/sh\necho tool ok\n")
+        tool.chmod(0o755)
+        if os.path.realpath(shutil.which("python3", path=_host.DEFAULT_PATH) or "").startswith("/usr/"):
+            assert _host.runtime_prefixes(_host.DEFAULT_PATH) == []  # the system's Python needs nothing more
+        path = f"{prefix}/bin:{_host.DEFAULT_PATH}"
+        assert _host.runtime_prefixes(path) == [str(prefix)]
+
+        async def main():
+            async with LocalProcessSandbox(LIMITS, name="runtime", path=path) as sb:
+                got = await sb.exec(f"rayapp-tool; touch {prefix}/bin/x; ls {CHECKOUT}")
+                assert got.stdout == "tool ok\n" and "Read-only file system" in got.stderr
+                assert "No such file or directory" in got.stderr  # the folder beside it is still not there
+                assert not (prefix / "bin" / "x").exists()
+
+        run(main())
+    finally:
+        shutil.rmtree(prefix)

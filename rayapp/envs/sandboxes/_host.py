@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 UID_RANGE = range(61184, 65520)  # systemd's dynamic users: no login account lives here
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable: swept of the sandbox uid's files
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # world-writable: swept of the sandbox uid's files
 _PROBE_UID = 65534  # nobody: only used to learn whether this process may switch users
 
 _probe_result: dict[str, str | None] | None = None
@@ -150,7 +150,7 @@ def allocate_uid() -> tuple[int, int]:
 
 
 async def probe() -> dict[str, str | None]:
-    """Which isolation steps this process may take: {"net"|"user"|"mount": error or None}.
+    """Which isolation steps this process may take: {"net"|"mount"|"pid"|"user": error or None}.
     Asked once per process, by a real launch, since only trying tells (seccomp, missing caps)."""
     global _probe_result
     if _probe_result is None:
@@ -172,11 +172,35 @@ async def probe() -> dict[str, str | None]:
                 os.close(w)
         if not root:
             report["user"] = "not running as root"
-        _probe_result = {"net": report.get("net"), "user": report.get("user"), "mount": report.get("mount")}
+        missing = "not reported by the launcher"
+        _probe_result = {key: report.get(key, missing) for key in ("net", "mount", "pid", "user")}
     return _probe_result
 
 
-# -- folders: the owner stamp, stale folders, the checkout to hide -----------------------------------
+SYSTEM_PREFIXES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # in every sandbox's root
+
+
+def runtime_prefixes(path: str) -> list[str]:
+    """Folders outside the system's own that commands need read-only: the prefix (the folder above
+    ``bin``) of each PATH entry and of the python3 it finds (a pyenv or conda Python is a symlink
+    chain out of PATH). The default PATH needs none; a venv or conda PATH opens exactly that prefix
+    (one under /tmp or /var/tmp stays covered by the sandbox's own tmp)."""
+    entries = [entry for entry in path.split(os.pathsep) if entry]
+    python = shutil.which("python3", path=path)
+    if python:
+        entries.append(os.path.dirname(os.path.realpath(python)))
+    out: list[str] = []
+    for entry in entries:
+        real = os.path.realpath(entry)
+        if not os.path.isdir(real) or any(real == p or real.startswith(p + "/") for p in SYSTEM_PREFIXES):
+            continue
+        prefix = os.path.dirname(real) if os.path.basename(real) == "bin" else real
+        if prefix != "/" and prefix not in out:
+            out.append(prefix)
+    return out
+
+
+# -- folders: the owner stamp, stale folders --------------------------------------------------------
 
 FOLDER_PREFIX = "rayapp-sbx-"
 OWNER_FILE = "owner"  # "<pid> <start time>" of the host process that made the folder
@@ -230,10 +254,3 @@ def sweep_stale_folders(root: str) -> list[str]:
     if removed:
         log.info("removed %d stale sandbox folder(s) under %s", len(removed), root)
     return removed
-
-
-def checkout_to_hide() -> str | None:
-    """The source checkout this code runs from (a folder with pyproject.toml above the package), or
-    None for an installed package, whose site-packages the sandbox's own Python may need."""
-    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
-    return top if top != "/" and os.path.isfile(os.path.join(top, "pyproject.toml")) else None

@@ -10,15 +10,19 @@ interpreter has no such state, costs ~30 ms, and does what util-linux's ``unshar
 nothing from rayapp, so it runs before any privilege is dropped without trusting the project's path.
 
 Order matters, and each step is done while it still can be:
-1. unshare the network namespace (needs root, or a user namespace when unprivileged), bring its
-   private loopback up; unshare the mount namespace and bind the sandbox's own tmp folder over /tmp
-   and /var/tmp and an empty folder over the project checkout;
-2. chdir into the working folder while still privileged (its parent may be closed to the sandbox user);
-3. set the rlimits (a hard limit cannot be raised again after dropping privileges);
-4. drop supplementary groups, then gid, then uid (real, effective and saved);
-5. set no_new_privs, so a setuid binary cannot give root back;
-6. exec the command.
-A failure in steps 1-5 is written to STATUS_FD and the process exits 125: the parent reads it as a
+1. unshare the network, mount and PID namespaces in one call (needs root, or a user namespace when
+   unprivileged); bring the private loopback up;
+2. with a PID namespace, fork: this process stays outside and only relays the exit status; the
+   child is the namespace's init (PID 1). It builds the command's root file system and enters it
+   (``_newroot.py``), forks the command and reaps until the command is done. When init exits the
+   kernel kills everything left in the namespace, so nothing a command started (``setsid`` or not)
+   outlives it, and the command is not PID 1 (whose default signal actions the kernel ignores);
+3. chdir into the working folder while still privileged (its parent may be closed to the sandbox user);
+4. set the rlimits (a hard limit cannot be raised again after dropping privileges);
+5. drop supplementary groups, then gid, then uid (real, effective and saved);
+6. set no_new_privs, so a setuid binary cannot give root back;
+7. exec the command.
+A failure in steps 1-6 is written to STATUS_FD and the process exits 125: the parent reads it as a
 sandbox fault. A successful exec closes STATUS_FD (close-on-exec), which the parent reads as EOF. A
 command that cannot be found or run is the command's own outcome (exit 127/126, as a shell says).
 
@@ -29,7 +33,7 @@ fork must take), then exits.
 """
 
 # Everything is imported up front: after the uid switch the interpreter's own standard library may
-# be unreadable (a pyenv under /root), so a lazy import there would fail.
+# be unreadable (a pyenv under /root), and after pivot_root it is gone, so a lazy import would fail.
 import contextlib
 import ctypes
 import json
@@ -39,22 +43,23 @@ import signal
 import sys
 import warnings  # noqa: F401  os.execvp imports it lazily
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script's own folder out
+from _newroot import LIBC, build_root
+
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNS = 0x00020000
-MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+PROBE_STAGE = "/tmp"  # the probe's throwaway root: covered only inside its own mount namespace
 
 
 def _unshare(flags):
     if hasattr(os, "unshare"):  # Python 3.12+
         os.unshare(flags)
         return
-    if _libc().unshare(flags) != 0:
+    if LIBC.unshare(flags) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -98,58 +103,6 @@ def isolate_network():
         _loopback_up()
 
 
-def _mount(source, target, flags):
-    if _libc().mount(source, target.encode(), None, flags, None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
-def _mount_point(top, rel):
-    """An fd of folder ``top/rel``, made where missing. The folders are in the sandbox's own tmp,
-    which its user may have changed between commands: walked one component at a time without
-    following symlinks, so root never creates or mounts anything outside it."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(top, flags)
-    for part in rel.split("/"):
-        try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o711, dir_fd=fd)
-            sub = os.open(part, flags, dir_fd=fd)
-        finally:
-            os.close(fd)
-        fd = sub
-    return fd
-
-
-def private_mounts(spec):
-    """In this process's own mount namespace: the sandbox's tmp folder is /tmp and /var/tmp, and
-    each path of ``hide`` (the project checkout) is covered by an empty folder. If the sandbox's
-    folder itself lives under /tmp, it is bound back at its own path so cwd, HOME and TMPDIR still
-    resolve."""
-    base, tmp, empty = spec["base"], spec["tmp"], spec["empty"]
-    base_fd = os.open(base, os.O_PATH | os.O_CLOEXEC)  # reachable after /tmp is covered
-    tmp_fd = os.open(tmp, os.O_PATH | os.O_CLOEXEC)
-    try:
-        # Private propagation first, or the binds below would show up in the host's namespace.
-        _mount(None, "/", MS_REC | MS_PRIVATE)
-        for path in spec.get("hide", ()):
-            _mount(empty.encode(), path, MS_BIND)
-        for path in ("/tmp", "/var/tmp"):
-            if os.path.isdir(path):
-                _mount(f"/proc/self/fd/{tmp_fd}".encode(), path, MS_BIND)
-        for top in ("/tmp", "/var/tmp"):
-            if base.startswith(top + "/"):
-                target = _mount_point(top, base[len(top) + 1:])
-                try:
-                    _mount(f"/proc/self/fd/{base_fd}".encode(), f"/proc/self/fd/{target}", MS_BIND)
-                finally:
-                    os.close(target)
-                break
-    finally:
-        os.close(base_fd)
-        os.close(tmp_fd)
-
-
 def switch_user(uid, gid):
     os.setgroups([])
     os.setresgid(gid, gid, gid)
@@ -157,7 +110,7 @@ def switch_user(uid, gid):
 
 
 def no_new_privs():
-    if _libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError("prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
@@ -172,24 +125,56 @@ def set_limits(limits):
         resource.setrlimit(kind, (soft, hard))
 
 
-def probe(spec):
-    report = {"net": None, "user": None, "mount": None}
+def _error(e):
+    return f"{type(e).__name__}: {e}"
+
+
+def _probe_root(report):
+    stage = {"stage": PROBE_STAGE, "shm_bytes": 1 << 20}
+    try:
+        try:
+            build_root(stage, own_proc=report["pid"] is None)
+        except OSError as e:
+            if report["pid"] is not None:
+                raise
+            report["pid"] = _error(e)  # a kernel may refuse a proc mount (a masked /proc): try without
+            build_root(stage, own_proc=False)
+    except OSError as e:
+        report["mount"] = _error(e)
+
+
+def probe(spec, status_fd):
+    """Try each step as a command would get it; the report (step -> error or None) goes to STATUS_FD."""
+    report = {"net": None, "mount": None, "pid": None, "user": None}
     try:
         isolate_network()
     except OSError as e:
-        report["net"] = f"{type(e).__name__}: {e}"
+        report["net"] = _error(e)
+    # After the network step's user namespace (unprivileged) or as root: what a command gets.
+    enter = _unshare if report["net"] is None else enter_namespaces
     try:
-        # After the network step's user namespace (unprivileged) or as root: what a command gets.
-        _unshare(CLONE_NEWNS) if report["net"] is None else enter_namespaces(CLONE_NEWNS)
-        _mount(None, "/", MS_REC | MS_PRIVATE)
+        enter(CLONE_NEWNS | CLONE_NEWPID)
     except OSError as e:
-        report["mount"] = f"{type(e).__name__}: {e}"
+        report["pid"] = _error(e)
+        try:
+            enter(CLONE_NEWNS)
+        except OSError as e2:
+            report["mount"] = _error(e2)
+    if report["pid"] is None:
+        child = os.fork()  # the new PID namespace's first process
+        if child:
+            return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    if report["mount"] is None:
+        _probe_root(report)
+    if report["mount"] is not None and report["pid"] is None:
+        report["pid"] = f"needs the sandbox's own root: {report['mount']}"
     if spec.get("uid") is not None:
         try:
             switch_user(spec["uid"], spec["gid"])
         except OSError as e:
-            report["user"] = f"{type(e).__name__}: {e}"
-    return report
+            report["user"] = _error(e)
+    os.write(status_fd, json.dumps(report).encode())
+    return 0
 
 
 def kill_uid(uid):
@@ -203,37 +188,91 @@ def kill_uid(uid):
             return
 
 
+def relay(child, relay_r):
+    """Outside the PID namespace: wait for its init, then end as the command ended (its exit code,
+    or killed by its signal), which init wrote to ``relay_r``; nothing there: init itself failed."""
+    status = os.waitpid(child, 0)[1]
+    with contextlib.suppress(OSError, ValueError):
+        status = int(os.read(relay_r, 32) or status)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        return 128 + sig  # not reached for a signal that ends a process
+    return os.waitstatus_to_exitcode(status)
+
+
+def init(command, relay_w):
+    """PID 1 of the namespace: reap every orphan until ``command`` is done, pass its status on."""
+    while True:
+        pid, status = os.wait()
+        if pid == command:
+            os.write(relay_w, str(status).encode())
+            return 0
+
+
+def enter_sandbox(spec, steps):
+    """Steps 1-2 of the module's docstring, naming each in ``steps``. None in the process that goes
+    on to run the command; in the relay and in init, their exit code once the command is done."""
+    root, own_pids = spec.get("root"), bool(spec.get("isolate_pids"))
+    flags = (CLONE_NEWNET if spec.get("isolate_network") else 0) | (CLONE_NEWNS if root else 0)
+    flags |= CLONE_NEWPID if own_pids else 0
+    if flags:
+        steps.append("enter new namespaces")
+        enter_namespaces(flags)
+    if flags & CLONE_NEWNET:
+        with contextlib.suppress(OSError):
+            _loopback_up()
+    if own_pids:
+        steps.append("start the PID namespace")
+        relay_r, relay_w = os.pipe()
+        child = os.fork()
+        if child:
+            os.close(relay_w)
+            return relay(child, relay_r)
+        os.close(relay_r)
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the relay killed alone: init goes too
+    if root:
+        steps.append("build the sandbox's root")
+        build_root(root, own_proc=own_pids)
+    if own_pids:
+        steps.append("start the command")
+        command = os.fork()
+        if command:
+            return init(command, relay_w)
+        os.close(relay_w)
+    return None
+
+
 def main():
     spec, status_fd, argv = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[4:]
     if spec.get("probe"):
-        os.write(status_fd, json.dumps(probe(spec)).encode())
-        return 0
+        return probe(spec, status_fd)
     if spec.get("kill_uid") is not None:
         kill_uid(spec["kill_uid"])
         return 0
-    step = "start"
+    steps = ["start"]
     try:
-        if spec.get("isolate_network"):
-            step = "isolate the network"
-            isolate_network()
-        if spec.get("mounts"):
-            step = "set up the private /tmp"
-            # Inside the network step's user namespace, if it made one, a mount namespace needs no more.
-            _unshare(CLONE_NEWNS) if spec.get("isolate_network") or os.geteuid() == 0 else enter_namespaces(CLONE_NEWNS)
-            private_mounts(spec["mounts"])
-        step = f"enter the working folder {spec['cwd']}"
+        code = enter_sandbox(spec, steps)
+        if code is not None:
+            # The relay or init, done. os._exit: an interpreter's orderly shutdown costs ~20 ms each,
+            # and nothing here is buffered (everything went through os.write).
+            os._exit(code)
+        steps.append(f"enter the working folder {spec['cwd']}")
         os.chdir(spec["cwd"])
-        step = "set rlimits"
+        steps.append("set rlimits")
         set_limits(spec["rlimits"])
         if spec.get("uid") is not None:
-            step = f"switch to uid {spec['uid']}"
+            steps.append(f"switch to uid {spec['uid']}")
             switch_user(spec["uid"], spec["gid"])
-        step = "set no_new_privs"
+        steps.append("set no_new_privs")
         no_new_privs()
         os.umask(0o022)
         os.set_inheritable(status_fd, False)  # closed by a successful exec: the parent sees EOF
     except Exception as e:
-        os.write(status_fd, f"cannot {step}: {type(e).__name__}: {e}".encode())
+        os.write(status_fd, f"cannot {steps[-1]}: {type(e).__name__}: {e}".encode())
         return 125
     try:
         os.execvp(argv[0], argv)

@@ -12,17 +12,25 @@ Guarantees, each enforced by the kernel rather than by politeness:
   its folder. Commands cannot write anywhere else that is not world-writable, cannot signal other
   sandboxes, and RLIMIT_NPROC (which the kernel ignores for root) counts only this sandbox's
   processes. On ``close`` every process of that uid is SIGKILLed (``kill(-1)`` as that uid, atomic
-  against fork bombs) and its files in /tmp, /var/tmp and /dev/shm are removed. Not root: commands
-  run as the current user and a warning is logged once.
+  against fork bombs) and its files in /tmp, /var/tmp, /dev/shm and /run/lock are removed. Not
+  root: commands run as the current user and a warning is logged once.
 - Processes: every command runs in its own session/process group (``start_new_session``) under
   rlimits on CPU seconds, address space (``memory_gb``), open files, processes, file size and core
   size 0. Its wall clock (``timeout_s``, never above ``limits.wall_seconds``) SIGKILLs the whole
   group, children included; so does the command's own exit, so nothing it started in the background
-  outlives it (a process that left the group with ``setsid`` dies on ``close``).
-- Files outside: each command runs in its own mount namespace where /tmp and /var/tmp are the
-  sandbox's own tmp folder and the project checkout (a source tree this code runs from) is an empty
-  folder. Without a mount namespace (seccomp, no user namespaces) a warning is logged once and only
-  TMPDIR/HOME point into the sandbox. Folders left by a host that died are swept when the next
+  outlives it (one that left the group with ``setsid`` dies with the PID namespace, or on ``close``).
+- Files outside: each command runs in its own mount namespace under a root of its own
+  (``_newroot.py``): the system's runtime read-only (/usr, /bin, /lib*, a Python outside /usr that
+  PATH names, a short list of /etc entries), private tmpfs on /dev/shm (``SHM_BYTES``) and /run/lock,
+  the sandbox's tmp at /tmp and /var/tmp (kept between its commands), its folder at its own path.
+  The host's /tmp, /home, /root, /work, other sandboxes, the project checkout and Ray's files are
+  not there at all. /dev/shm and /run/lock live as long as one command.
+- Other processes: each command runs in its own PID namespace with its own /proc (``hidepid=2``): ``ps``
+  shows its own processes only, and everything it started dies when it ends.
+  Where the kernel refuses a mount namespace (seccomp, no user namespaces) or only a fresh /proc,
+  a warning is logged once, commands get the host's files (TMPDIR and HOME still point into the
+  sandbox) or the host's /proc, and ``isolation`` (a subset of "user", "network", "filesystem",
+  "processes") names what is in force. Folders left by a host that died are swept when the next
   sandbox under the same root starts.
 - Environment: built from nothing: PATH, HOME=workdir, TMPDIR (a private folder), LANG/LC_ALL, TERM,
   thread-pool sizes for numeric libraries (from ``cpu``), plus what the caller passes in ``env``.
@@ -35,7 +43,8 @@ Guarantees, each enforced by the kernel rather than by politeness:
   or before running) raises ``SandboxError``; ``check_timeout=True`` turns a wall-clock expiry into
   ``AgentTimeout``.
 Not enforced here: CPU cores (``limits.cpu``; the placement pool gates it, Docker enforces it), a
-disk quota, and /proc visibility of other processes' command lines.
+disk quota. Not a boundary against kernel exploits (commands share the host's kernel): untrusted
+code belongs in Docker with gVisor, or a VM.
 """
 
 from __future__ import annotations
@@ -60,7 +69,6 @@ from rayapp.envs.sandboxes._host import (
     OWNER_FILE,
     SandboxState,
     allocate_uid,
-    checkout_to_hide,
     cleanup,
     count_processes,
     kill_uid,
@@ -68,6 +76,7 @@ from rayapp.envs.sandboxes._host import (
     launcher_argv,
     owner_stamp,
     probe,
+    runtime_prefixes,
     sweep_shared_tmp,
     sweep_stale_folders,
     warn_once,
@@ -75,6 +84,7 @@ from rayapp.envs.sandboxes._host import (
 from rayapp.envs.sandboxes._proc import communicate
 from rayapp.envs.sandboxes.base import DEFAULT_LIMITS, ExecResult, SandboxLimits, relative_inside, thread_env
 
+SHM_BYTES = 64 << 20  # each command's private /dev/shm (Docker's default size)
 DEFAULT_MEMORY_GB = 4.0  # address space per process when the run resource names none
 MAX_READ_BYTES = 64 << 20  # read_file refuses bigger files rather than filling the worker's memory
 
@@ -102,7 +112,9 @@ class LocalProcessSandbox:
         self._env: dict[str, str] = {}
         self._real_workdir = ""
         self._shell = "/bin/sh"
-        self._mounts: dict | None = None
+        self._root: dict | None = None
+        self._own_pids = False
+        self.isolation: frozenset[str] = frozenset()  # of "user", "network", "filesystem", "processes"
 
     async def __aenter__(self) -> LocalProcessSandbox:
         return await self.start()
@@ -158,7 +170,7 @@ class LocalProcessSandbox:
                 os.mkdir(folder, 0o700)
                 if self.uid is not None:
                     os.chown(folder, self.uid, self._gid)
-            os.mkdir(os.path.join(state.base, "empty"), 0o500)  # covers the checkout: nothing to read or write
+            os.mkdir(os.path.join(state.base, "root"), 0o700)  # where each command's root is built
             stamp = os.path.join(state.base, OWNER_FILE)
             with open(stamp + ".new", "w") as f:
                 f.write(owner_stamp())
@@ -174,22 +186,29 @@ class LocalProcessSandbox:
         else:
             warn_once("net", f"sandbox network isolation is unavailable ({allowed['net']}): sandbox commands run "
                               "WITH the node's network (network_isolated=False)")
-        self._mounts = self._private_mounts(allowed, tmp)
+        self._root = self._root_spec(allowed, tmp)
+        self._own_pids = self._root is not None and allowed.get("pid") is None
+        if self._root is not None and not self._own_pids:
+            warn_once("pid", f"no PID namespace for sandboxes ({allowed.get('pid')}): commands see every process of "
+                             "the node and its command line (isolation lacks 'processes')")
+        self.isolation = frozenset(name for name, on in (
+            ("user", self.uid is not None and self.user is None), ("network", self.network_isolated),
+            ("filesystem", self._root is not None), ("processes", self._own_pids)) if on)
         self._shell = shell = shutil.which("bash", path=self.path) or "/bin/sh"
         self._env = {"PATH": self.path, "HOME": self.workdir, "PWD": self.workdir, "TMPDIR": tmp,
                      "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "SHELL": shell, **thread_env(self.limits),
                      **self.extra_env}
 
-    def _private_mounts(self, allowed: dict[str, str | None], tmp: str) -> dict | None:
-        """What the launcher mounts: the sandbox's tmp over /tmp and /var/tmp, the checkout covered."""
+    def _root_spec(self, allowed: dict[str, str | None], tmp: str) -> dict | None:
+        """What the launcher builds each command's root from (see _newroot.py)."""
         if allowed.get("mount") is not None:
-            warn_once("mount", f"no mount namespace for sandboxes ({allowed['mount']}): commands see the host's /tmp "
-                               "and the project checkout (TMPDIR and HOME still point into the sandbox)")
+            warn_once("mount", f"no mount namespace for sandboxes ({allowed['mount']}): commands see the host's files, "
+                               "/tmp, /dev/shm and /run/lock (isolation lacks 'filesystem'; TMPDIR and HOME still "
+                               "point into the sandbox)")
             return None
         base = os.path.realpath(self._state.base or "")
-        checkout = checkout_to_hide()
-        hide = [checkout] if checkout and not base.startswith(checkout + os.sep) else []
-        return {"base": base, "tmp": os.path.realpath(tmp), "empty": os.path.join(base, "empty"), "hide": hide}
+        return {"stage": os.path.join(base, "root"), "base": base, "tmp": os.path.realpath(tmp),
+                "ro": runtime_prefixes(self.path), "shm_bytes": SHM_BYTES}
 
     async def close(self) -> None:
         """Kill every process, delete the folder, free the uid. Idempotent."""
@@ -234,7 +253,7 @@ class LocalProcessSandbox:
         if not wall > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         spec = {"cwd": self.workdir, "rlimits": self._rlimits(), "uid": self.uid, "gid": self._gid,
-                "isolate_network": self.network_isolated, "mounts": self._mounts}
+                "isolate_network": self.network_isolated, "root": self._root, "isolate_pids": self._own_pids}
         r, w = os.pipe()
         # Non-blocking: a process forked (without exec) elsewhere in this worker at the wrong moment
         # could hold a copy of the write end, and the read below must not wait for it.

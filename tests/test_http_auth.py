@@ -102,3 +102,9 @@ def test_any_other_step_id_is_one_value_error(raw):
     with pytest.raises(ValueError, match=r"step id .* must be a decimal integer in 0 \.\. 2147483647") as e:
         parse_step_id(raw)
     assert len(str(e.value)) < 200
+
+
+def test_the_knob_reference_lists_the_token_variables():
+    from rayapp.knobs import OTHER_ENV
+
+    assert {TOKEN_ENV, TOKEN_FILE_ENV} <= set(OTHER_ENV)

@@ -29,13 +29,6 @@ from rayapp.actors.http import error_response
 
 TOKEN_ENV = "RAYAPP_HTTP_TOKEN"
 TOKEN_FILE_ENV = "RAYAPP_HTTP_TOKEN_FILE"
-# For the knob reference: default and meaning.
-ENV_KNOBS = {
-    TOKEN_ENV: ("", "user-set: the bearer token every manager HTTP route but /healthz then needs (a Secret as an "
-                    "environment variable; never in a recipe in a repository)"),
-    TOKEN_FILE_ENV: ("", "user-set: a file holding that token (a mounted Secret); without either token, the routes "
-                         "are served only when Serve's proxy listens on a loopback host"),
-}
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_BYTES = 4096
 

@@ -3,6 +3,7 @@ what ``rayapp run`` and ``rayapp demo`` (and the tests that start a cluster) sha
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -64,6 +65,15 @@ def auth_token() -> Iterator[Path]:
                 os.environ[k] = v
         shutil.rmtree(folder, ignore_errors=True)
         _refresh_ray_auth()
+
+
+def process_auth_token() -> Path:
+    """``auth_token`` for the rest of this process (a bench script, a test module starting its own
+    Ray): call it before Ray starts; the token is deleted at exit."""
+    block = auth_token()
+    path = block.__enter__()
+    atexit.register(block.__exit__, None, None, None)
+    return path
 
 
 def _refresh_ray_auth() -> None:

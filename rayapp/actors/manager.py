@@ -119,22 +119,30 @@ class SchedulerRolloutManager:
             host = f"an unknown host ({type(e).__name__}: {e})"
         return self.http_guard.refusal(request.headers.get("authorization"), host)
 
-    @api.get("/status", responses=ERRORS)
-    async def status(self, request: Request) -> Any:
-        if (refused := await self._refusal(request)) is not None:
-            return refused
+    def status(self) -> dict[str, Any]:
+        """The step in flight and the steps run (through a handle; over HTTP, GET /status)."""
         return self.steps.status()
 
-    @api.get("/placement", responses=ERRORS)
-    async def placement(self, request: Request) -> Any:
-        if (refused := await self._refusal(request)) is not None:
-            return refused
+    async def placement(self) -> Any:
+        """Which node and GPU each held token sits on (through a handle; over HTTP, GET /placement)."""
         if self.pool_client is None:
             return {"gated": False, "batches": {}}
         try:
             return {"gated": True, **await self.pool_client.placement()}
         except Exception as e:  # the pool lost or slow: a 503 that says so, not a bare 500
             return exception_response(e)
+
+    @api.get("/status", responses=ERRORS)
+    async def http_status(self, request: Request) -> Any:
+        if (refused := await self._refusal(request)) is not None:
+            return refused
+        return self.status()
+
+    @api.get("/placement", responses=ERRORS)
+    async def http_placement(self, request: Request) -> Any:
+        if (refused := await self._refusal(request)) is not None:
+            return refused
+        return await self.placement()
 
     @api.get("/healthz")
     def healthz(self) -> dict[str, bool]:

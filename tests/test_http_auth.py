@@ -50,15 +50,17 @@ def test_the_token_comes_from_the_environment_or_a_file(tmp_path):
     assert load_token({TOKEN_ENV: TOKEN}) == TOKEN
     (tmp_path / "t").write_text(TOKEN + "\n")  # a mounted Secret's file, trailing newline and all
     assert load_token({TOKEN_FILE_ENV: str(tmp_path / "t")}) == TOKEN
+    (tmp_path / "link").symlink_to(tmp_path / "t")  # a Secret volume's file is a link
+    assert load_token({TOKEN_FILE_ENV: str(tmp_path / "link")}) == TOKEN
 
 
 @pytest.mark.parametrize(("env", "needle"), [
     ({TOKEN_ENV: "short"}, f"{TOKEN_ENV}: the token must be 16"),
     ({TOKEN_ENV: "with a space in it, long enough"}, "without spaces"),
     ({TOKEN_ENV: TOKEN, TOKEN_FILE_ENV: "/x"}, "not both"),
-    ({TOKEN_FILE_ENV: "/nonexistent/token"}, f"{TOKEN_FILE_ENV}=/nonexistent/token: no such regular file"),
-    ({TOKEN_FILE_ENV: "/"}, "no such regular file"),
-    ({TOKEN_FILE_ENV: "/dev/zero"}, "no such regular file"),
+    ({TOKEN_FILE_ENV: "/nonexistent/token"}, f"{TOKEN_FILE_ENV}=/nonexistent/token: not a readable regular file"),
+    ({TOKEN_FILE_ENV: "/"}, "not a readable regular file"),
+    ({TOKEN_FILE_ENV: "/dev/zero"}, "not a readable regular file"),
 ])
 def test_a_configured_token_that_cannot_be_used_is_one_clear_error(env, needle):
     with pytest.raises(ValueError, match=needle):
@@ -79,7 +81,7 @@ def test_a_fifo_as_the_token_file_is_refused_without_blocking(tmp_path):
     t = threading.Thread(target=load, daemon=True)
     t.start()
     t.join(timeout=5)
-    assert not t.is_alive() and "no such regular file" in str(errors[0])
+    assert not t.is_alive() and "not a readable regular file" in str(errors[0])
 
 
 def test_a_binary_or_huge_token_file_is_refused(tmp_path):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -47,12 +49,8 @@ def load_token(env: Mapping[str, str]) -> str | None:
     if env.get(TOKEN_ENV) and env.get(TOKEN_FILE_ENV):
         raise ValueError(f"set one of {TOKEN_ENV} and {TOKEN_FILE_ENV}, not both")
     if env.get(TOKEN_FILE_ENV):
-        path = Path(env[TOKEN_FILE_ENV])
-        if not path.is_file():  # never open a FIFO or a device: it could block the replica
-            raise ValueError(f"{TOKEN_FILE_ENV}={path}: no such regular file")
-        with path.open("rb") as f:
-            raw = f.read(MAX_TOKEN_BYTES + 1)
-        where = f"{TOKEN_FILE_ENV}={path}"
+        where = f"{TOKEN_FILE_ENV}={env[TOKEN_FILE_ENV]}"
+        raw = _read_regular_file(Path(env[TOKEN_FILE_ENV]), where)
     elif env.get(TOKEN_ENV):
         raw, where = env[TOKEN_ENV].encode(), TOKEN_ENV
     else:
@@ -65,6 +63,21 @@ def load_token(env: Mapping[str, str]) -> str | None:
         raise ValueError(f"{where}: the token must be {MIN_TOKEN_CHARS} to {MAX_TOKEN_BYTES} characters without "
                          f"spaces (e.g. `openssl rand -hex 32`)")
     return token
+
+
+def _read_regular_file(path: Path, where: str) -> bytes:
+    """Its first bytes; a FIFO or a device is refused before any read could block the replica
+    (a Kubernetes Secret's file is a link to a regular file: links are followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"{where}: not a readable regular file ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{where}: not a readable regular file")
+        return os.read(fd, MAX_TOKEN_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 class HttpGuard:

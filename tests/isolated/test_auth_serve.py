@@ -138,7 +138,7 @@ def app(tmp_path_factory):
     application["args"]["scheduler"]["save_eval_details"] = str(tmp / "details")
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
-    temp_dir = Path(f"/tmp/rayapp-auth-{os.getpid()}")
+    temp_dir = Path(f"/tmp/rayapp-authtest-{os.getpid()}")
     with local_app(recipe, temp_dir, tmp / "serve.log", timeout_s=600) as (address, _):
         yield {"address": address, "http": f"http://127.0.0.1:{http_port}/rayapp", "temp_dir": temp_dir,
                "tmp": tmp, "ray_token": ray_token()}

@@ -33,7 +33,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 only on one machine
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray
 from ray import serve
@@ -45,6 +44,7 @@ from rayapp.actors.pool import GROUP_PREFIX, PlacementPoolService, run_in_bundle
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.remote import bounded
 from rayapp.actors.sandbox import open_sandbox
+from rayapp.cli.local import process_auth_token
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.core.termination import EngineConnectionError
@@ -371,4 +371,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    process_auth_token()  # Ray's token auth on, with a throwaway token (never ~/.ray's)
     sys.exit(main())

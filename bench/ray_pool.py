@@ -11,7 +11,7 @@ for the former design kept here as a bench-only mode (one placement group made a
 and for Ray's floor (the same calls to an async actor that does nothing: what any design through one
 actor pays), with and without the background release. The designs over one actor take turns in
 rounds, so the load of a shared machine hits them alike. Figures only; nothing here asserts on time.
-Ray listens on 127.0.0.1 only, with local auth off.
+Ray listens on 127.0.0.1 only, with Ray's token authentication on (a throwaway token).
 
 Run from the repo root: ``.venv/bin/python bench/ray_pool.py [--smoke] [--batches N]``.
 """
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec
@@ -40,6 +39,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from rayapp.actors.pool import NODE_ID_LABEL, PlacementPoolService, remove_leftovers, resolve_nodes
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.remote import bounded
+from rayapp.cli.local import process_auth_token
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.types import BatchRequest, Resource, Token
@@ -227,4 +227,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    process_auth_token()  # Ray's token auth on, with a throwaway token (never ~/.ray's)
     main()

@@ -24,6 +24,12 @@ from rayapp.training import dagger, reuse
 OTHER_ENV: dict[str, tuple[str, str]] = {
     "RAYAPP_CACHE": ("~/.cache/rayapp", "user-set: where the tiny CPU model is built on first use, and where the "
                                         "manager keeps the tokenizer files engines hand it"),
+    # read by rayapp.actors.http_auth (not imported here: it imports Ray)
+    "RAYAPP_HTTP_TOKEN": ("", "user-set: the bearer token every manager HTTP route but /healthz then needs (a "
+                              "Kubernetes Secret as an environment variable; never in a file in a repository)"),
+    "RAYAPP_HTTP_TOKEN_FILE": ("", "user-set: a file holding that token (a mounted Secret). Without either, the "
+                                   "routes are served only while Serve's proxy listens on loopback "
+                                   "(docs/security.md)"),
 }
 # Recipe keys that stand for the spec's launch flags.
 SPEC_FLAGS = {

@@ -36,13 +36,15 @@ def make_pool():
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray per test session (init + shutdown cost seconds): 8 logical CPUs, 4 logical GPUs,
-    127.0.0.1 only."""
+    127.0.0.1 only, with Ray's token authentication on (a throwaway token, never ~/.ray's)."""
     ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rayapp-test",
-             logging_level="warning", log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    from rayapp.cli.local import auth_token
+
+    with auth_token():
+        ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rayapp-test",
+                 logging_level="warning", log_to_driver=False)
+        yield ray
+        ray.shutdown()
 
 
 @contextlib.contextmanager

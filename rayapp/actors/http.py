@@ -1,7 +1,8 @@
 """The manager's HTTP errors: one JSON shape, ``{"status", "error", "message"}``, with a status
 that says what went wrong:
 
-- 422: bad input (a step id out of range: FastAPI's own validation answer; a ``ValueError``);
+- 422: bad input (a step id that is not a canonical decimal integer in 0 .. 2**31-1; a ``ValueError``);
+- 401 / 403: no or a wrong token, or no token configured off loopback (``rayapp.actors.http_auth``);
 - 404: nothing there (no such step asked for, a recipe without eval datasets);
 - 409: a conflicting request (another step of the same kind in flight);
 - 503: a part is unavailable (an engine or the pool lost, unreachable or too slow to answer, a step
@@ -11,6 +12,7 @@ that says what went wrong:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -19,15 +21,31 @@ from rayapp.actors.remote import is_lost
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.convert import clip
 from rayapp.core.termination import EngineConnectionError
+from rayapp.training.step_results import MAX_STEP_ID
+
+# One spelling per id: no sign, no spaces, no leading zeros, no fraction (int() would take "+5", " 1").
+_STEP_ID = re.compile(r"0|[1-9][0-9]{0,9}")
 
 _ERROR_BODY = {"application/json": {"example": {"status": 503, "error": "EngineConnectionError",
                                                 "message": "engine student unreachable: ..."}}}
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": why, "content": _ERROR_BODY} for code, why in (
+        (401, "no token, or another one: the route needs Authorization: Bearer <token>"),
+        (403, "no token is configured and Serve's proxy does not listen on loopback"),
         (404, "no such step was asked for, or the recipe has none of that kind"),
         (409, "another step of that kind is in flight"),
+        (422, "the step id is not a decimal integer in 0 .. 2**31-1 (no sign, spaces or leading zeros)"),
         (500, "the step failed: the error's class and message"),
         (503, "an engine or the pool is unavailable, or the step was cancelled"))}
+
+
+def parse_step_id(raw: str) -> int:
+    """A step id from a URL path: the canonical decimal spelling of an int in 0 .. MAX_STEP_ID, else one
+    ValueError naming it (the route answers 422 and nothing starts)."""
+    if not isinstance(raw, str) or not _STEP_ID.fullmatch(raw) or int(raw) > MAX_STEP_ID:
+        raise ValueError(f"step id {clip(repr(raw), 40)} in the URL path: must be a decimal integer in 0 .. "
+                         f"{MAX_STEP_ID}, written without sign, spaces or leading zeros")
+    return int(raw)
 
 
 def error_response(status: int, error: str, message: str) -> JSONResponse:

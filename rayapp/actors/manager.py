@@ -14,12 +14,14 @@ import asyncio
 import os
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
-from rayapp.actors.http import ERRORS, error_response, exception_response, summary
+from rayapp.actors.http import ERRORS, error_response, exception_response, parse_step_id, summary
+from rayapp.actors.http_auth import HttpGuard, load_token
 from rayapp.actors.logs import follow_serve_logging
 from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool import run_in_bundle
@@ -28,12 +30,16 @@ from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
 from rayapp.training.step_jobs import StepConflict, StepJobs
-from rayapp.training.step_results import MAX_STEP_ID
 
-# A step id in the path: out of range is a 422 before anything runs (the handle's ValueError, over HTTP).
-# A default, not an Annotated type: Serve ships the endpoints to the replica by value, where a name
-# that only a (string) annotation refers to is not defined.
-STEP_ID = Path(ge=0, le=MAX_STEP_ID, description="the rollout or eval step's id")
+# A step id in the path, read as text: FastAPI's int would take "+5", " 1" and "1.0" (parse_step_id
+# answers 422 for anything but the canonical spelling, before anything runs). A default, not an
+# Annotated type: Serve ships the endpoints to the replica by value, where a name that only a
+# (string) annotation refers to is not defined.
+STEP_ID = Path(description="the rollout or eval step's id: a decimal integer in 0 .. 2**31-1",
+               examples=["0", "7"])
+# Serve's controller, asked where the HTTP proxy listens (its actor name and namespace are Serve's).
+SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")
+CONTROLLER_TIMEOUT_S = 30.0
 
 api = FastAPI(title="rayapp rollout manager")
 
@@ -63,6 +69,9 @@ class SchedulerRolloutManager:
         self.steps.observers.append(self.metrics)
         self.jobs = StepJobs()
         self._gauges: asyncio.Task | None = None
+        # A configured token that cannot be used stops the replica here, naming the variable.
+        self.http_guard = HttpGuard(load_token(os.environ))
+        self._proxy_host: str | None = None
 
     def _watch(self) -> None:
         """Start refreshing the gauges (in the replica's loop, which the constructor may not run in)."""
@@ -82,17 +91,40 @@ class SchedulerRolloutManager:
 
     async def update_weights_from_disk(self, engine: str, path: str) -> list[dict]:
         """The trainer's new weights, loaded by every replica of one engine (between steps)."""
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"update_weights_from_disk: path must be a non-empty str, got {path!r}")
         if engine not in self.engines:
             raise ValueError(f"unknown engine {engine!r}; this app has {sorted(self.engines)}")
         async with self.steps.between_steps():
             return await self.engines[engine].update_weights_from_disk(path)
 
-    @api.get("/status")
+    async def _where_proxy_listens(self) -> str | None:
+        """The host of Serve's HTTP proxy (``http_options.host``), asked once; None while unknown."""
+        async def ask() -> str:
+            controller = await asyncio.to_thread(ray.get_actor, *SERVE_CONTROLLER)
+            return (await controller.get_http_config.remote()).host
+
+        if self._proxy_host is None and not self.http_guard.has_token:
+            self._proxy_host = await asyncio.wait_for(ask(), CONTROLLER_TIMEOUT_S)
+        return self._proxy_host
+
+    async def _refusal(self, request: Request) -> JSONResponse | None:
+        """The answer refusing this request (a missing or wrong token: docs/security.md), or None."""
+        if not isinstance(request, Request):  # an HTTP route called through a handle
+            raise ValueError(f"this is an HTTP route, called with {type(request).__name__} for its request: "
+                             "through a handle call generate(rollout_id) or evaluate(rollout_id)")
+        try:
+            host = await self._where_proxy_listens()
+        except Exception as e:  # unknown: refused as if not loopback, saying why
+            host = f"an unknown host ({type(e).__name__}: {e})"
+        return self.http_guard.refusal(request.headers.get("authorization"), host)
+
     def status(self) -> dict[str, Any]:
+        """The step in flight and the steps run (through a handle; over HTTP, GET /status)."""
         return self.steps.status()
 
-    @api.get("/placement", responses=ERRORS)
     async def placement(self) -> Any:
+        """Which node and GPU each held token sits on (through a handle; over HTTP, GET /placement)."""
         if self.pool_client is None:
             return {"gated": False, "batches": {}}
         try:
@@ -100,42 +132,67 @@ class SchedulerRolloutManager:
         except Exception as e:  # the pool lost or slow: a 503 that says so, not a bare 500
             return exception_response(e)
 
+    @api.get("/status", responses=ERRORS)
+    async def http_status(self, request: Request) -> Any:
+        if (refused := await self._refusal(request)) is not None:
+            return refused
+        return self.status()
+
+    @api.get("/placement", responses=ERRORS)
+    async def http_placement(self, request: Request) -> Any:
+        if (refused := await self._refusal(request)) is not None:
+            return refused
+        return await self.placement()
+
     @api.get("/healthz")
     def healthz(self) -> dict[str, bool]:
+        """Open to all (probes carry no token); it says nothing but that the replica answers."""
         return {"ok": True}
 
     @api.post("/rollout/{rollout_id}", status_code=202, responses=ERRORS)
-    async def http_rollout(self, request: Request, rollout_id: int = STEP_ID) -> JSONResponse:
+    async def http_rollout(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Start rollout step ``rollout_id`` (or join it); poll this URL with GET for its summary."""
-        return self._start("rollout", rollout_id, request, lambda: self.generate(rollout_id))
+        return await self._start("rollout", rollout_id, request, self.generate)
 
     @api.get("/rollout/{rollout_id}", responses=ERRORS)
-    async def http_rollout_status(self, rollout_id: int = STEP_ID) -> JSONResponse:
+    async def http_rollout_status(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Rollout step ``rollout_id``: running (with the step's progress), done (its summary) or its error."""
-        return self._poll("rollout", rollout_id)
+        return await self._poll("rollout", rollout_id, request)
 
     @api.post("/eval/{rollout_id}", status_code=202, responses=ERRORS)
-    async def http_eval(self, request: Request, rollout_id: int = STEP_ID) -> JSONResponse:
+    async def http_eval(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Start eval step ``rollout_id`` (or join it); poll this URL with GET for its metrics."""
-        if not self.cfg.eval:
-            return error_response(404, "NotFound", "this recipe has no eval datasets")
-        return self._start("eval", rollout_id, request, lambda: self.evaluate(rollout_id))
+        return await self._start("eval", rollout_id, request, self.evaluate)
 
     @api.get("/eval/{rollout_id}", responses=ERRORS)
-    async def http_eval_status(self, rollout_id: int = STEP_ID) -> JSONResponse:
+    async def http_eval_status(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Eval step ``rollout_id``: running, done (its metrics) or its error."""
-        return self._poll("eval", rollout_id)
+        return await self._poll("eval", rollout_id, request)
 
-    def _start(self, kind: str, rollout_id: int, request: Request, run: Any) -> JSONResponse:
+    async def _start(self, kind: str, raw_id: str, request: Request, run: Any) -> JSONResponse:
+        if (refused := await self._refusal(request)) is not None:
+            return refused
         try:
-            job = self.jobs.start(kind, rollout_id, run)
+            rollout_id = parse_step_id(raw_id)
+        except ValueError as e:
+            return exception_response(e)
+        if kind == "eval" and not self.cfg.eval:
+            return error_response(404, "NotFound", "this recipe has no eval datasets")
+        try:
+            job = self.jobs.start(kind, rollout_id, lambda: run(rollout_id))
         except StepConflict as e:
             return error_response(409, "Conflict", str(e))
         url = str(request.url)
         return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": job.state, "poll": url},
                             status_code=202, headers={"Location": url})
 
-    def _poll(self, kind: str, rollout_id: int) -> JSONResponse:
+    async def _poll(self, kind: str, raw_id: str, request: Request) -> JSONResponse:
+        if (refused := await self._refusal(request)) is not None:
+            return refused
+        try:
+            rollout_id = parse_step_id(raw_id)
+        except ValueError as e:
+            return exception_response(e)
         job = self.jobs.get(kind, rollout_id)
         if job is None:
             return error_response(404, "NotFound", f"no {kind} {rollout_id} was asked for here: POST it first")

@@ -2,7 +2,8 @@
 
 ``run`` checks the recipe first (``rayapp validate``): ``serve run`` of a config file whose build
 fails logs the error and keeps waiting, so a broken recipe must stop here, in seconds, before a
-cluster starts. Then it starts a Ray head on 127.0.0.1 with logical GPUs (or uses ``--address``),
+cluster starts. Then it starts a Ray head on 127.0.0.1 with logical GPUs and Ray's token
+authentication, with a fresh token that only this user can read (or uses ``--address``),
 runs ``serve run <recipe>`` on it, waits for the application, runs the training driver
 (``recipes/driver.py``, shipped with the package) with the options given after ``--``, and stops
 everything it started. ``demo`` is ``run`` of the embedded default with the tiny CPU model.
@@ -55,7 +56,8 @@ def _run_app(recipe: Path, args: argparse.Namespace, driver_args: list[str], cwd
                    dashboard_port=dashboard_port, timeout_s=args.timeout, cwd=cwd,
                    address=getattr(args, "address", None)) as (address, _):
         where = (f"ray head at {address} with {args.num_gpus} logical GPUs; dashboard http://127.0.0.1:{dashboard_port}"
-                 f" (placement groups: /#/cluster, API /api/v0/placement_groups)"
+                 f" (placement groups: /#/cluster, API /api/v0/placement_groups; its token: the file "
+                 f"{os.environ.get('RAY_AUTH_TOKEN_PATH')})"
                  if getattr(args, "address", None) is None else f"ray cluster at {address}")
         print(where, flush=True)
         print(f"serve app running ({time.monotonic() - t0:.1f}s after start); log: {serve_log}", flush=True)
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace, driver_args: list[str]) -> int:
     if validate(recipe) != 0:
         return 2
     if args.address is None:
-        os.environ.update(LOCAL_ENV)  # a head of our own: 127.0.0.1 only, local auth off
+        os.environ.update(LOCAL_ENV)  # a head of our own: 127.0.0.1, Ray's token auth with a fresh token
     # No bound on the driver as a whole: it bounds each step itself (its --timeout, ours unless given after --).
     steps = driver_args or ["--rollouts", "1", "--eval"]
     return _run_app(recipe, args, ["--timeout", str(args.timeout), *steps], Path.cwd(), None)

@@ -3,34 +3,85 @@ what ``rayapp run`` and ``rayapp demo`` (and the tests that start a cluster) sha
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 # The checkout (tests and the Makefile read recipes/ from it); in an installed package, site-packages.
 ROOT = Path(__file__).resolve().parents[2]
-LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-# Why: for the knob reference. Never set the first two on a real cluster.
+LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+# Why: for the knob reference.
 LOCAL_ENV_WHY = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "Ray's; 0 keeps GCS, raylet, dashboard and Serve on 127.0.0.1 "
-                                         "(one machine only)",
-    "RAY_AUTH_MODE": "Ray's; disabled turns token auth off for the local dashboard API (one machine only)",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "Ray's; 0: no multi-node Ray on Windows or macOS (one machine only)",
+    "RAY_AUTH_MODE": "Ray's; token: GCS, raylet, dashboard and Serve's gRPC between replicas refuse a caller "
+                     "without the cluster's token. A head of rayapp's own gets a fresh one (RAY_AUTH_TOKEN_PATH, "
+                     "a file only this user reads); see docs/security.md",
     "RAY_USAGE_STATS_ENABLED": "Ray's; 0: no usage statistics (the machine has no outside network)",
 }
+# Where Ray's processes and clients read the token from (Ray's names); an own head replaces them.
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def auth_token() -> Iterator[Path]:
+    """Ray's token authentication on, with a fresh token for a Ray of our own: the token file is in a
+    new folder only this user can read, and this process's environment names it, so ``ray start``,
+    ``ray.init``, ``serve run`` and the driver (which inherit it) all present it. Never ~/.ray: a
+    demo or a test run does not replace the user's own token. The environment is restored and the
+    token deleted when the block ends."""
+    saved = {k: os.environ.get(k) for k in AUTH_ENV}
+    folder = Path(tempfile.mkdtemp(prefix="rayapp-auth-"))  # mode 0700
+    path = folder / "auth_token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # 256 bits, as `ray get-auth-token --generate` makes
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # Ray reads it before the file
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)})
+    _refresh_ray_auth()
+    try:
+        yield path
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(folder, ignore_errors=True)
+        _refresh_ray_auth()
+
+
+def process_auth_token() -> Path:
+    """``auth_token`` for the rest of this process (a bench script, a test module starting its own
+    Ray): call it before Ray starts; the token is deleted at exit."""
+    block = auth_token()
+    path = block.__enter__()
+    atexit.register(block.__exit__, None, None, None)
+    return path
+
+
+def _refresh_ray_auth() -> None:
+    """Ray, when this process imported it already, caches the mode and the token: read them again."""
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _bin(name: str) -> str:
@@ -92,24 +143,29 @@ def stop_cluster(temp_dir: Path, grace_s: float = 15.0) -> list[int]:
 def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 4, num_cpus: int = 8,
               dashboard_port: int | None = None, timeout_s: float = 900.0, cwd: str | Path = ROOT,
               address: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A Ray head on 127.0.0.1 with logical GPUs and ``serve run recipe`` on it (output in ``log``),
+    """A Ray head on 127.0.0.1 with logical GPUs and Ray's token authentication (a fresh token:
+    ``auth_token``), and ``serve run recipe`` on it (output in ``log``),
     yielded as (address, serve process) once the app is RUNNING; both are stopped when the block ends.
     Given ``address``, no head is started: the app runs on that cluster and only it is stopped.
     ``serve run`` starts in ``cwd``, against which the recipe's relative layout path resolves."""
     proc, own_head = None, address is None
-    try:
-        if own_head:
-            address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port())
-        with open(log, "w") as out:
-            proc = subprocess.Popen([_bin("serve"), "run", f"--address={address}", str(recipe)], stdout=out,
-                                    stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
-        wait_for_app(address, "rayapp", timeout_s, proc, log)
-        yield address, proc
-    finally:
-        _stop_serve_run(proc)
-        if own_head:
-            left = stop_cluster(temp_dir)
-            print("shut down: " + ("no Ray process left" if not left else f"{len(left)} Ray processes left: {left}"))
+    with contextlib.ExitStack() as stack:
+        if own_head:  # a head of our own: a fresh token; on the user's cluster, the user's own token
+            stack.enter_context(auth_token())
+        try:
+            if own_head:
+                address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port())
+            with open(log, "w") as out:
+                proc = subprocess.Popen([_bin("serve"), "run", f"--address={address}", str(recipe)], stdout=out,
+                                        stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+            wait_for_app(address, "rayapp", timeout_s, proc, log)
+            yield address, proc
+        finally:
+            _stop_serve_run(proc)
+            if own_head:
+                left = stop_cluster(temp_dir)
+                print("shut down: " + ("no Ray process left" if not left else
+                                       f"{len(left)} Ray processes left: {left}"))
 
 
 def _stop_serve_run(proc: subprocess.Popen | None) -> None:

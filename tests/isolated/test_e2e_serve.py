@@ -40,9 +40,14 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:  # 127.0.0.1 only
+def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:  # 127.0.0.1
         return json.loads(r.read())
+
+
+def ray_token_header() -> dict[str, str]:
+    """The dashboard's API checks Ray's token (the one local_app made for its head)."""
+    return {"Authorization": "Bearer " + Path(os.environ["RAY_AUTH_TOKEN_PATH"]).read_text().strip()}
 
 
 def http(url: str, method: str = "GET") -> tuple[int, dict]:
@@ -100,12 +105,14 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     stop = threading.Event()
     scraped: list[dict[str, float]] = []
 
+    auth = ray_token_header()
+
     def watch():  # the dashboard's state API and Ray's metrics endpoint, polled while the driver runs
         while not stop.is_set():
             with contextlib.suppress(OSError):
                 scraped.append(scrape(app["metrics"]))
             try:
-                data = get_json(f"http://127.0.0.1:{app['dash']}/api/v0/placement_groups?limit=1000")
+                data = get_json(f"http://127.0.0.1:{app['dash']}/api/v0/placement_groups?limit=1000", auth)
                 for pg in data["data"]["result"]["result"]:
                     if pg["name"].startswith("rayapp/") and pg["state"] == "CREATED":
                         groups_seen.add(pg["name"])
@@ -171,7 +178,7 @@ def test_http_control_surface(app):
     assert get_json(f"{app['http']}/healthz") == {"ok": True}
     for bad in ("-1", "2147483648", "99999999999999999999"):  # step ids are 0 .. 2**31-1
         status, body = http(f"{app['http']}/rollout/{bad}", "POST")
-        assert status == 422 and "detail" in body, bad
+        assert status == 422 and body["error"] == "ValueError" and "step id" in body["message"], bad
     assert http(f"{app['http']}/rollout/6")[0] == 404  # never asked for
 
     before = get_json(f"{app['http']}/status")["steps_run"]["rollout"]

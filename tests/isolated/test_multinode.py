@@ -11,7 +11,6 @@ import time
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -19,6 +18,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from rayapp.actors.app import HEAD  # noqa: E402
 from rayapp.actors.pool import PlacementPoolService, run_in_bundle  # noqa: E402
 from rayapp.actors.pool_client import PoolClient  # noqa: E402
+from rayapp.cli.local import auth_token  # noqa: E402
 from rayapp.core.agent import FunctionAgent  # noqa: E402
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler  # noqa: E402
 from rayapp.envs.arithmetic import ArithmeticSource  # noqa: E402
@@ -32,15 +32,16 @@ LAYOUT = '{"node-a": {"gpus": [0, 1], "cpu": 4, "memory_gb": 1}, "node-b": {"gpu
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1",
-                                                       "include_dashboard": False})
-    nodes = {name: c.add_node(num_cpus=4, num_gpus=2, labels={"rayapp.io/node": name}, node_ip_address="127.0.0.1")
-             for name in ("node-a", "node-b")}
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace="rayapp-multinode", logging_level="warning", log_to_driver=False)
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    with auth_token():  # Ray's token authentication on, with a throwaway token
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1",
+                                                           "include_dashboard": False})
+        nodes = {name: c.add_node(num_cpus=4, num_gpus=2, labels={"rayapp.io/node": name},
+                                  node_ip_address="127.0.0.1") for name in ("node-a", "node-b")}
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace="rayapp-multinode", logging_level="warning", log_to_driver=False)
+        yield c, nodes
+        ray.shutdown()
+        c.shutdown()
 
 
 def where_am_i(delay: float) -> tuple[str, str]:

@@ -5,6 +5,7 @@ restart, would answer differently."""
 
 import errno
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,8 @@ def test_a_failed_whole_file_write_names_the_operation_and_the_path_and_leaves_t
     assert str(e.value) == f"writing step result {target}: No space left on device"
     assert e.value.errno == errno.ENOSPC and isinstance(e.value, OSError)
     assert target.read_bytes() == b"old" and os.listdir(target.parent) == ["y.msgpack"]  # no temp file left
+    back = pickle.loads(pickle.dumps(e.value))  # as Ray hands it to the caller
+    assert type(back) is WriteError and str(back) == str(e.value) and back.errno == errno.ENOSPC
 
 
 @pytest.mark.parametrize("full_after", range(WRITES_PER_STEP))

@@ -27,6 +27,9 @@ class WriteError(OSError):
     def __str__(self) -> str:
         return f"writing {self.what} {self.path}: {self.strerror}"
 
+    def __reduce__(self) -> tuple:  # so that it crosses a process boundary (Ray) as itself
+        return WriteError, (self.what, self.path, OSError(self.errno, self.strerror))
+
 
 def fsync_dir(folder: Path) -> None:
     """Make a rename in ``folder`` durable (a no-op where folders cannot be opened, as on Windows)."""

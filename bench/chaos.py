@@ -1,7 +1,7 @@
 """Chaos run: rollout steps against the Ray app's parts while faults are injected at seeded random
 moments, then a table of what came back.
 
-    python bench/chaos.py            # ~3 minutes on 2 cores: 7 faults, at least 12 steps
+    python bench/chaos.py            # ~4 minutes on 2 cores: 8 faults, at least 12 steps
     python bench/chaos.py --smoke    # one engine kill, at least 2 steps (~30 s with the cluster's start)
     python bench/chaos.py --faults disk --steps 4   # only the faults named
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import os
 import random
 import re
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 only on one machine
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import chaos_disk  # bench/, beside this file
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
@@ -160,42 +160,7 @@ class ChaosManager:
         return at
 
     async def fill_disk(self, wait_s: float) -> float | None:
-        """Fill the disk under the step results until a write there failed (or ``wait_s`` passed):
-        the time it filled (monotonic), or None when no write came meanwhile."""
-        failed, real = threading.Event(), os.fdopen
-
-        def fdopen(fd, *args, **kwargs):
-            f = real(fd, *args, **kwargs)
-            return _FullFile(f, failed) if os.readlink(f"/proc/self/fd/{fd}").startswith(self.results_dir) else f
-
-        at = time.monotonic()
-        os.fdopen = fdopen
-        try:
-            while not failed.is_set() and time.monotonic() < at + wait_s:
-                await asyncio.sleep(0.05)
-        finally:
-            os.fdopen = real
-        return at if failed.is_set() else None
-
-
-class _FullFile:
-    """A file on a full disk: each write fails with ENOSPC (and says so to ``failed``)."""
-
-    def __init__(self, f, failed: threading.Event):
-        self._f, self._failed = f, failed
-
-    def write(self, data):
-        self._failed.set()
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
+        return await chaos_disk.fill_disk(self.results_dir, wait_s)
 
 
 @dataclass
@@ -222,7 +187,7 @@ def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> float | None:
     if kind == "sandbox":  # the manager replica waits for a live host, up to SANDBOX_WAIT_S
         return manager.kill_a_sandbox.remote(SANDBOX_WAIT_S).result(timeout_s=SANDBOX_WAIT_S + 30)
     if kind == "disk":
-        return disk_full(manager)
+        return chaos_disk.disk_full(manager, lambda: replica("ChaosManager"), SANDBOX_WAIT_S)
     if kind == "node":  # a worker node dies; a fresh one with the same label joins for the next pool
         # All nodes share 127.0.0.1, so the driver may be attached to a worker's raylet: spare that one.
         mine = ray._private.worker.global_worker.node._raylet_socket_name
@@ -245,23 +210,6 @@ def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> float | None:
     at = time.monotonic()
     ray.kill(target)
     return at
-
-
-def disk_full(manager) -> float | None:
-    """A full disk under the manager's step results until a step's result failed to be written, then
-    the manager replica restarted (killed; Serve starts a new one): the fill's time, or None."""
-    at = manager.fill_disk.remote(SANDBOX_WAIT_S).result(timeout_s=SANDBOX_WAIT_S + 30)
-    if at is not None:
-        ray.kill(replica("ChaosManager"))
-    return at
-
-
-def repeats_differ(manager, run: Run, timeout_s: float) -> int:
-    """Ask for every completed step again: how many answers differ from the first one received."""
-    def samples(result):
-        return [(s.task_id, s.index, s.response) for g in result.groups for s in g]
-    return sum(samples(manager.generate.remote(rid).result(timeout_s=timeout_s)) != samples(first)
-               for rid, first in run.results.items())
 
 
 def chaos(plan: list[tuple[float, str]], t0: float, run: Run, stop: threading.Event, cluster, nodes, manager):
@@ -311,6 +259,7 @@ def start(args) -> tuple[Cluster, dict, object, object]:
     ray.init(address=cluster.address, namespace=APP, logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(chaos_disk)
     serve.start(proxy_location="Disabled")
     pool = serve.deployment(PlacementPoolService, name="PlacementPoolService", max_ongoing_requests=POOL_MAX_ONGOING,
                             ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
@@ -424,7 +373,7 @@ def main() -> int:
         faults_over.set()
         driver.join()
         wall_s = time.monotonic() - t0
-        differ = repeats_differ(manager, run, 120)
+        differ = chaos_disk.repeats_differ(manager, run.results, 120)
         snap, placement = settle(pool_handle, initial)
         rows = table(run, a, uncordoned(snap) == uncordoned(initial), placement.get("held_tokens", -1),
                      leaked_groups(), wall_s, placement.get("cordoned", []))

@@ -1,8 +1,9 @@
 """Chaos run: rollout steps against the Ray app's parts while faults are injected at seeded random
 moments, then a table of what came back.
 
-    python bench/chaos.py            # ~3 minutes on 2 cores: 7 faults, at least 12 steps
+    python bench/chaos.py            # ~4 minutes on 2 cores: 8 faults, at least 12 steps
     python bench/chaos.py --smoke    # one engine kill, at least 2 steps (~30 s with the cluster's start)
+    python bench/chaos.py --faults disk --steps 4   # only the faults named
 
 Real: a ``ray.cluster_utils.Cluster`` (a head and two worker nodes labelled ``rayapp.io/node``, logical
 GPUs), Serve deployments with the app's options (the PlacementPoolService replica on the head, a
@@ -15,7 +16,14 @@ answers token ids), so the run measures the shell's fault handling, not a model.
 The driver asks for steps 0..N-1 in order and retries a step whose call failed (a killed manager, a
 pool that is restarting): a step id is idempotent. Per completed step, *lost* is a requested sample
 (task, index) missing from its result and *duplicated* one returned twice. *Time to recover* is, for
-each fault, the seconds from the kill until the next step completes.
+each fault, the seconds from the kill until the next step completes. After the run the driver asks
+for every completed step id again: *repeats answered differently* counts those whose samples (each
+with a nonce of its run) differ from what the driver received first.
+
+*disk full mid-step*: the disk under the manager's step results fills up (every write there fails with
+ENOSPC, faked in the replica's process: the bench needs no privileges) until a step's result failed
+to be written; then the manager replica is killed, as in a restart. No step handed out may be lost to
+it, and a repeat of its id must return the samples the driver received.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ import asyncio
 import os
 import random
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -34,6 +44,7 @@ from dataclasses import dataclass, field
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 only on one machine
 
+import chaos_disk  # bench/, beside this file
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
@@ -55,7 +66,7 @@ from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, Tas
 APP = "rayapp-chaos"
 NODES = ("node-a", "node-b")
 LAYOUT = '{"node-a": {"gpus": [0, 1], "cpu": 4, "memory_gb": 2}, "node-b": {"gpus": [0, 1], "cpu": 4, "memory_gb": 2}}'
-KINDS = ("engine", "sandbox", "pool", "manager", "node")
+KINDS = ("engine", "sandbox", "pool", "manager", "node", "disk")
 MASK = re.compile(r"[0-9a-f]{12,}|\d+")  # ids and numbers, so that like aborts count together
 LIMITS = SandboxLimits(wall_seconds=30, cpu_seconds=10)
 SANDBOX_WAIT_S = 20.0  # how long one kill request waits in the manager replica for a live sandbox host
@@ -93,7 +104,8 @@ def make_spec(engine) -> EvaluatorSpec:
         await run_in_bundle(ctx.token, nap, rng.uniform(0.2, 1.0), timeout_s=60)
         ids = await bounded(engine.generate.remote(3), 30,
                             lost=lambda e: EngineConnectionError(f"engine replica lost: {e}"))
-        return AgentResult(tokens=[0, *ids], response_length=len(ids), response="ok",
+        # a nonce per run of a sample: a step run twice is told apart from one served again
+        return AgentResult(tokens=[0, *ids], response_length=len(ids), response=f"ok {random.getrandbits(32):08x}",
                            rollout_log_probs=[-0.1] * len(ids), loss_mask=[1] * len(ids))
 
     agent = FunctionAgent(run, lambda s, r: {"score": 1.0})
@@ -116,10 +128,11 @@ class ChaosManager:
     """The manager replica's part here: a TaskScheduler per step behind the app's StepResults, over
     a PoolClient; a replacement replica first frees what its predecessor held, as the app's does."""
 
-    def __init__(self, pool, engine, batch_size: int, n_samples: int):
+    def __init__(self, pool, engine, batch_size: int, n_samples: int, results_dir: str | None = None):
         self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30, packed=True)  # as the app's manager
         self.spec, self.batch_size, self.n_samples = make_spec(engine), batch_size, n_samples
-        self.steps = StepResults(keep=1000)
+        self.steps = StepResults(results_dir, keep=1000)  # on disk, as the app's with a checkpoint_dir
+        self.results_dir = results_dir
         self.freed_previous: asyncio.Task | None = None
 
     async def generate(self, rollout_id: int):
@@ -146,6 +159,9 @@ class ChaosManager:
         ray.kill(random.choice(sorted(SANDBOXES, key=id)))
         return at
 
+    async def fill_disk(self, wait_s: float) -> float | None:
+        return await chaos_disk.fill_disk(self.results_dir, wait_s)
+
 
 @dataclass
 class Run:
@@ -170,6 +186,8 @@ def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> float | None:
     kill just then."""
     if kind == "sandbox":  # the manager replica waits for a live host, up to SANDBOX_WAIT_S
         return manager.kill_a_sandbox.remote(SANDBOX_WAIT_S).result(timeout_s=SANDBOX_WAIT_S + 30)
+    if kind == "disk":
+        return chaos_disk.disk_full(manager, lambda: replica("ChaosManager"), SANDBOX_WAIT_S)
     if kind == "node":  # a worker node dies; a fresh one with the same label joins for the next pool
         # All nodes share 127.0.0.1, so the driver may be attached to a worker's raylet: spare that one.
         mine = ray._private.worker.global_worker.node._raylet_socket_name
@@ -241,6 +259,7 @@ def start(args) -> tuple[Cluster, dict, object, object]:
     ray.init(address=cluster.address, namespace=APP, logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(chaos_disk)
     serve.start(proxy_location="Disabled")
     pool = serve.deployment(PlacementPoolService, name="PlacementPoolService", max_ongoing_requests=POOL_MAX_ONGOING,
                             ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
@@ -249,14 +268,15 @@ def start(args) -> tuple[Cluster, dict, object, object]:
                               ray_actor_options={"num_cpus": 0}).bind()
     manager = serve.deployment(ChaosManager, name="ChaosManager", max_ongoing_requests=1000,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
-    handle = serve.run(manager.bind(pool, engine, args.batch_size, args.n_samples), name=APP, route_prefix=None)
+    handle = serve.run(manager.bind(pool, engine, args.batch_size, args.n_samples, args.results_dir), name=APP,
+                       route_prefix=None)
     pool_handle = serve.get_deployment_handle("PlacementPoolService", APP)
     return cluster, nodes, handle, pool_handle
 
 
 def plan_faults(args) -> list[tuple[float, str]]:
     rng = random.Random(args.seed)
-    kinds = ["engine"] if args.smoke else [*KINDS, "engine", "sandbox"]
+    kinds = ["engine"] if args.smoke else args.faults or [*KINDS, "engine", "sandbox"]
     rng.shuffle(kinds)
     lo, hi = args.fault_window
     return sorted((rng.uniform(lo, hi), k) for k in kinds)
@@ -332,10 +352,12 @@ def main() -> int:
     p.add_argument("--n-samples", type=int, default=2, help="samples per task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="2 steps, one engine kill: seconds, for a test")
+    p.add_argument("--faults", nargs="+", choices=KINDS, help="inject only these (one each), e.g. --faults disk")
     a = p.parse_args()
     if a.smoke:
         a.steps = 2
-    a.fault_window = (1.0, 3.0) if a.smoke else (5.0, 75.0)
+    a.fault_window = (1.0, 3.0) if a.smoke else (5.0, 5.0 + 10.0 * len(a.faults)) if a.faults else (5.0, 75.0)
+    a.results_dir = tempfile.mkdtemp(prefix="rayapp-chaos-results-")
     cluster, nodes, manager, pool_handle = start(a)
     try:
         initial = pool_handle.snapshot.remote().result(timeout_s=60)
@@ -351,20 +373,24 @@ def main() -> int:
         faults_over.set()
         driver.join()
         wall_s = time.monotonic() - t0
+        differ = chaos_disk.repeats_differ(manager, run.results, 120)
         snap, placement = settle(pool_handle, initial)
         rows = table(run, a, uncordoned(snap) == uncordoned(initial), placement.get("held_tokens", -1),
                      leaked_groups(), wall_s, placement.get("cordoned", []))
+        at = [k for k, _ in rows].index("duplicated") + 1
+        rows.insert(at, ("repeats answered differently", f"{differ} of {len(run.results)}"))
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(a.results_dir, ignore_errors=True)
     width = max(len(k) for k, _ in rows)
     print(f"| {'chaos run':<{width}} | |\n|{'-' * (width + 2)}|---|")
     for k, v in rows:
         print(f"| {k:<{width}} | {v} |")
     for (node, error), n in run.aborts.most_common(6):
         print(f"  aborted on {node} x{n}: {error}")
-    bad = {k: v for k, v in rows if k in ("lost", "duplicated") and v != "0"}
+    bad = {k: v for k, v in rows if k in ("lost", "duplicated") and v != "0"} | ({"repeats": differ} if differ else {})
     bad |= {k: v for k, v in rows if k in ("leaked placement groups", "leaked tokens") and not v.startswith("0 ")
             and v != "0"}
     return 1 if bad or len(run.results) < run.requested_steps else 0

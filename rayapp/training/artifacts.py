@@ -277,9 +277,10 @@ class EvalDetailsWriter:
         p = self.paths(rollout_id)
         self.close_stream(rollout_id)
         named = [(name, s) for name, ss in result.samples.items() for s in ss]
-        atomic_write(p["samples"], _write_lines(sample_record(n, s) for n, s in named))
-        atomic_write(p["placement"], _write_lines(r for n, s in named for r in placement_records(n, s)))
-        atomic_write(p["summary"], _json(eval_summary(rollout_id, result)))
+        atomic_write(p["samples"], _write_lines(sample_record(n, s) for n, s in named), what="eval details")
+        atomic_write(p["placement"], _write_lines(r for n, s in named for r in placement_records(n, s)),
+                     what="eval placement")
+        atomic_write(p["summary"], _json(eval_summary(rollout_id, result)), what="eval summary")
         return p
 
     def write_rollout_summary(self, rollout_id: int, result: RolloutResult, filters: dict | None = None) -> Path:
@@ -287,7 +288,7 @@ class EvalDetailsWriter:
         filters, ``filters`` their report's summary (``FilterReport.summary``)."""
         self.paths(rollout_id)  # validates the id
         return atomic_write(self.dir / f"train_{rollout_id}.summary.json",
-                            _json(rollout_summary(rollout_id, result, filters)))
+                            _json(rollout_summary(rollout_id, result, filters)), what="train summary")
 
     def write_timeline(self, kind: str, rollout_id: int, samples: list[Sample]) -> dict[str, Path]:
         """The step's placement timeline (``training.timeline``): ``timeline/{kind}_{id}.trace.json``

@@ -89,9 +89,9 @@ class CheckpointFinished(msgspec.Struct, tag_field="format", tag="rayapp.rollout
     carried: list[CarriedGroup] = []  # partial rollouts: the unfinished groups the next step takes first
 
 
-def _write(path: Path, record: msgspec.Struct) -> None:
+def _write(path: Path, record: msgspec.Struct, what: str) -> None:
     data = msgspec.msgpack.encode(record)  # encode first: a value msgpack cannot hold leaves the file as it was
-    atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data), what=what)
 
 
 def _read(path: Path, type_: type[T]) -> T:
@@ -146,7 +146,7 @@ class RolloutCheckpoint:
             (folder / _STATE).unlink(missing_ok=True)
             fsync_dir(folder)
             shutil.rmtree(folder)
-        atomic_write(folder / _STATE, lambda f: f.write(data))
+        atomic_write(folder / _STATE, lambda f: f.write(data), what="checkpoint state")
         self._run[rollout_id], self._done[rollout_id] = state.run, set()
         self._prune(before=rollout_id - 1)
 
@@ -168,7 +168,7 @@ class RolloutCheckpoint:
         if type(index) is not int or index < 0 or index in self._done[rollout_id]:
             raise ValueError(f"rollout {rollout_id}: group index {index!r} is not new (or not an int >= 0)")
         _write(folder / f"group_{index:06d}.msgpack",
-               CheckpointGroup(VERSION, rollout_id, self._run[rollout_id], index, list(group)))
+               CheckpointGroup(VERSION, rollout_id, self._run[rollout_id], index, list(group)), "group checkpoint")
         self._done[rollout_id].add(index)
 
     def finish(self, rollout_id: int, next_source_state: dict | None = None,
@@ -180,7 +180,8 @@ class RolloutCheckpoint:
         folder = self.folder(rollout_id)
         if not (folder / _STATE).exists():
             raise ValueError(f"rollout {rollout_id}: finish() without begin()")
-        _write(folder / _DONE, CheckpointFinished(VERSION, rollout_id, next_source_state, list(carried or [])))
+        _write(folder / _DONE, CheckpointFinished(VERSION, rollout_id, next_source_state, list(carried or [])),
+               "finished marker")
         self._forget(rollout_id)
 
     def next_source_state(self, rollout_id: int) -> dict | None:
@@ -273,8 +274,9 @@ class _Recorder:
     async def group_done(self, index: int, samples: list[Sample]) -> None:
         try:
             await _in_thread(self.checkpoint.record_group, self.rollout_id, index, samples)
-        except Exception:
-            log.exception("rollout %d: could not checkpoint group %d", self.rollout_id, index)
+        except Exception as e:  # a WriteError names the file and the cause
+            log.warning("rollout %d: could not checkpoint group %d, a restart would run it again: %s",
+                        self.rollout_id, index, e)
 
 
 class ResumableRollouts:
@@ -305,11 +307,12 @@ class ResumableRollouts:
         return result
 
     async def _finish(self, rollout_id: int, next_source_state: dict, carried: list[CarriedGroup]) -> None:
-        """Write the step's FINISHED record, tried ``FINISH_TRIES`` times. Without carried groups a
-        lost record costs the next restart its seek, not samples: it is logged. With some it is the
-        only copy that outlives this process, so the step fails instead (nothing handed out): the
-        trainer runs it again, and the rerun resumes this unfinished checkpoint, re-fetching the
-        same tasks, taking the same carried groups and skipping the groups recorded as finished."""
+        """Write the step's FINISHED record, tried ``FINISH_TRIES`` times. It is part of the step's
+        durable record (the data stream's place after the step, and any carried groups, whose only
+        copy outlives this process there), so when it cannot be written the step fails (nothing
+        handed out): the trainer runs it again, and the rerun resumes this unfinished checkpoint,
+        re-fetching the same tasks, taking the same carried groups and skipping the groups
+        recorded as finished."""
         for attempt in range(1, FINISH_TRIES + 1):
             try:
                 await _in_thread(self.checkpoint.finish, rollout_id, next_source_state, carried)
@@ -323,8 +326,10 @@ class ResumableRollouts:
                     raise RuntimeError(f"rollout {rollout_id}: could not save the {len(carried)} groups it carries "
                                        f"on (its FINISHED record, {FINISH_TRIES} tries): {e}; run the step again, "
                                        f"it resumes from its checkpoint") from e
-                else:
-                    log.exception("rollout %d: could not mark its checkpoint finished", rollout_id)
+                else:  # without it a restarted manager would lose its place in the data stream
+                    raise RuntimeError(f"rollout {rollout_id}: could not mark its checkpoint finished "
+                                       f"({FINISH_TRIES} tries): {e}; run the step again, it resumes from "
+                                       f"its checkpoint") from e
 
     async def carried(self, rollout_id: int) -> list[CarriedGroup] | None:
         """What finished rollout ``rollout_id`` carried on (``RolloutCheckpoint.carried``)."""

@@ -18,6 +18,9 @@ is served again rather than run again.
   steps, the retry after a lost answer or a restart, is always served.
 - A step that failed or was cancelled leaves nothing behind: the next request runs it afresh. A
   damaged or foreign result file is skipped with a warning, and the step runs.
+- With a folder, a step whose result cannot be saved (a full disk) fails with an error naming the
+  file: a result is handed out only once it is durable, so that a repeat of its id, even after a
+  restart, returns the same samples; the trainer's retry runs the step again.
 - A cancelled request leaves the step running for the other requests waiting on it; the last one
   cancelled cancels the step and waits for its teardown before its own cancellation goes on.
 """
@@ -165,16 +168,21 @@ class StepResults:
 
     def _store(self, kind: str, rollout_id: int, result: Any) -> None:
         """Save the result, then drop the files of all but the ``keep`` highest ids of this kind. A
-        failed write costs the result's survival of a restart, not the step: logged, not raised."""
+        result that cannot be saved fails the step (a ``WriteError`` naming the file, or the
+        TypeError of a value msgpack cannot hold): the trainer never holds a result that a restart
+        would answer differently, and its retry runs the step again. A failed prune is only logged."""
         path = self.path(kind, rollout_id)  # type: ignore[arg-type]
         if path is None:
             return
         try:
             data = msgspec.msgpack.encode(_ENVELOPES[kind](1, kind, rollout_id, result))
-            atomic_write(path, lambda f: f.write(data))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{kind} {rollout_id}: its result cannot be saved to {path}: {e}") from None
+        atomic_write(path, lambda f: f.write(data), what="step result")
+        try:
             kept = sorted((int(m.group(2)), p) for p in self.dir.iterdir()  # type: ignore[union-attr]
                           if (m := _FILE_RE.match(p.name)) and m.group(1) == kind)
             for _, old in kept[:-self.keep]:
                 old.unlink(missing_ok=True)
-        except Exception:  # unencodable metadata, a full disk: the step stands either way
-            log.exception("%s %d: could not save its result; a restart would run it again", kind, rollout_id)
+        except OSError as e:
+            log.warning("%s %d: could not remove older step results in %s: %s", kind, rollout_id, self.dir, e)

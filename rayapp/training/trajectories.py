@@ -212,7 +212,7 @@ def _torch_load(path: str | os.PathLike) -> Any:
 def save_trajectories(path: str | os.PathLike, groups: list[list[Sample]], rollout_id: int | None) -> Path:
     """Write ``groups`` atomically as a trajectory file (module docstring)."""
     plain = samples_to_plain(groups, rollout_id)
-    return atomic_write(path, lambda f: torch.save(plain, f))
+    return atomic_write(path, lambda f: torch.save(plain, f), what="trajectory file")
 
 
 def load_trajectories(path: str | os.PathLike) -> tuple[int | None, list[list[Sample]]]:

@@ -1,0 +1,50 @@
+"""A long run's memory: 200 steps through the StepRunner (checkpoint folder, step results on disk,
+eval details and timelines written, a rollout and an eval per step) keep what they hold bounded, so a
+manager replica that serves a whole training run does not grow with it. Virtual time: the agent
+sleeps, the steps take none of it."""
+
+import asyncio
+import gc
+import tracemalloc
+
+from test_training_step import _counting
+
+from rayapp.core.clock import run_virtual
+from rayapp.training.artifacts import EvalDetailsWriter
+from rayapp.training.checkpoint import RolloutCheckpoint
+from rayapp.training.step import StepRunner
+from rayapp.training.step_jobs import StepJobs
+
+STEPS, MEASURED_FROM = 200, 50
+GROWTH_BOUND = 64 * 1024  # bytes over 150 steps: well under one step's samples kept per step
+
+
+def test_two_hundred_steps_plateau(make_pool, tmp_path):
+    log = []
+    runner = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path),
+                        details=EvalDetailsWriter(tmp_path))
+    jobs = StepJobs()
+    traced = {}
+
+    async def steps():
+        for i in range(STEPS):
+            await jobs.start("rollout", i, lambda i=i: runner.rollout(i)).task  # as the HTTP surface starts it
+            await runner.evaluate(i)
+            await asyncio.sleep(30.0)  # the trainer's update between steps
+            log.clear()  # the test's own record of what ran
+            if i + 1 in (MEASURED_FROM, STEPS):
+                gc.collect()
+                traced[i + 1] = tracemalloc.get_traced_memory()[0]
+
+    tracemalloc.start()
+    try:
+        run_virtual(steps())
+    finally:
+        tracemalloc.stop()
+    assert traced[STEPS] - traced[MEASURED_FROM] < GROWTH_BOUND, traced
+    # what holds per-step state stays within its bounds
+    assert all(len(memo) <= runner.results.keep for memo in runner.results._memo.values())
+    assert not runner.results._flight and not runner.results._waiters
+    assert len(jobs._jobs) <= jobs.keep and runner.details.open_streams == []
+    assert sorted(p.name for p in (tmp_path / "step_results").iterdir()) == [
+        "eval_000198.msgpack", "eval_000199.msgpack", "rollout_000198.msgpack", "rollout_000199.msgpack"]

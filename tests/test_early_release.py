@@ -13,6 +13,7 @@ from conftest import run
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import loop_time, run_virtual
+from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.scheduler import SchedulerConfig, StepState, TaskScheduler
 from rayapp.recipe import RecipeError, build_scheduler, parse_recipe
@@ -195,7 +196,7 @@ def test_tokens_beyond_the_concurrency_ceiling_go_back_at_once():
     task = Task("t", "p", TaskConfig("x", n_samples=3))
     group = TaskRun(task, [Sample("t", i, "p") for i in range(3)], StoppingCriteria(), SamplingParams())
     toks = [Token(i, "n0", (0,), 0.25, 0.0, 0.0) for i in range(3)]
-    ev = Evaluator(EvaluatorSpec("x", agent, Resource(concurrency=1)), rollout_id=0, tokens=toks, release=release)
+    ev = Evaluator(EvaluatorSpec("x", agent, Resource(concurrency=1)), StepContext(0), tokens=toks, release=release)
     run_virtual(ev.run([group]))
     used = agent.started[("t", 0)][1]
     assert released == [(0, sorted(set(range(3)) - {used})), (3 * H, [used])]
@@ -223,7 +224,7 @@ def test_tokens_no_worker_needs_go_back_once_the_first_sample_waits():
         return {"score": 1.0}
 
     spec = EvaluatorSpec("x", FunctionAgent(run_fn, verify), Resource(concurrency=3))
-    run_virtual(Evaluator(spec, rollout_id=0, tokens=toks, release=release).run([group]))
+    run_virtual(Evaluator(spec, StepContext(0), tokens=toks, release=release).run([group]))
     [used] = {tid for _, tid in ran}
     assert [i for i, _ in ran] == [0, 1, 2]
     assert released == [(0, sorted(set(range(3)) - {used})), (5 * H, [used])]

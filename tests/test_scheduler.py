@@ -386,3 +386,58 @@ def test_a_strategy_batch_that_is_empty_or_mixes_evaluators_is_refused_before_an
     with pytest.raises(ValueError, match="batching strategy .*" + message):
         run(sched.execute_rollout(0))
     assert ran == []
+
+
+class PlainSource:
+    def get_tasks(self, n):  # a plain def: the scheduler awaits it
+        return []
+
+
+class AsyncIteration:
+    async def rollout_state(self, rollout_id):
+        return {}
+
+    def eval_state(self, rollout_id):
+        return {}
+
+
+class HalfPool:
+    async def acquire_batch(self, request): ...
+
+    def release_batch(self, tokens): ...
+
+    async def max_tokens_for(self, per_sample): ...
+
+
+def plain_callback(task, samples):
+    return None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"data_source": PlainSource()}, r"^data_source PlainSource\.get_tasks: a plain function; it must be a coroutine "
+                                     r"function: async def get_tasks\(self, n: int\) -> list\[Task\]$"),
+    ({"data_source": object()}, r"^data_source object\.get_tasks: missing; it must be a coroutine function"),
+    ({"on_task_done": plain_callback}, r"^on_task_done plain_callback: a plain function; it must be a coroutine "
+                                       r"function: async \(task, samples\) -> None$"),
+    ({"pool": HalfPool(), "config": SchedulerConfig(release="batch_end")},
+     r"^pool HalfPool\.release_batch: a plain function; it must be a coroutine function"),
+    ({"iteration": AsyncIteration()}, r"^iteration AsyncIteration\.rollout_state: not a plain function; it must be "
+                                      r"def rollout_state\(self, rollout_id: int\) -> dict"),
+])
+def test_a_seam_of_the_wrong_kind_is_one_error_at_construction_naming_object_method_and_protocol(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        TaskScheduler([arithmetic_spec()], **kwargs)
+
+
+def test_an_on_task_done_of_the_wrong_kind_is_refused_before_the_step_fetches():
+    fetched = []
+
+    class Counting(Source):
+        async def get_tasks(self, n):
+            fetched.append(n)
+            return await super().get_tasks(n)
+
+    sched = TaskScheduler([arithmetic_spec()], Counting([Task("t", "p", TaskConfig("arithmetic"))]))
+    with pytest.raises(TypeError, match=r"^execute_rollout's on_task_done plain_callback: a plain function"):
+        run(sched.execute_rollout(0, plain_callback))
+    assert fetched == []

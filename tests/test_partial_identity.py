@@ -153,3 +153,17 @@ def test_a_carried_group_already_complete_is_returned_with_a_batch_of_one(make_p
     assert result.metrics["rollout/partial/fetched"] == 0 and pool.snapshot() == before
     # the next step runs fresh tasks as usual
     assert len(run_virtual(partial.execute_rollout(2)).groups) == 1
+
+
+def test_the_scheduler_and_both_wrappers_are_one_rollouts_protocol_with_one_signature(make_pool, tmp_path):
+    import inspect
+
+    from rayapp.core.contracts import Rollouts
+    from rayapp.training.checkpoint import ResumableRollouts
+
+    sched, _ = make(make_pool, LongTail())
+    stack = [sched, ResumableRollouts.over(sched, RolloutCheckpoint(tmp_path)),
+             PartialRollouts.over(sched, KEEP, RolloutCheckpoint(tmp_path))]
+    assert all(isinstance(r, Rollouts) for r in stack)
+    want = inspect.signature(Rollouts.execute_rollout)
+    assert all(inspect.signature(type(r).execute_rollout) == want for r in stack)

@@ -24,6 +24,7 @@ from rayapp.types import (
     StepKind,
     StoppingCriteria,
     Task,
+    TaskKey,
     Token,
 )
 
@@ -233,3 +234,37 @@ class EvalResult(msgspec.Struct):
     samples: dict[str, list[Sample]]  # by dataset name
     iteration: dict[str, Any] = {}
     artifacts: dict[str, str] = {}
+
+
+def identified(rollout_id: int, tasks: list[Task]) -> list[Task]:
+    """Each fetched task as the group it starts: one that carries a ``TaskKey.GROUP_ID`` (a group
+    carried on from an earlier step) keeps it; any other gets ``"<rollout_id>/<fetch index>"``, on
+    a copy, so that the same task fetched twice makes two groups, each known by its own id. The
+    ids are a function of the fetch, so a resumed step gives its groups the same ones again."""
+    key = TaskKey.GROUP_ID.value
+    out = [t if key in t.metadata else msgspec.structs.replace(t, metadata={**t.metadata, key: f"{rollout_id}/{i}"})
+           for i, t in enumerate(tasks)]
+    ids = [t.metadata[key] for t in out]
+    if len(set(ids)) < len(ids):
+        raise ValueError(f"rollout {rollout_id}: two fetched tasks carry the same {key} "
+                         f"{sorted({g for g in ids if ids.count(g) > 1})}: a group handed in twice")
+    return out
+
+
+def check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) -> None:
+    """What the scheduler is handed fits its protocols (``core.contracts``), checked here rather than
+    failing mid-step: which object, which method, and what it must be."""
+    if data_source is not None:
+        require_async(data_source, "get_tasks", "data_source", "async def get_tasks(self, n: int) -> list[Task]")
+    if pool is not None:
+        for method in ("acquire_batch", "release_batch", "max_tokens_for"):
+            require_async(pool, method, "pool", f"async def {method}(...) (core.contracts.Pool)")
+    if on_task_done is not None:
+        require_async(on_task_done, None, "on_task_done", "async (task, samples) -> None")
+    if iteration is not None:
+        for method in ("rollout_state", "eval_state"):
+            fn = getattr(iteration, method, None)
+            if not callable(fn) or inspect.iscoroutinefunction(fn):
+                raise TypeError(f"iteration {type(iteration).__name__}.{method}: "
+                                f"{'missing' if fn is None else 'not a plain function'}; it must be "
+                                f"def {method}(self, rollout_id: int) -> dict (it is called, not awaited)")

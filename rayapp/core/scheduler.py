@@ -18,12 +18,10 @@ Time is the running loop's (``core.clock``): timestamps and timeouts agree, real
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from itertools import chain, zip_longest
-from typing import Any
 
 import msgspec
 from tqdm.auto import tqdm
@@ -45,10 +43,13 @@ from rayapp.core.contracts import (
     StepState,
     StepStatus,
     UnfinishedGroup,
+    check_seams,
+    identified,
     require_async,
 )
 from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, TaskRun
+from rayapp.core.landing import landed
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
@@ -92,56 +93,6 @@ async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> No
         raise RuntimeError(f"handing on group {i} (step log, on_task_done) raised {type(e).__name__}: {e}") from e
 
 
-async def _landed(call: Awaitable[None]) -> None:
-    """Await ``call`` to its end even when the caller is cancelled meanwhile, then re-raise the
-    cancellation: a pool call that gives capacity back must reach the pool (a cancelled request
-    would leave its tokens held for as long as the owner's lease is renewed)."""
-    work = asyncio.ensure_future(call)
-    cancelled = False
-    while not work.done():
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    work.result()
-
-
-def identified(rollout_id: int, tasks: list[Task]) -> list[Task]:
-    """Each fetched task as the group it starts: one that carries a ``TaskKey.GROUP_ID`` (a group
-    carried on from an earlier step) keeps it; any other gets ``"<rollout_id>/<fetch index>"``, on
-    a copy, so that the same task fetched twice makes two groups, each known by its own id. The
-    ids are a function of the fetch, so a resumed step gives its groups the same ones again."""
-    key = TaskKey.GROUP_ID.value
-    out = [t if key in t.metadata else msgspec.structs.replace(t, metadata={**t.metadata, key: f"{rollout_id}/{i}"})
-           for i, t in enumerate(tasks)]
-    ids = [t.metadata[key] for t in out]
-    if len(set(ids)) < len(ids):
-        raise ValueError(f"rollout {rollout_id}: two fetched tasks carry the same {key} "
-                         f"{sorted({g for g in ids if ids.count(g) > 1})}: a group handed in twice")
-    return out
-
-
-def _check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) -> None:
-    """What the scheduler is handed fits its protocols (``core.contracts``), checked here rather than
-    failing mid-step: which object, which method, and what it must be."""
-    if data_source is not None:
-        require_async(data_source, "get_tasks", "data_source", "async def get_tasks(self, n: int) -> list[Task]")
-    if pool is not None:
-        for method in ("acquire_batch", "release_batch", "max_tokens_for"):
-            require_async(pool, method, "pool", f"async def {method}(...) (core.contracts.Pool)")
-    if on_task_done is not None:
-        require_async(on_task_done, None, "on_task_done", "async (task, samples) -> None")
-    if iteration is not None:
-        for method in ("rollout_state", "eval_state"):
-            fn = getattr(iteration, method, None)
-            if not callable(fn) or inspect.iscoroutinefunction(fn):
-                raise TypeError(f"iteration {type(iteration).__name__}.{method}: "
-                                f"{'missing' if fn is None else 'not a plain function'}; it must be "
-                                f"def {method}(self, rollout_id: int) -> dict (it is called, not awaited)")
-
-
 class TaskScheduler:
     def __init__(
         self,
@@ -169,7 +120,7 @@ class TaskScheduler:
         if config.release == "early" and pool is not None and not callable(getattr(pool, "release_tokens", None)):
             raise ValueError(f"SchedulerConfig.release='early' needs a pool with release_tokens; "
                              f"{type(pool).__name__} has none (set release='batch_end')")
-        _check_seams(data_source, pool, on_task_done, iteration)
+        check_seams(data_source, pool, on_task_done, iteration)
         self.data_source, self.pool, self.config = data_source, pool, config
         self.batching_strategy = batching_strategy or fifo_batching
         self.eval_datasets = dict(eval_datasets or {})
@@ -443,7 +394,7 @@ class TaskScheduler:
             st.batches_running -= 1
             st.batches_done += 1
             if tokens is not None:  # lands even when the batch is cancelled meanwhile (complete_after, a sibling)
-                await _landed(self.pool.release_batch(tokens))
+                await landed(self.pool.release_batch(tokens))
 
     def status(self) -> StepStatus:
         """The step in flight (or the last one), for progress displays and the manager: a copy."""

@@ -47,6 +47,7 @@ from rayapp.core.contracts import (
     require_async,
 )
 from rayapp.core.convert import InputError, decode
+from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.files import atomic_write, fsync_dir
 from rayapp.types import Sample, Task
@@ -239,21 +240,9 @@ class RolloutCheckpoint:
 
 async def in_thread(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a thread (blocking I/O with fsync), awaited to its end even when the caller is
-    cancelled meanwhile: a thread cannot be stopped, and a checkpoint write must never land after the
-    step that made it has returned. The cancellation is raised once the write is over."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(work)
-            break
-        except asyncio.CancelledError:
-            if work.cancelled() or work.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
+    cancelled meanwhile (``core.landing``): a thread cannot be stopped, and a checkpoint write must
+    never land after the step that made it has returned."""
+    return await landed(asyncio.to_thread(fn, *args))
 
 
 class _Recorder:

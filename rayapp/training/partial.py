@@ -57,9 +57,10 @@ from rayapp.core.contracts import (
     RolloutResult,
     Rollouts,
     UnfinishedGroup,
+    identified,
     require_async,
 )
-from rayapp.core.scheduler import TaskScheduler, identified
+from rayapp.core.scheduler import TaskScheduler
 from rayapp.episode import RESUME_POINTS, EpisodeKey
 from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
 from rayapp.types import Sample, Status, Task, TaskKey

@@ -6,6 +6,8 @@ everything it held on the retry, with or without a checkpoint. Virtual time thro
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_partial_carry import KEEP, Resuming
 from test_partial_rollouts import LAYOUT, LongTail, Stream, make
 
@@ -133,6 +135,60 @@ def test_a_failed_step_retried_loses_and_repeats_no_fetched_task(make_pool, tmp_
     assert len(returned) == len(set(returned)) == 6  # nothing handed to the trainer twice
     assert sorted(returned + carried) == sorted(f"t{i}" for i in range(source.cursor))  # nothing lost
     assert inner.held == 0
+
+
+class FailAt:
+    """A filter that raises on its ``at``-th group (counted across steps)."""
+
+    name = "fail_at"
+
+    def __init__(self, at):
+        self.at, self.seen = at, 0
+
+    def judge(self, group):
+        self.seen += 1
+        if self.seen == self.at:
+            raise RuntimeError("filter broke")
+        return Verdict(kept=list(group))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 3), over=st.sampled_from([1.0, 1.5, 2.0]),
+       policy=st.sampled_from(["restart", "resume"]), fail_pool_at=st.integers(0, 12),
+       fail_filter_at=st.integers(0, 8))
+def test_without_a_checkpoint_every_fetched_task_comes_back_once_or_is_still_carried(
+        seed, batch, over, policy, fail_pool_at, fail_filter_at):
+    agent, source = (Resuming if policy == "resume" else LongTail)(seed=seed), Stream(group=2)
+    from rayapp.core.layout import parse_cluster_layout
+    from rayapp.core.pool import PlacementPool
+
+    inner = PlacementPool(parse_cluster_layout(LAYOUT, 8, 64))
+    before = inner.snapshot()
+    spec = EvaluatorSpec("x", FunctionAgent(agent.run, agent.verify), batch_size=1,
+                         resource=Resource(gpu=math.inf, concurrency=8), run_resource=Resource(gpu=0.25))
+    sched = TaskScheduler([spec], source, FlakyPool(inner, fail_pool_at),
+                          SchedulerConfig(rollout_batch_size=batch, progress=False))
+    runner = StepRunner(sched, filters=[FailAt(fail_filter_at)],
+                        partial=PartialConfig(over_provision=over, max_staleness=2, policy=policy))
+
+    async def steps():
+        delivered = []
+        for r in range(4):
+            for _ in range(3):  # a failed step is asked for again, as a trainer does
+                try:
+                    delivered.append(await runner.rollout(r))
+                    break
+                except Exception:  # the faults under test
+                    continue
+        return delivered
+
+    delivered = run_virtual(steps())
+    assert len(delivered) == 4
+    returned = [g[0].task_id for r in delivered for g in r.groups]
+    carried = [g.task.task_id for g in runner._rollouts.carried()]
+    assert len(returned) == len(set(returned)) == 4 * batch
+    assert sorted(returned + carried) == sorted(f"t{i}" for i in range(source.cursor))
+    assert inner.snapshot() == before
 
 
 def test_a_carried_group_already_complete_is_returned_with_a_batch_of_one(make_pool, tmp_path):

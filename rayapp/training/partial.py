@@ -1,10 +1,12 @@
 """Partial rollouts: a step starts more groups than the trainer takes and returns as soon as
 ``rollout_batch_size`` of them are complete; the unfinished groups are carried into the next step.
 
-``PartialRollouts`` wraps a TaskScheduler (with a ``RolloutCheckpoint``, through ``ResumableRollouts``)
-the way ``ResumableRollouts`` does; the scheduler itself knows only its general seam
-(``execute_rollout(fetch=..., complete_after=n)``: complete after ``n`` groups, the rest cancelled and
-handed back as unfinished). Each step:
+``PartialRollouts`` wraps the ``Rollouts`` below it (the TaskScheduler, or a ``ResumableRollouts``
+over it with a ``RolloutCheckpoint``; ``PartialRollouts.over`` builds the stack); the scheduler
+itself knows only its general seam (``RolloutPlan(fetch=..., complete_after=n)``: complete after
+``n`` groups, the rest cancelled and handed back as unfinished). A group is known by its own
+identity (``TaskKey.GROUP_ID``, given when its task was first fetched), never by its task_id: a
+small dataset hands the same task out twice in a step, and again each epoch. Each step:
 
 - the carried groups come first, oldest first, then only as many new tasks as it takes to start
   ``ceil(rollout_batch_size x over_provision)`` groups;
@@ -25,12 +27,14 @@ handed back as unfinished). Each step:
   step's ``groups``, ``on_task_done``, what is carried again and the checkpoint's FINISHED record
   (a step's own mid-way checkpoint holds what the scheduler ran, put back together the same way
   when a rerun restores it). A carried group whose samples have all ended is complete as it is:
-  it is returned first (up to ``rollout_batch_size - 1`` of them; the scheduler runs the rest of
-  the step). A carried group restarts whole, whatever the policy, once its attempt is older than
+  it is returned first (up to ``rollout_batch_size`` of them: with that many, nothing runs and
+  nothing new is fetched). A carried group restarts whole, whatever the policy, once its attempt is older than
   ``max_staleness`` steps (what it kept is dropped), so nothing returned is staler than that;
 - nothing is lost or duplicated: every fetched task comes back exactly once, complete, or is still
   carried. With a checkpoint the carried groups are saved with the step's end (the FINISHED record),
-  so a restarted manager takes them up again;
+  so a restarted manager takes them up again. Without one, a step asked for again (it failed, in the
+  scheduler or after it returned, so its result never reached the trainer) starts from every group
+  its attempt held: the groups it returned (complete: returned first) and those it carried;
 - every turn of what a step returns or carries names the weights that produced it
   (``TurnRecord.weight_version``): the engine's report, else the step that ran it. The step's
   metrics count ``rollout/partial/{carried,restarted,resumed,fetched}`` (groups; ``resumed``: carried

@@ -274,7 +274,7 @@ def run_policy(policy: Policy, steps: list[list[TaskTrace]], nodes: int, batch_t
     sched = TaskScheduler([_spec(batch_tasks, traces, meter, runs)], Source(), MeteredPool(pool, meter), config,
                           batching_strategy=policy.batching)
     # partial steps start more groups than they return; the last one drains what is left (the stream ends)
-    rollouts = PartialRollouts(sched, PartialConfig(**policy.partial)) if policy.partial else sched
+    rollouts = PartialRollouts.over(sched, PartialConfig(**policy.partial)) if policy.partial else sched
 
     async def main() -> list[list[list[Any]]]:
         out = []

@@ -220,6 +220,10 @@ class TaskKey(enum.StrEnum):
     EVAL_DATASET_NAME = "_eval_dataset_name"  # the eval dataset (execute_eval)
     EVAL_COPY = "_eval_copy"  # which of the prompt's n_samples_per_eval_prompt copies
     ROLLOUT_ID = "_rollout_id"  # the step the sample belongs to
+    # A rollout group's own identity, "<rollout id>/<fetch index>" of the step that first fetched its
+    # task: kept while the group is carried (partial rollouts) and across checkpoints, unique among a
+    # step's groups even when a small dataset hands out the same task twice (docs/training.md)
+    GROUP_ID = "_group_id"
 
 
 class EvaluatorSpec(msgspec.Struct):

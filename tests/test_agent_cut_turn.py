@@ -179,7 +179,7 @@ def test_partial_steps_on_the_real_engine_return_what_an_uncut_run_would(backend
                          default_sampling=SamplingParams(temperature=0, max_new_tokens=24))
     sched = TaskScheduler([spec], Prompts(), make_pool('{"n0": [0, 1, 2, 3]}'),
                           SchedulerConfig(rollout_batch_size=1, progress=False))
-    partial = PartialRollouts(sched, PartialConfig(over_provision=4.0, policy="resume"))
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=4.0, policy="resume"))
     steps = [run(asyncio.wait_for(partial.execute_rollout(k), 120)) for k in range(4)]
     returned = [g[0] for r in steps for g in r.groups]
     assert len(returned) == 4 and len({s.task_id for s in returned}) == 4

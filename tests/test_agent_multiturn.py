@@ -210,6 +210,7 @@ class FakeSandbox:
 
 
 def test_a_kept_sandbox_is_closed_when_the_step_is_cancelled_between_run_and_verify(tok, model_dir):
+    from rayapp.core.contracts import StepContext
     from rayapp.core.evaluator import Evaluator, TaskRun
     from rayapp.types import EvaluatorSpec, Resource, Task, TaskConfig
 
@@ -234,7 +235,7 @@ def test_a_kept_sandbox_is_closed_when_the_step_is_cancelled_between_run_and_ver
     agent = Paused(ScriptedEngine(tok, model_dir, ["The answer is 4."]), None, tools=["bash"],
                    sandbox_factory=factory, keep_sandbox=True)
     token = Token(0, "node-a", (0,), 1.0, 1.0, 1.0)
-    ev = Evaluator(EvaluatorSpec("tools", agent, Resource(concurrency=1)), rollout_id=0, tokens=[token])
+    ev = Evaluator(EvaluatorSpec("tools", agent, Resource(concurrency=1)), StepContext(0), tokens=[token])
     task = Task("t", "What is 2 + 2?", TaskConfig("tools"), "4")
     group = TaskRun(task, [sample()], StoppingCriteria(max_turns=2), SamplingParams(max_new_tokens=64))
 

@@ -146,7 +146,7 @@ def test_virtual_time_a_checkpointed_step_with_an_acquire_timeout_is_not_failed_
     pool = PlacementPool(parse_cluster_layout(ONE_GPU, 8, 64))
     sched = TaskScheduler([spec], MultiDataSource([DatasetSpec("a", rows)], seed=0), pool,
                           SchedulerConfig(rollout_batch_size=2, acquire_timeout_s=3600, progress=False))
-    steps = ResumableRollouts(sched, RolloutCheckpoint(tmp_path))
+    steps = ResumableRollouts.over(sched, RolloutCheckpoint(tmp_path))
 
     async def main():
         t0 = loop_time()

@@ -4,6 +4,7 @@ ends. Everything runs in virtual time (``core.clock.run_virtual``): episodes las
 times asserted are the loop's, exact."""
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -13,6 +14,7 @@ from conftest import run
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import loop_time, run_virtual
+from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.scheduler import SchedulerConfig, StepState, TaskScheduler
 from rayapp.recipe import RecipeError, build_scheduler, parse_recipe
@@ -195,7 +197,7 @@ def test_tokens_beyond_the_concurrency_ceiling_go_back_at_once():
     task = Task("t", "p", TaskConfig("x", n_samples=3))
     group = TaskRun(task, [Sample("t", i, "p") for i in range(3)], StoppingCriteria(), SamplingParams())
     toks = [Token(i, "n0", (0,), 0.25, 0.0, 0.0) for i in range(3)]
-    ev = Evaluator(EvaluatorSpec("x", agent, Resource(concurrency=1)), rollout_id=0, tokens=toks, release=release)
+    ev = Evaluator(EvaluatorSpec("x", agent, Resource(concurrency=1)), StepContext(0), tokens=toks, release=release)
     run_virtual(ev.run([group]))
     used = agent.started[("t", 0)][1]
     assert released == [(0, sorted(set(range(3)) - {used})), (3 * H, [used])]
@@ -223,7 +225,7 @@ def test_tokens_no_worker_needs_go_back_once_the_first_sample_waits():
         return {"score": 1.0}
 
     spec = EvaluatorSpec("x", FunctionAgent(run_fn, verify), Resource(concurrency=3))
-    run_virtual(Evaluator(spec, rollout_id=0, tokens=toks, release=release).run([group]))
+    run_virtual(Evaluator(spec, StepContext(0), tokens=toks, release=release).run([group]))
     [used] = {tid for _, tid in ran}
     assert [i for i, _ in ran] == [0, 1, 2]
     assert released == [(0, sorted(set(range(3)) - {used})), (5 * H, [used])]
@@ -359,3 +361,65 @@ def test_the_pool_client_gives_tokens_back_in_one_bounded_call():
     slow = PoolClient(type("H", (), {"release_tokens": Method(hang)})(), owner="m", call_timeout_s=0.01)
     with pytest.raises(TimeoutError):
         run(slow.release_tokens(tokens))
+
+
+class LatePool:
+    """A pool whose calls arrive ``delay_s`` late (a remote pool over a slow link): a call cancelled
+    on its way never reaches the pool. Records when each call arrives."""
+
+    def __init__(self, pool, delay_s):
+        self.pool, self.delay_s, self.arrived = pool, delay_s, []
+
+    async def _arrive(self, name):
+        await asyncio.sleep(self.delay_s)
+        self.arrived.append((loop_time(), name))
+
+    async def acquire_batch(self, request):
+        await self._arrive("acquire_batch")
+        return await self.pool.acquire_batch(request)
+
+    async def release_tokens(self, tokens):
+        await self._arrive("release_tokens")
+        await self.pool.release_tokens(tokens)
+
+    async def release_batch(self, tokens):
+        await self._arrive("release_batch")
+        await self.pool.release_batch(tokens)
+
+    async def max_tokens_for(self, per_sample):
+        return await self.pool.max_tokens_for(per_sample)
+
+
+@pytest.mark.parametrize("release", ["early", "batch_end"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_release_in_flight_lands_when_complete_after_or_a_cancellation_cuts_the_batches(make_pool, release, seed):
+    """Batches finish one after another while the step completes (``complete_after``) or is cancelled:
+    a finished batch's ``release_batch`` is on its way then, and still reaches the pool; the pool is
+    back to its snapshot when the step returns, and no call reaches it afterwards."""
+    from rayapp.core.contracts import RolloutPlan
+
+    rng = random.Random(seed)
+    hours = {(f"t{i}", 0): rng.choice([0.5, 1, 1.5, 2, 8]) for i in range(5)}
+    core = make_pool('{"n0": {"gpus": [0, 1, 2], "cpu": 8, "memory_gb": 64}}')
+    before = core.snapshot()
+    late = LatePool(core, delay_s=rng.choice([0.25, 0.5, 1.0]) * H)
+    spec = EvaluatorSpec("x", Timed(hours), batch_size=1, resource=Resource(gpu=math.inf, concurrency=2),
+                         run_resource=Resource(gpu=1))
+    sched = TaskScheduler([spec], Source(tasks_of(1, 1, 1, 1, 1)), late,
+                          SchedulerConfig(rollout_batch_size=5, progress=False, release=release))
+    cancel_at = rng.choice([None, 1.2 * H, 2.7 * H])
+
+    async def step():
+        run_step = asyncio.ensure_future(sched.execute_rollout(0, plan=RolloutPlan(complete_after=rng.randint(1, 4))))
+        if cancel_at is not None:
+            await asyncio.sleep(cancel_at)
+            run_step.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run_step
+        returned = loop_time()
+        await asyncio.sleep(100 * H)  # anything still on its way arrives by then
+        return returned
+
+    returned = run_virtual(step())
+    assert core.snapshot() == before and core.held == 0
+    assert all(when <= returned for when, _ in late.arrived), "a pool call arrived after the step returned"

@@ -27,6 +27,12 @@ NOT_CALLABLE = 3
 def rows(cfg):
     return [Task(f"p{i}", f"prompt {i}", TaskConfig("plug")) for i in range(cfg.n_prompts)]
 
+async def async_rows(cfg):
+    return rows(cfg)
+
+async def async_agent(deps):
+    return agent(deps)
+
 def verify(sample, result):
     return {"score": 1.0}
 
@@ -130,6 +136,9 @@ def test_every_agent_is_the_core_s_agent_handler():
     ({"env": "humaneval", "teacher": "teacher"}, None, "$.evaluators[0].teacher", "has no DAgger agent"),
     (None, {"source": "{m}:NOT_CALLABLE"}, "$.data.x.source", "data source '{m}:NOT_CALLABLE': a int is not"),
     (None, {"source": "{m}:rows", "path": "a.jsonl"}, "$.data.x.source", "a path or a source, not both"),
+    (None, {"source": "{m}:async_rows"}, "$.data.x.source", "data source '{m}:async_rows': a coroutine function; "
+     "it is called, not awaited: expected a plain def rows(cfg: DatasetConfig) -> Iterable[Task]"),
+    ({"agent": "{m}:async_agent"}, None, "$.evaluators[0].agent", "a coroutine function; it is called, not awaited"),
     (None, {"fields": {"prompt": "q"}}, "$.data.x.fields", "fields map a file's columns: set path too"),
     (None, {"env": "{m}:NO_ROWS"}, "$.data.x.path", "has no rows of its own: give a path or a source"),
     (None, {"env": "{m}:NOPE"}, "$.data.x.env", "has no attribute 'NOPE'"),

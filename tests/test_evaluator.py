@@ -5,6 +5,7 @@ from conftest import run
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
+from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.types import (
     AgentResult,
@@ -72,7 +73,7 @@ def spec(handler, concurrency=2, eval_timeout_s=5.0):
 
 def test_concurrency_ceiling_and_one_token_held_across_run_and_eval():
     agent = Recorder()
-    ev = Evaluator(spec(agent, concurrency=3), rollout_id=0, tokens=tokens(3))
+    ev = Evaluator(spec(agent, concurrency=3), StepContext(0), tokens=tokens(3))
     groups = make_groups(4, 3)
     run(ev.run(groups))
     assert agent.peak == 3
@@ -88,7 +89,7 @@ def test_concurrency_ceiling_and_one_token_held_across_run_and_eval():
 
 def test_fewer_tokens_than_concurrency_limits_running_samples_to_the_tokens():
     agent = Recorder()
-    run(Evaluator(spec(agent, concurrency=4), rollout_id=0, tokens=tokens(2)).run(make_groups(3, 2)))
+    run(Evaluator(spec(agent, concurrency=4), StepContext(0), tokens=tokens(2)).run(make_groups(3, 2)))
     assert agent.peak == 2
 
 
@@ -110,7 +111,7 @@ def test_on_task_done_fires_per_task_as_it_finishes_not_at_the_end():
             gate.set()
 
         agent = FunctionAgent(run_fn, lambda s, r: {"score": 1.0})
-        await Evaluator(spec(agent, concurrency=4), rollout_id=0, tokens=None).run(groups, on_done)
+        await Evaluator(spec(agent, concurrency=4), StepContext(0), tokens=None).run(groups, on_done)
         return done
 
     assert run(scenario()) == ["t0", "t1"]
@@ -138,7 +139,7 @@ def failing_agent(exc, phase="run", reason_before=TerminationReason.STOP):
 def test_a_failing_sample_becomes_a_classified_aborted_dummy(exc, phase, reason):
     groups = make_groups(1, 2)
     toks = tokens(2)
-    ev = Evaluator(spec(failing_agent(exc, phase)), rollout_id=7, tokens=toks)
+    ev = Evaluator(spec(failing_agent(exc, phase)), StepContext(7), tokens=toks)
     run(ev.run(groups))
     for s in groups[0].samples:
         assert s.status is Status.ABORTED
@@ -159,7 +160,7 @@ def test_run_phase_timeout_from_stopping_criteria_is_an_agent_timeout():
         await asyncio.sleep(10)
 
     groups = make_groups(1, 1, StoppingCriteria(timeout_s=0.05))
-    run(Evaluator(spec(FunctionAgent(slow, lambda s, r: {"score": 1.0})), rollout_id=0, tokens=None).run(groups))
+    run(Evaluator(spec(FunctionAgent(slow, lambda s, r: {"score": 1.0})), StepContext(0), tokens=None).run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "agent_timeout"
     assert "_termination_reason_agent" not in s.metadata
@@ -171,7 +172,7 @@ def test_a_timeout_the_agent_raises_itself_is_not_blamed_on_the_phase_clock():
         raise TimeoutError("tool call timed out")
 
     groups = make_groups(1, 1, StoppingCriteria(timeout_s=30))
-    run(Evaluator(spec(FunctionAgent(inner_timeout, lambda s, r: {"score": 1.0})), rollout_id=0,
+    run(Evaluator(spec(FunctionAgent(inner_timeout, lambda s, r: {"score": 1.0})), StepContext(0),
                   tokens=None).run(groups))
     diag = groups[0].samples[0].metadata["_abort"]
     assert diag["error"] == "TimeoutError: tool call timed out"
@@ -187,7 +188,7 @@ def test_a_timeout_the_agent_raises_itself_is_not_blamed_on_the_phase_clock():
 def test_malformed_results_abort_as_infra_other(result, reward):
     groups = make_groups(1, 1)
     agent = FunctionAgent(lambda s, c: result, lambda s, r: reward)
-    run(Evaluator(spec(agent), rollout_id=0, tokens=None).run(groups))
+    run(Evaluator(spec(agent), StepContext(0), tokens=None).run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
 
@@ -195,7 +196,7 @@ def test_malformed_results_abort_as_infra_other(result, reward):
 def test_truncated_episode_and_default_loss_mask():
     res = AgentResult(tokens=[1, 2, 3, 4], response_length=2, truncated=True, termination_reason="max_turns")
     groups = make_groups(1, 1)
-    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 0})), rollout_id=0,
+    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 0})), StepContext(0),
                   tokens=None).run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.TRUNCATED and s.loss_mask == [1, 1] and s.reward == {"score": 0.0}
@@ -203,7 +204,7 @@ def test_truncated_episode_and_default_loss_mask():
 
 
 def test_an_evaluator_runs_one_batch_once():
-    ev = Evaluator(spec(Recorder()), rollout_id=0, tokens=tokens(1))
+    ev = Evaluator(spec(Recorder()), StepContext(0), tokens=tokens(1))
     run(ev.run(make_groups(1, 1)))
     with pytest.raises(RuntimeError, match="run\\(\\) once per batch"):
         run(ev.run(make_groups(1, 1)))
@@ -215,7 +216,7 @@ def test_an_evaluator_runs_one_batch_once():
 ])
 def test_an_agent_result_that_breaks_its_type_aborts_the_sample(bad):
     groups = make_groups(1, 1)
-    run(Evaluator(spec(FunctionAgent(lambda s, c: bad, lambda s, r: {"score": 1})), rollout_id=0,
+    run(Evaluator(spec(FunctionAgent(lambda s, c: bad, lambda s, r: {"score": 1})), StepContext(0),
                   tokens=None).run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
@@ -224,13 +225,13 @@ def test_an_agent_result_that_breaks_its_type_aborts_the_sample(bad):
 
 def test_a_gated_batch_without_tokens_is_refused():
     with pytest.raises(ValueError, match="at least one token"):
-        Evaluator(spec(Recorder()), rollout_id=0, tokens=[])
+        Evaluator(spec(Recorder()), StepContext(0), tokens=[])
 
 
 def test_an_unknown_termination_reason_aborts_naming_it():
     res = AgentResult(tokens=[1, 2, 3], response_length=1, termination_reason="max_context")
     groups = make_groups(1, 1)
-    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 1})), rollout_id=0,
+    run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 1})), StepContext(0),
                   tokens=None).run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
@@ -247,7 +248,7 @@ def test_a_plain_string_reason_becomes_the_enum_and_the_metadata_holds_plain_val
         verified.append(r)
         return {"score": 0}
 
-    run(Evaluator(spec(FunctionAgent(lambda s, c: res, verify)), rollout_id=0, tokens=tokens(1)).run(groups))
+    run(Evaluator(spec(FunctionAgent(lambda s, c: res, verify)), StepContext(0), tokens=tokens(1)).run(groups))
     meta = groups[0].samples[0].metadata
     assert verified[0].termination_reason is TerminationReason.LENGTH  # the verifier sees the checked result
     timing = meta.pop("_timing")
@@ -283,7 +284,7 @@ def test_what_the_agent_keeps_in_the_context_is_closed_once_whatever_happens(out
         return {"score": 1.0}
 
     groups = make_groups(1, 1)
-    run(Evaluator(spec(FunctionAgent(run_fn, verify)), rollout_id=0, tokens=tokens(1)).run(groups))
+    run(Evaluator(spec(FunctionAgent(run_fn, verify)), StepContext(0), tokens=tokens(1)).run(groups))
     assert kept.closed == 1
     assert groups[0].samples[0].status is (Status.COMPLETED if outcome == "verified" else Status.ABORTED)
 
@@ -296,7 +297,7 @@ def test_a_failing_close_aborts_the_sample_and_the_token_comes_back():
         return ok_result()
 
     groups = make_groups(1, 1)
-    ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0})), rollout_id=0, tokens=tokens(1))
+    ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0})), StepContext(0), tokens=tokens(1))
     run(ev.run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_conn"
@@ -310,7 +311,7 @@ def test_a_verify_phase_past_its_limit_aborts_at_the_limit_and_others_are_untouc
 
     groups = make_groups(1, 3)
     ev = Evaluator(spec(FunctionAgent(lambda s, c: ok_result(), verify), concurrency=3, eval_timeout_s=30),
-                   rollout_id=0, tokens=tokens(3))
+                   StepContext(0), tokens=tokens(3))
     run_virtual(ev.run(groups))
     s0, s1, s2 = groups[0].samples
     assert s0.status is s2.status is Status.COMPLETED
@@ -332,7 +333,7 @@ def test_a_callback_that_raises_cancels_the_batch_and_every_token_comes_back():
         raise RuntimeError("collector broke")
 
     groups = make_groups(3, 2)
-    ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), concurrency=6), rollout_id=0,
+    ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0}), concurrency=6), StepContext(0),
                    tokens=tokens(6))
     with pytest.raises(ExceptionGroup) as info:
         run_virtual(ev.run(groups, on_done))
@@ -356,7 +357,7 @@ def test_the_running_episode_is_named_for_the_work_it_starts_threads_included():
         return {"score": 1.0}
 
     groups = make_groups(1, 2)
-    run(Evaluator(spec(FunctionAgent(run_fn, verify)), rollout_id=3, tokens=tokens(2)).run(groups))
+    run(Evaluator(spec(FunctionAgent(run_fn, verify)), StepContext(3), tokens=tokens(2)).run(groups))
     names = {f"rollout3/{s.task_id}#{s.index}" for s in groups[0].samples}
     assert {n for _, n in seen} == names and len(seen) == 4
     assert EPISODE.get() is None  # nothing leaks out of the episode

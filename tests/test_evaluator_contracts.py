@@ -9,6 +9,7 @@ from test_evaluator import make_groups, ok_result, spec, tokens
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
+from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator
 from rayapp.types import AgentResult, Status, StoppingCriteria
 
@@ -34,7 +35,7 @@ def test_an_agent_raising_a_base_exception_aborts_only_its_sample(exc, phase):
         return {"score": 1.0}
 
     groups = make_groups(2, 2)
-    ev = Evaluator(spec(FunctionAgent(run_fn, verify), concurrency=2), rollout_id=0, tokens=tokens(2))
+    ev = Evaluator(spec(FunctionAgent(run_fn, verify), concurrency=2), StepContext(0), tokens=tokens(2))
     run_virtual(ev.run(groups))
     bad = groups[0].samples[0]
     assert bad.status is Status.ABORTED and bad.remove_sample
@@ -59,7 +60,7 @@ def test_a_blocking_synchronous_agent_still_times_out():
 
     async def main():
         try:
-            await Evaluator(spec(Blocking()), rollout_id=0, tokens=tokens(1)).run(groups)
+            await Evaluator(spec(Blocking()), StepContext(0), tokens=tokens(1)).run(groups)
         finally:
             gate.set()
 
@@ -81,7 +82,7 @@ def test_a_plain_function_agent_runs_off_the_loop():
         return {"score": 1.0}
 
     groups = make_groups(1, 2)
-    run(Evaluator(spec(FunctionAgent(run_fn, verify)), rollout_id=0, tokens=tokens(2)).run(groups))
+    run(Evaluator(spec(FunctionAgent(run_fn, verify)), StepContext(0), tokens=tokens(2)).run(groups))
     assert len(seen) == 4 and loop_thread not in seen
     assert all(s.status is Status.COMPLETED for s in groups[0].samples)
 
@@ -101,7 +102,7 @@ def test_a_plain_function_agent_runs_off_the_loop():
 def test_garbage_token_data_aborts_the_sample_naming_the_field(field, result):
     groups = make_groups(1, 1)
     agent = FunctionAgent(lambda s, c: result, lambda s, r: {"score": 1.0})
-    run_virtual(Evaluator(spec(agent), rollout_id=0, tokens=tokens(1)).run(groups))
+    run_virtual(Evaluator(spec(agent), StepContext(0), tokens=tokens(1)).run(groups))
     [s] = groups[0].samples
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
     assert field in s.metadata["_abort"]["error"]
@@ -113,7 +114,7 @@ def test_garbage_token_data_aborts_the_sample_naming_the_field(field, result):
 def test_a_reward_that_is_not_a_finite_number_aborts_the_sample_naming_the_entry(reward):
     groups = make_groups(1, 1)
     agent = FunctionAgent(lambda s, c: ok_result(), lambda s, r: reward)
-    run_virtual(Evaluator(spec(agent), rollout_id=0, tokens=tokens(1)).run(groups))
+    run_virtual(Evaluator(spec(agent), StepContext(0), tokens=tokens(1)).run(groups))
     [s] = groups[0].samples
     assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
     assert "reward[" in s.metadata["_abort"]["error"] and s.reward == {"score": 0.0}

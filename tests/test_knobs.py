@@ -48,7 +48,7 @@ def test_every_recipe_key_has_a_meaning():
 
 def test_recipe_key_types_defaults_and_dagger_meanings_come_from_the_code():
     rows = {row[0].strip("`"): row for row in _recipe_rows(render())}
-    assert rows["scheduler.acquire_timeout_s"][1:3] == ["float", "`3600.0`"]
+    assert rows["scheduler.acquire_timeout_s"][1:3] == ["float", "`None`"]
     assert rows["pool.cluster_layout"][1:3] == ["union", "`None`"]
     assert rows["filters.rejection"][2] == "`None`" and rows["filters.abort_cap"][2] == "`{}`"
     assert rows["evaluators[].evaluator_id"][2] == "`(required)`"

@@ -59,7 +59,7 @@ def test_no_group_is_lost_or_duplicated_across_steps(seed, batch, over, policy, 
                          resource=Resource(gpu=math.inf, concurrency=8), run_resource=Resource(gpu=0.25))
     sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=batch, progress=False))
     cfg = PartialConfig(over_provision=over, max_staleness=max_staleness, policy=policy)
-    partial = PartialRollouts(sched, cfg)
+    partial = PartialRollouts.over(sched, cfg)
     before = pool.snapshot()
 
     async def run():
@@ -111,7 +111,7 @@ def test_resume_keeps_the_samples_that_ended_and_runs_only_the_others(seed):
     spec = EvaluatorSpec("x", FunctionAgent(agent.run, agent.verify), batch_size=1,
                          resource=Resource(gpu=math.inf, concurrency=8), run_resource=Resource(gpu=0.25))
     sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=2, progress=False))
-    partial, seen = PartialRollouts(sched, KEEP), []
+    partial, seen = PartialRollouts.over(sched, KEEP), []
 
     async def on_done(task, samples):
         seen.append((task.task_id, task.config.n_samples, [s.index for s in samples]))
@@ -136,7 +136,7 @@ def test_restart_runs_a_carried_group_whole_again():
     spec = EvaluatorSpec("x", FunctionAgent(agent.run, agent.verify), batch_size=1,
                          resource=Resource(gpu=math.inf, concurrency=8), run_resource=Resource(gpu=0.25))
     sched = TaskScheduler([spec], source, pool, SchedulerConfig(rollout_batch_size=2, progress=False))
-    partial = PartialRollouts(sched, PartialConfig(over_provision=2.0, max_staleness=10, policy="restart"))
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=2.0, max_staleness=10, policy="restart"))
     results = run_virtual(partial.execute_rollout(0)), run_virtual(partial.execute_rollout(1))
     assert results[1].metrics["rollout/partial/kept_samples"] == 0
     assert all(r.metrics["rollout/partial/staleness_max"] == 0 for r in results)
@@ -145,14 +145,14 @@ def test_restart_runs_a_carried_group_whole_again():
 def test_kept_samples_survive_a_manager_restart(make_pool, tmp_path):
     agent0 = Resuming(seed=3)
     sched0, _ = make(make_pool, agent0, Stream(group=4), batch=2)
-    run_virtual(PartialRollouts(sched0, KEEP, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+    run_virtual(PartialRollouts.over(sched0, KEEP, RolloutCheckpoint(tmp_path)).execute_rollout(0))
     saved = RolloutCheckpoint(tmp_path).carried(0)
     kept = {(g.task.task_id, s.index) for g in saved for s in g.samples if s.status.value != "pending"}
     assert kept and all([s.index for s in g.samples] == [0, 1, 2, 3] for g in saved if g.samples)
 
     agent1, source = Resuming(seed=4), Stream(group=4)
     sched1, _ = make(make_pool, agent1, source, batch=2)
-    again = PartialRollouts(sched1, KEEP, RolloutCheckpoint(tmp_path))
+    again = PartialRollouts.over(sched1, KEEP, RolloutCheckpoint(tmp_path))
     later = [run_virtual(again.execute_rollout(i)) for i in (1, 2, 3)]
     assert not kept & set(agent1.started)  # the new manager did not run a kept sample again
     returned = [(s.task_id, s.index) for r in later for g in r.groups for s in g]
@@ -163,7 +163,7 @@ def test_kept_samples_survive_a_manager_restart(make_pool, tmp_path):
 def test_a_finished_write_that_fails_then_succeeds_keeps_the_carried_groups(make_pool, tmp_path):
     sched, _ = make(make_pool, LongTail(seed=41), Stream(), batch=3)
     ck = FailingFinish(tmp_path, rollout=0, fails=checkpoint_module.FINISH_TRIES - 1)
-    result = run_virtual(PartialRollouts(sched, CFG, ck).execute_rollout(0))
+    result = run_virtual(PartialRollouts.over(sched, CFG, ck).execute_rollout(0))
     assert ck.tries == checkpoint_module.FINISH_TRIES
     carried = RolloutCheckpoint(tmp_path).carried(0)
     assert len(result.groups) == 3 and len(carried) == 3
@@ -174,14 +174,14 @@ def test_a_finished_write_that_fails_then_succeeds_keeps_the_carried_groups(make
 def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_and_repeats_nothing(
         make_pool, tmp_path, agent_type, cfg):
     sched0, _ = make(make_pool, agent_type(seed=51), Stream(group=4), batch=3)
-    first = run_virtual(PartialRollouts(sched0, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+    first = run_virtual(PartialRollouts.over(sched0, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
     carried0 = {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
 
     # step 1 completes, but its FINISHED record (with what it carries on) cannot be written
     sched1, _ = make(make_pool, agent_type(seed=52), Stream(group=4), batch=3)
     ck = FailingFinish(tmp_path, rollout=1, fails=10 ** 6)
     with pytest.raises(RuntimeError, match=r"rollout 1: could not save the \d+ groups it carries on"):
-        run_virtual(PartialRollouts(sched1, cfg, ck).execute_rollout(1))
+        run_virtual(PartialRollouts.over(sched1, cfg, ck).execute_rollout(1))
     assert ck.tries == checkpoint_module.FINISH_TRIES
     assert RolloutCheckpoint(tmp_path).carried(1) is None  # nothing half-written
     # under resume, step 1's own checkpoint holds parts of carried groups (their samples not ended)
@@ -191,7 +191,7 @@ def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_an
     # a new manager over the same folder: the trainer runs step 1 again, then step 2
     source = Stream(group=4)
     sched2, _ = make(make_pool, agent_type(seed=53), source, batch=3)
-    again = PartialRollouts(sched2, cfg, RolloutCheckpoint(tmp_path))
+    again = PartialRollouts.over(sched2, cfg, RolloutCheckpoint(tmp_path))
     second = run_virtual(again.execute_rollout(1))
     assert second.metrics["rollout/resumed_groups"] == 3.0  # the groups step 1 finished are not run again
     assert carried0 <= {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
@@ -219,7 +219,7 @@ def test_a_carried_group_whose_samples_all_ended_is_returned_without_running(mak
     async def on_done(t, samples):
         seen.append((t.task_id, [s.index for s in samples]))
 
-    result = run_virtual(PartialRollouts(sched, KEEP, RolloutCheckpoint(tmp_path)).execute_rollout(1, on_done))
+    result = run_virtual(PartialRollouts.over(sched, KEEP, RolloutCheckpoint(tmp_path)).execute_rollout(1, on_done))
     assert ids(result.groups)[0] == task.task_id and [s.index for s in result.groups[0]] == [0, 1]
     assert (task.task_id, [0, 1]) in seen and len(seen) == 2
     assert not {k for k in agent.started if k[0] == task.task_id}  # nothing of it ran again

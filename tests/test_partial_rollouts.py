@@ -13,7 +13,7 @@ import pytest
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
-from rayapp.core.contracts import SchedulerConfig, StepState
+from rayapp.core.contracts import RolloutPlan, SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.episode import RESUME_POINTS, EpisodeKey, ResumePoint
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
@@ -85,7 +85,7 @@ def test_complete_after_returns_n_groups_and_hands_back_the_rest_with_their_turn
     agent = LongTail(seed=1)
     sched, pool = make(make_pool, agent, batch=6)
     before = pool.snapshot()
-    result = run_virtual(sched.execute_rollout(0, complete_after=3))
+    result = run_virtual(sched.execute_rollout(0, plan=RolloutPlan(complete_after=3)))
     assert len(result.groups) == 3 and len(result.unfinished) == 3
     assert sched.status().state is StepState.DONE
     assert pool.snapshot() == before and pool.held == 0  # every cancelled episode's token is back
@@ -102,8 +102,18 @@ def test_complete_after_returns_n_groups_and_hands_back_the_rest_with_their_turn
 
 def test_complete_after_is_checked():
     sched = TaskScheduler([EvaluatorSpec("x", FunctionAgent(lambda s, c: None, lambda s, r: {}))], Stream())
-    with pytest.raises(ValueError, match="complete_after must be an int >= 1"):
-        run_virtual(sched.execute_rollout(0, complete_after=0))
+    with pytest.raises(ValueError, match="complete_after must be an int >= 0"):
+        run_virtual(sched.execute_rollout(0, plan=RolloutPlan(complete_after=-1)))
+
+
+def test_complete_after_zero_runs_nothing_and_hands_every_group_back(make_pool):
+    agent = LongTail()
+    sched, pool = make(make_pool, agent)
+    before = pool.snapshot()
+    result = run_virtual(sched.execute_rollout(0, plan=RolloutPlan(complete_after=0)))
+    assert result.groups == [] and len(result.unfinished) == 4 and not agent.started
+    assert all(s.status is Status.PENDING for u in result.unfinished for s in u.samples)
+    assert pool.snapshot() == before
 
 
 def test_without_complete_after_nothing_is_unfinished(make_pool):
@@ -117,7 +127,7 @@ def test_without_complete_after_nothing_is_unfinished(make_pool):
 def test_every_task_comes_back_exactly_once_across_steps(make_pool):
     agent, source = LongTail(seed=7), Stream()
     sched, pool = make(make_pool, agent, source, batch=4)
-    partial = PartialRollouts(sched, PartialConfig(over_provision=1.5, max_staleness=1, policy="restart"))
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=1.5, max_staleness=1, policy="restart"))
     before = pool.snapshot()
 
     async def steps():
@@ -147,7 +157,7 @@ def test_every_task_comes_back_exactly_once_across_steps(make_pool):
 def test_carried_groups_are_the_unfinished_ones_and_restart_discards_their_turns(make_pool):
     agent, source = LongTail(seed=3), Stream()
     sched, _ = make(make_pool, agent, source, batch=2)
-    partial = PartialRollouts(sched, PartialConfig(over_provision=2.0, policy="restart"))
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=2.0, policy="restart"))
 
     async def two():
         first = await partial.execute_rollout(0)
@@ -194,7 +204,8 @@ class Resumable(LongTail):
 def test_resume_keeps_completed_turns_and_staleness_stays_bounded(make_pool, max_staleness):
     agent, source = Resumable(seed=21), Stream()
     sched, _ = make(make_pool, agent, source, batch=4)
-    partial = PartialRollouts(sched, PartialConfig(over_provision=1.5, max_staleness=max_staleness, policy="resume"))
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=1.5, max_staleness=max_staleness,
+                                                        policy="resume"))
     cut: dict[tuple[str, int], list[int]] = {}  # the tokens each cut-short sample had kept
 
     async def steps():
@@ -236,7 +247,7 @@ def test_staleness_is_measured_from_the_engines_weight_versions(make_pool):
     # an engine one weight update behind the step: every turn is one step stale
     agent = LongTail(seed=5, version=lambda ctx: str(ctx.rollout_id - 1))
     sched, _ = make(make_pool, agent)
-    partial = PartialRollouts(sched, PartialConfig(over_provision=1.0))
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=1.0))
     result = run_virtual(partial.execute_rollout(3))
     assert result.metrics["rollout/partial/staleness_max"] == 1.0
     assert result.metrics["rollout/partial/staleness_mean"] == 1.0
@@ -247,14 +258,14 @@ def test_a_restarted_manager_takes_up_the_carried_groups_from_the_checkpoint(mak
     agent, source = LongTail(seed=11), Stream()
     sched, _ = make(make_pool, agent, source, batch=3)
     cfg = PartialConfig(over_provision=2.0, policy="restart")
-    first = run_virtual(PartialRollouts(sched, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+    first = run_virtual(PartialRollouts.over(sched, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
     carried = [g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)]
     assert len(carried) == 3 and not set(carried) & set(ids(first.groups))
 
     # a new process: a fresh source, scheduler and wrapper over the same folder
     source2 = Stream()
     sched2, _ = make(make_pool, LongTail(seed=12), source2, batch=3)
-    again = PartialRollouts(sched2, cfg, RolloutCheckpoint(tmp_path))
+    again = PartialRollouts.over(sched2, cfg, RolloutCheckpoint(tmp_path))
     second = run_virtual(again.execute_rollout(1))
     assert source2.cursor == 6 + 3  # went on from where step 0 left the stream: 3 new tasks after 3 carried
     returned = ids(first.groups) + ids(second.groups) + [g.task.task_id for g in again.carried()]
@@ -300,7 +311,7 @@ def test_the_recipe_turns_partial_rollouts_on_and_refuses_a_bad_setting(tmp_path
 def test_a_partial_step_cut_short_resumes_with_the_same_carried_and_new_tasks(make_pool, tmp_path):
     cfg = PartialConfig(over_provision=2.0)
     sched, _ = make(make_pool, LongTail(seed=31), Stream(), batch=3)
-    first = run_virtual(PartialRollouts(sched, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
+    first = run_virtual(PartialRollouts.over(sched, cfg, RolloutCheckpoint(tmp_path)).execute_rollout(0))
     carried = {g.task.task_id for g in RolloutCheckpoint(tmp_path).carried(0)}
 
     async def killed_mid_step():  # the manager dies once step 1 has finished some of its groups
@@ -310,7 +321,7 @@ def test_a_partial_step_cut_short_resumes_with_the_same_carried_and_new_tasks(ma
         async def on_done(task, samples):
             done.append(task.task_id)
 
-        wrapper = PartialRollouts(sched1, cfg, RolloutCheckpoint(tmp_path))
+        wrapper = PartialRollouts.over(sched1, cfg, RolloutCheckpoint(tmp_path))
         step = asyncio.create_task(wrapper.execute_rollout(1, on_done))
         while not done:
             await asyncio.sleep(60)
@@ -321,7 +332,7 @@ def test_a_partial_step_cut_short_resumes_with_the_same_carried_and_new_tasks(ma
 
     done_before = run_virtual(killed_mid_step())
     sched2, _ = make(make_pool, LongTail(seed=33), Stream(), batch=3)
-    again = PartialRollouts(sched2, cfg, RolloutCheckpoint(tmp_path))
+    again = PartialRollouts.over(sched2, cfg, RolloutCheckpoint(tmp_path))
     second = run_virtual(again.execute_rollout(1))
     assert second.metrics["rollout/resumed_groups"] == len(done_before)  # not run again
     assert set(done_before) <= set(ids(second.groups))

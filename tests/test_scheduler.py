@@ -7,6 +7,7 @@ from conftest import run
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
+from rayapp.core.contracts import RolloutPlan
 from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
 from rayapp.types import AgentResult, Batch, EvaluatorSpec, Resource, Sample, Status, StoppingCriteria, Task, TaskConfig
@@ -331,7 +332,8 @@ def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_eac
 
     class Log:
         async def finished(self, fetched):
-            assert fetched == tasks
+            assert [t.task_id for t in fetched] == [t.task_id for t in tasks]  # each with its group's id
+            assert [t.metadata["_group_id"] for t in fetched] == ["0/0", "0/1", "0/2"]
             return {1: done_before}
 
         async def group_done(self, index, samples):
@@ -346,7 +348,7 @@ def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_eac
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 0.0}))
     sched = TaskScheduler([spec], Source(tasks), None, SchedulerConfig(rollout_batch_size=3, progress=False))
-    result = run(sched.execute_rollout(0, on_task_done=on_done, step_log=Log()))
+    result = run(sched.execute_rollout(0, on_task_done=on_done, plan=RolloutPlan(step_log=Log())))
     assert sorted(ran) == ["t0", "t2"] and result.groups[1] is done_before
     assert [g[0].task_id for g in result.groups] == ["t0", "t1", "t2"]
     for i in (0, 2):
@@ -358,7 +360,7 @@ def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_eac
             return {3: done_before}
 
     with pytest.raises(ValueError, match=r"finished groups \[3\] beyond the 3 fetched"):
-        run(sched.execute_rollout(1, step_log=Beyond()))
+        run(sched.execute_rollout(1, plan=RolloutPlan(step_log=Beyond())))
 
 
 @pytest.mark.parametrize(("strategy", "message"), [
@@ -384,3 +386,58 @@ def test_a_strategy_batch_that_is_empty_or_mixes_evaluators_is_refused_before_an
     with pytest.raises(ValueError, match="batching strategy .*" + message):
         run(sched.execute_rollout(0))
     assert ran == []
+
+
+class PlainSource:
+    def get_tasks(self, n):  # a plain def: the scheduler awaits it
+        return []
+
+
+class AsyncIteration:
+    async def rollout_state(self, rollout_id):
+        return {}
+
+    def eval_state(self, rollout_id):
+        return {}
+
+
+class HalfPool:
+    async def acquire_batch(self, request): ...
+
+    def release_batch(self, tokens): ...
+
+    async def max_tokens_for(self, per_sample): ...
+
+
+def plain_callback(task, samples):
+    return None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"data_source": PlainSource()}, r"^data_source PlainSource\.get_tasks: a plain function; it must be a coroutine "
+                                     r"function: async def get_tasks\(self, n: int\) -> list\[Task\]$"),
+    ({"data_source": object()}, r"^data_source object\.get_tasks: missing; it must be a coroutine function"),
+    ({"on_task_done": plain_callback}, r"^on_task_done plain_callback: a plain function; it must be a coroutine "
+                                       r"function: async \(task, samples\) -> None$"),
+    ({"pool": HalfPool(), "config": SchedulerConfig(release="batch_end")},
+     r"^pool HalfPool\.release_batch: a plain function; it must be a coroutine function"),
+    ({"iteration": AsyncIteration()}, r"^iteration AsyncIteration\.rollout_state: not a plain function; it must be "
+                                      r"def rollout_state\(self, rollout_id: int\) -> dict"),
+])
+def test_a_seam_of_the_wrong_kind_is_one_error_at_construction_naming_object_method_and_protocol(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        TaskScheduler([arithmetic_spec()], **kwargs)
+
+
+def test_an_on_task_done_of_the_wrong_kind_is_refused_before_the_step_fetches():
+    fetched = []
+
+    class Counting(Source):
+        async def get_tasks(self, n):
+            fetched.append(n)
+            return await super().get_tasks(n)
+
+    sched = TaskScheduler([arithmetic_spec()], Counting([Task("t", "p", TaskConfig("arithmetic"))]))
+    with pytest.raises(TypeError, match=r"^execute_rollout's on_task_done plain_callback: a plain function"):
+        run(sched.execute_rollout(0, plain_callback))
+    assert fetched == []

@@ -202,7 +202,7 @@ def test_nothing_is_written_after_a_cancelled_checkpointed_step_returns(tmp_path
     sched = TaskScheduler([EvaluatorSpec("x", FunctionAgent(ok, lambda sample, result: {"score": 1.0}))],
                           MultiDataSource([DatasetSpec("a", rows)], seed=0), None,
                           SchedulerConfig(rollout_batch_size=1, progress=False))
-    steps = ResumableRollouts(sched, RolloutCheckpoint(tmp_path))
+    steps = ResumableRollouts.over(sched, RolloutCheckpoint(tmp_path))
 
     async def main():
         step = asyncio.ensure_future(steps.execute_rollout(0))

@@ -228,3 +228,17 @@ def test_report_defaults_are_independent():
     a, b = FilterReport(), FilterReport()
     a.dropped["x"] = {"y": 1}
     assert b.dropped == {}
+
+
+@pytest.mark.parametrize(("score", "reason"), [(1.0, DropReason.ALL_CORRECT), (0.5, DropReason.ALL_WRONG),
+                                               (0.0, DropReason.ALL_WRONG)])
+def test_rejection_calls_a_group_correct_exactly_when_the_failure_classes_call_its_samples_successes(score, reason):
+    from rayapp.core.termination import FailureClass, classify_termination
+
+    group = [make("ok", score, index=i) for i in range(3)]
+    verdict = RejectionFilter().judge(group)
+    assert verdict.group_reason is reason
+    success = {classify_termination(s.reward, s.metadata["_termination_reason"]) for s in group}
+    assert (reason is DropReason.ALL_CORRECT) == (success == {FailureClass.SUCCESS})
+    # keeping all-correct groups keeps an all-0.5 group only if it is not called correct
+    assert (RejectionFilter(drop_all_correct=False).judge(group).group_reason is None) == (score == 1.0)

@@ -42,7 +42,7 @@ def scheduler(policy, ckpt=None, pool=None) -> TaskScheduler | ResumableRollouts
     spec = EvaluatorSpec("arithmetic", FunctionAgent(policy, verify), Resource(gpu=1, concurrency=4, cpu=4),
                          Resource(gpu=0.25, cpu=1), batch_size=2)
     sched = TaskScheduler([spec], source(), pool, SchedulerConfig(rollout_batch_size=N, progress=False))
-    return sched if ckpt is None else ResumableRollouts(sched, ckpt)
+    return sched if ckpt is None else ResumableRollouts.over(sched, ckpt)
 
 
 def ids(result):
@@ -64,7 +64,7 @@ def test_a_rollout_killed_mid_way_resumes_without_rerunning_finished_groups(tmp_
 
     async def killed():
         step = asyncio.create_task(sched.execute_rollout(1))
-        while sum(1 for t, _ in dying.calls if t in held) < 2 or sched.scheduler.status().tasks_done < N - len(held):
+        while sum(1 for t, _ in dying.calls if t in held) < 2 or sched.rollouts.status().tasks_done < N - len(held):
             await asyncio.sleep(0.01)
         step.cancel()  # what the checkpoint sees of a killed process: no finish()
         with pytest.raises(asyncio.CancelledError):
@@ -106,8 +106,8 @@ def test_a_failed_checkpoint_write_costs_resumability_not_the_step(tmp_path, cap
 
 def test_a_checkpoint_needs_a_source_that_saves_its_state(tmp_path):
     spec = EvaluatorSpec("arithmetic", FunctionAgent(Policy(), verify))
-    with pytest.raises(ValueError, match="state_dict"):
-        ResumableRollouts(TaskScheduler([spec], ArithmeticSource()), RolloutCheckpoint(tmp_path))
+    with pytest.raises(TypeError, match=r"ArithmeticSource lacks \['state_dict', 'load_state_dict'\]"):
+        ResumableRollouts.over(TaskScheduler([spec], ArithmeticSource()), RolloutCheckpoint(tmp_path))
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -123,10 +123,11 @@ def test_a_checkpoint_of_another_data_config_is_refused_before_anything_runs(tmp
     policy = Policy()
     sched = scheduler(policy, RolloutCheckpoint(tmp_path))
     if change == "batch_size":
-        sched.scheduler.config = SchedulerConfig(rollout_batch_size=2, progress=False)
+        sched.rollouts.config = SchedulerConfig(rollout_batch_size=2, progress=False)
     else:  # the same dataset names, other rows: the saved state fetches other tasks
-        sched.scheduler.data_source = MultiDataSource([DatasetSpec("a", ArithmeticSource(seed=7).take(5), weight=2.0),
-                                                       DatasetSpec("b", ArithmeticSource(seed=8).take(7))], seed=9)
+        sched.rollouts.data_source = sched.source = MultiDataSource(
+            [DatasetSpec("a", ArithmeticSource(seed=7).take(5), weight=2.0),
+             DatasetSpec("b", ArithmeticSource(seed=8).take(7))], seed=9)
     with pytest.raises(ValueError, match=message):
         run(sched.execute_rollout(0))
     assert policy.calls == []

@@ -7,17 +7,48 @@ without the scheduler itself.
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 from msgspec import Meta
 
-from rayapp.types import BatchRequest, Resource, Sample, SamplingParams, StepKind, StoppingCriteria, Task, Token
+from rayapp.types import (
+    FINITE,
+    MAX_COUNT,
+    BatchRequest,
+    Resource,
+    Sample,
+    SamplingParams,
+    StepKind,
+    StoppingCriteria,
+    Task,
+    TaskKey,
+    Token,
+)
 
 OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None]]
 Fetch = Callable[[], Awaitable[list[Task]]]  # a step's tasks in fetch order, in place of the data source's
 Release = Literal["early", "batch_end"]
+# After a step ran: what it leaves to the next one (partial rollouts' carried groups), which a
+# resumable wrapper saves with the step's end
+Carry = Callable[["RolloutResult"], list[Any]]
+
+
+def require_async(obj: Any, method: str | None, what: str, protocol: str) -> None:
+    """``obj.method`` (``obj`` itself when ``method`` is None) is a coroutine function, else one
+    TypeError naming the object, the method and what it must be. Checked where a plug-in is handed
+    in: a plain ``def`` would otherwise fail deep inside a step ("object list can't be used in
+    'await' expression")."""
+    fn = obj if method is None else getattr(obj, method, None)
+    call = getattr(fn, "__call__", None)  # noqa: B004 -- an object with an async __call__ is a coroutine function too
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call):
+        return
+    name = type(obj).__name__ if method is not None else getattr(obj, "__qualname__", type(obj).__name__)
+    where = f"{what} {name}" + (f".{method}" if method else "")
+    found = "missing" if fn is None else ("not callable" if not callable(fn) else "a plain function")
+    raise TypeError(f"{where}: {found}; it must be a coroutine function: {protocol}")
 
 
 class Pool(Protocol):
@@ -37,6 +68,16 @@ class Pool(Protocol):
 
 class DataSource(Protocol):
     async def get_tasks(self, n: int) -> list[Task]: ...
+
+
+@runtime_checkable
+class ResumableSource(DataSource, Protocol):
+    """A data source whose stream can be saved and set back (what a rollout checkpoint needs):
+    ``load_state_dict(state_dict())`` later makes ``get_tasks`` hand out the same tasks again."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class StepLog(Protocol):
@@ -63,19 +104,74 @@ class IterationSource(Protocol):
     def eval_state(self, rollout_id: int) -> dict[str, Any]: ...
 
 
-class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The scheduler's settings (the recipe's ``scheduler`` section holds them and more)."""
+_Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
 
-    rollout_batch_size: Annotated[int, Meta(ge=1)] = 8  # tasks (groups) fetched per rollout step
-    n_samples_per_eval_prompt: Annotated[int, Meta(ge=1)] = 1
-    global_stopping: StoppingCriteria = StoppingCriteria()  # the cascade's lowest level
-    global_sampling: SamplingParams = SamplingParams()
-    acquire_timeout_s: float | None = None  # a batch not admitted within it fails the step
-    progress: bool = True  # a tqdm bar per step
-    # When a batch's capacity goes back to the pool: "early", each token as soon as no sample of
-    # its batch waits for one (the sample that held it ended); "batch_end", all of it when the
-    # batch's last sample ends (the spec's behaviour, kept to measure against).
-    release: Release = "early"
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The scheduler's settings, defined once: the recipe's ``scheduler`` section is this Struct
+    with the recipe's own keys added (``recipe.config.SchedulerSection``), so both read the same
+    bounds, defaults and descriptions."""
+
+    rollout_batch_size: Annotated[_Count, Meta(description="tasks (prompts) fetched per rollout step")] = 8
+    n_samples_per_eval_prompt: Annotated[_Count, Meta(description="samples per eval prompt (pass@k for k up "
+                                                                  "to it)")] = 1
+    global_stopping: Annotated[StoppingCriteria, Meta(
+        description="stopping criteria of every evaluator, the cascade's lowest level")] = StoppingCriteria()
+    global_sampling: Annotated[SamplingParams, Meta(
+        description="sampling params of every evaluator, the cascade's lowest level")] = SamplingParams()
+    # No limit by default: a batch waits for the batches ahead of it, and agentic episodes run for
+    # hours; it is never waiting for a grant that cannot come (``run_all`` refuses a batch larger
+    # than the pool can ever admit), and each call to a remote pool is bounded by its client.
+    acquire_timeout_s: Annotated[Annotated[float, Meta(gt=0, le=FINITE)] | None, Meta(description=(
+        "seconds a batch may wait for the pool to admit it, then the step fails; unset: as long as the "
+        "batches ahead of it run (a batch the pool can never admit fails at once)"))] = None
+    progress: Annotated[bool, Meta(description="show a progress bar per step")] = True
+    # "batch_end" is the spec's behaviour, kept to measure against.
+    release: Annotated[Release, Meta(description="when a batch's placement goes back to the pool: early, each "
+                                                 "sample's share as soon as it ended and no sample of its batch "
+                                                 "waits for one; batch_end, all of it when the batch's last "
+                                                 "sample ends (the spec's)")] = "early"
+
+
+class StepContext(msgspec.Struct, frozen=True):
+    """One step's own values, built once when the step starts and handed to every batch and
+    Evaluator of it (rather than threaded through as loose arguments)."""
+
+    rollout_id: int
+    kind: StepKind = StepKind.ROLLOUT
+    iteration: dict[str, Any] = {}  # what the IterationSource published for the step
+    complete_after: int | None = None  # the step completes once this many groups are handed on
+
+
+class RolloutPlan(msgspec.Struct, frozen=True):
+    """How a wrapper asks the rollout step below it to run, beyond the step's id; every field is
+    optional, and the plain plan runs the step as the scheduler would alone.
+
+    - ``fetch``: the step's tasks, in place of ``rollout_batch_size`` of the data source's;
+    - ``complete_after=n`` (n >= 0): the step completes once ``n`` groups are; the rest come back as
+      ``RolloutResult.unfinished`` (0: nothing runs, every fetched group is unfinished);
+    - ``step_log``: the groups finished before (not run again) and the record of each finished now;
+    - ``carry``: called with the step's result, what it leaves to the next step; a resumable
+      wrapper saves it with the step's end (the scheduler has nothing to save it in)."""
+
+    fetch: Fetch | None = None
+    complete_after: int | None = None
+    step_log: StepLog | None = None
+    carry: Carry | None = None
+
+
+PLAIN = RolloutPlan()
+
+
+@runtime_checkable
+class Rollouts(Protocol):
+    """Something that runs a rollout step: the TaskScheduler, and the wrappers that compose over
+    one (``training.checkpoint.ResumableRollouts``, ``training.partial.PartialRollouts``). A wrapper
+    takes the ``Rollouts`` below it and passes its own needs down in the plan; ``on_task_done``
+    fires once per group finished now, with the group as the caller should see it."""
+
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
+                              plan: RolloutPlan = PLAIN) -> RolloutResult: ...
 
 
 class StepState(enum.StrEnum):
@@ -138,3 +234,37 @@ class EvalResult(msgspec.Struct):
     samples: dict[str, list[Sample]]  # by dataset name
     iteration: dict[str, Any] = {}
     artifacts: dict[str, str] = {}
+
+
+def identified(rollout_id: int, tasks: list[Task]) -> list[Task]:
+    """Each fetched task as the group it starts: one that carries a ``TaskKey.GROUP_ID`` (a group
+    carried on from an earlier step) keeps it; any other gets ``"<rollout_id>/<fetch index>"``, on
+    a copy, so that the same task fetched twice makes two groups, each known by its own id. The
+    ids are a function of the fetch, so a resumed step gives its groups the same ones again."""
+    key = TaskKey.GROUP_ID.value
+    out = [t if key in t.metadata else msgspec.structs.replace(t, metadata={**t.metadata, key: f"{rollout_id}/{i}"})
+           for i, t in enumerate(tasks)]
+    ids = [t.metadata[key] for t in out]
+    if len(set(ids)) < len(ids):
+        raise ValueError(f"rollout {rollout_id}: two fetched tasks carry the same {key} "
+                         f"{sorted({g for g in ids if ids.count(g) > 1})}: a group handed in twice")
+    return out
+
+
+def check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) -> None:
+    """What the scheduler is handed fits its protocols (``core.contracts``), checked here rather than
+    failing mid-step: which object, which method, and what it must be."""
+    if data_source is not None:
+        require_async(data_source, "get_tasks", "data_source", "async def get_tasks(self, n: int) -> list[Task]")
+    if pool is not None:
+        for method in ("acquire_batch", "release_batch", "max_tokens_for"):
+            require_async(pool, method, "pool", f"async def {method}(...) (core.contracts.Pool)")
+    if on_task_done is not None:
+        require_async(on_task_done, None, "on_task_done", "async (task, samples) -> None")
+    if iteration is not None:
+        for method in ("rollout_state", "eval_state"):
+            fn = getattr(iteration, method, None)
+            if not callable(fn) or inspect.iscoroutinefunction(fn):
+                raise TypeError(f"iteration {type(iteration).__name__}.{method}: "
+                                f"{'missing' if fn is None else 'not a plain function'}; it must be "
+                                f"def {method}(self, rollout_id: int) -> dict (it is called, not awaited)")

@@ -41,6 +41,7 @@ import msgspec
 
 from rayapp.core.agent import call_phase
 from rayapp.core.clock import loop_time
+from rayapp.core.contracts import StepContext
 from rayapp.core.convert import InputError, check, clip, show
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentOutputError, AgentTimeout, classify_abort
@@ -149,23 +150,17 @@ class Evaluator:
     global pool at once instead of when the batch closes; without it every token stays in the
     local pool until ``run`` returns (the spec's hold-until-the-batch-ends)."""
 
-    def __init__(
-        self,
-        spec: EvaluatorSpec,
-        *,
-        rollout_id: int,
-        tokens: list[Token] | None,
-        iteration: dict[str, Any] | None = None,
-        step: StepKind = StepKind.ROLLOUT,
-        release: ReleaseTokens | None = None,
-        batch: str | None = None,
-        admission: tuple[float, float] | None = None,
-    ):
+    def __init__(self, spec: EvaluatorSpec, step: StepContext, *, tokens: list[Token] | None = None,
+                 release: ReleaseTokens | None = None, batch: str | None = None,
+                 admission: tuple[float, float] | None = None):
+        """``step``: the step's own values (kind, rollout id, iteration), one object for all its
+        batches; the rest is this batch's: its grant, the pool's early release, its label and when
+        it was admitted."""
         self.spec = spec
         self.batch = batch  # the scheduler's label of the batch, recorded in each sample's timing
         self.admission = admission  # when the batch asked the pool and when it was granted (loop clock)
-        self.rollout_id = rollout_id
-        self.iteration, self.step = dict(iteration or {}), StepKind(step)
+        self.rollout_id = step.rollout_id
+        self.iteration, self.step = dict(step.iteration), StepKind(step.kind)
         self.release = release
         self._concurrency = max(1, spec.resource.concurrency)
         self._deadlines = Deadlines()  # every phase's time limit, on one loop timer

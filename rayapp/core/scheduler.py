@@ -22,7 +22,6 @@ import logging
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from itertools import chain, zip_longest
-from typing import Any
 
 import msgspec
 from tqdm.auto import tqdm
@@ -31,21 +30,26 @@ from rayapp.core.batching import BatchingStrategy, fifo_batching
 from rayapp.core.cascade import build_sampling_params, resolve_stopping
 from rayapp.core.clock import loop_time
 from rayapp.core.contracts import (
+    PLAIN,
     DataSource,
     EvalResult,
-    Fetch,
     IterationSource,
     OnTaskDone,
     Pool,
+    RolloutPlan,
     RolloutResult,
     SchedulerConfig,
-    StepLog,
+    StepContext,
     StepState,
     StepStatus,
     UnfinishedGroup,
+    check_seams,
+    identified,
+    require_async,
 )
 from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, TaskRun
+from rayapp.core.landing import landed
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
@@ -116,6 +120,7 @@ class TaskScheduler:
         if config.release == "early" and pool is not None and not callable(getattr(pool, "release_tokens", None)):
             raise ValueError(f"SchedulerConfig.release='early' needs a pool with release_tokens; "
                              f"{type(pool).__name__} has none (set release='batch_end')")
+        check_seams(data_source, pool, on_task_done, iteration)
         self.data_source, self.pool, self.config = data_source, pool, config
         self.batching_strategy = batching_strategy or fifo_batching
         self.eval_datasets = dict(eval_datasets or {})
@@ -126,28 +131,32 @@ class TaskScheduler:
 
     # -- the four moves ----------------------------------------------------------------------
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None, *,
-                              step_log: StepLog | None = None, fetch: Fetch | None = None,
-                              complete_after: int | None = None) -> RolloutResult:
-        """One rollout step. With a ``step_log``, the groups it names as finished are not run again
-        (``on_task_done`` does not fire for them) and come back in place; every group finished now
-        is handed to it before ``on_task_done``. ``fetch`` gives the step's tasks in place of
-        ``rollout_batch_size`` of the data source's.
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
+                              plan: RolloutPlan = PLAIN) -> RolloutResult:
+        """One rollout step (the ``Rollouts`` protocol). Each fetched task starts a group known by its
+        ``TaskKey.GROUP_ID`` (``identified``). With a ``plan.step_log``, the groups it names as
+        finished are not run again (``on_task_done`` does not fire for them) and come back in place;
+        every group finished now is handed to it before ``on_task_done``. ``plan.fetch`` gives the
+        step's tasks in place of ``rollout_batch_size`` of the data source's.
 
-        ``complete_after=n``: the step completes once ``n`` groups are (a step log's finished ones
-        count): the batches still running are cancelled, their episodes torn down and their tokens
-        back in the pool before it returns; ``groups`` holds the ``n`` complete groups in fetch order
-        and ``unfinished`` every other group with its samples as they were left. A group whose last
-        sample ends after the n-th was handed on is unfinished too: no group is handed on twice."""
+        ``plan.complete_after=n``: the step completes once ``n`` groups are (a step log's finished
+        ones count): the batches still running are cancelled, their episodes torn down and their
+        tokens back in the pool before it returns; ``groups`` holds the ``n`` complete groups in fetch
+        order and ``unfinished`` every other group with its samples as they were left (n=0: nothing
+        runs). A group whose last sample ends after the n-th was handed on is unfinished too: no
+        group is handed on twice."""
+        fetch, step_log, complete_after = plan.fetch, plan.step_log, plan.complete_after
         if fetch is None and self.data_source is None:
             raise ValueError("execute_rollout needs a data_source")
-        if complete_after is not None and (type(complete_after) is not int or complete_after < 1):
-            raise ValueError(f"complete_after must be an int >= 1, got {complete_after!r}")
+        if complete_after is not None and (type(complete_after) is not int or complete_after < 0):
+            raise ValueError(f"complete_after must be an int >= 0, got {complete_after!r}")
+        if on_task_done is not None:
+            require_async(on_task_done, None, "execute_rollout's on_task_done", "async (task, samples) -> None")
         # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
         state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
         began = loop_time()
         fetched = fetch() if fetch is not None else self.data_source.get_tasks(self.config.rollout_batch_size)
-        tasks, fetched_at = list(await fetched), loop_time()
+        tasks, fetched_at = identified(rollout_id, list(await fetched)), loop_time()
         groups = self._distribute(rollout_id, tasks)
         finished = dict(await step_log.finished(tasks)) if step_log is not None else {}
         if not set(finished) <= set(range(len(tasks))):
@@ -165,8 +174,8 @@ class TaskScheduler:
 
         left = None if complete_after is None else complete_after - len(finished)
         if left is None or left > 0:
-            await self.run_all(StepKind.ROLLOUT, rollout_id, self._batch(tasks, todo), groups, group_done, state,
-                               complete_after=left)  # batch, run
+            step = StepContext(rollout_id, StepKind.ROLLOUT, state, left)
+            await self.run_all(step, self._batch(tasks, todo), groups, group_done)  # batch, run
         complete = sorted(finished)[:complete_after]  # a step log may name more than asked for
         samples, done = [finished[i] for i in complete], set(complete)
         unfinished = [UnfinishedGroup(i, tasks[i], groups[i].samples if i not in finished else finished[i])
@@ -199,7 +208,7 @@ class TaskScheduler:
             if callback is not None:
                 await callback(groups[i].task, groups[i].samples)
 
-        await self.run_all(StepKind.EVAL, rollout_id, plan, groups, group_done, state)
+        await self.run_all(StepContext(rollout_id, StepKind.EVAL, state), plan, groups, group_done)
         by_name: dict[str, list[Sample]] = {name: [] for name in self.eval_datasets}
         for g in groups:  # split apart by _eval_dataset_name
             by_name[g.task.metadata[TaskKey.EVAL_DATASET_NAME]].extend(g.samples)
@@ -306,16 +315,16 @@ class TaskScheduler:
                     f"can only provide {pool_capacity} (per-sample resource {spec.sample_resource}); "
                     f"lower its batch_size or resource budget, or grow the cluster layout")
 
-    async def run_all(self, kind: StepKind, rollout_id: int, plan: list[tuple[Batch, list[int]]],
-                      groups: list[TaskRun], group_done: Callable[[int], Awaitable[None]],
-                      iteration: dict[str, Any] | None = None, *, complete_after: int | None = None) -> None:
+    async def run_all(self, step: StepContext, plan: list[tuple[Batch, list[int]]], groups: list[TaskRun],
+                      group_done: Callable[[int], Awaitable[None]]) -> None:
         """Run every batch of ``plan`` (batches with their groups' indices); ``group_done(i)`` after
         group ``i`` finished. One failing batch or callback cancels the rest and fails the step.
-        ``complete_after=n``: once ``n`` groups were handed on, the batches still running are
+        ``step.complete_after=n``: once ``n`` groups were handed on, the batches still running are
         cancelled (the step is done); a group finishing after the n-th began its hand-on is not
         handed on, so none is in flight when they are."""
         if self.pool is not None:
             await self._check_deadlock([b for b, _ in plan])
+        kind, rollout_id, complete_after = step.kind, step.rollout_id, step.complete_after
         n_tasks = sum(len(indices) for _, indices in plan)
         st = self._status = StepStatus(kind, StepState.RUNNING, rollout_id, batches=len(plan),
                                        batches_waiting=len(plan), tasks=n_tasks, started_at=loop_time())
@@ -342,7 +351,7 @@ class TaskScheduler:
                 for n, (b, indices) in enumerate(plan):
                     label = f"{kind.value}{rollout_id}/b{n}/{b.task_type}"
                     batches.append(tg.create_task(self._run_batch(
-                        kind, rollout_id, b, [groups[i] for i in indices], indices, finished, label, iteration)))
+                        step, b, [groups[i] for i in indices], indices, finished, label)))
         except asyncio.CancelledError:
             st.state = StepState.CANCELLED
             raise
@@ -354,9 +363,8 @@ class TaskScheduler:
         finally:
             bar.close()
 
-    async def _run_batch(self, kind: StepKind, rollout_id: int, batch: Batch, groups: list[TaskRun],
-                         indices: list[int], finished: Callable[[int], Awaitable[None]], label: str,
-                         iteration: dict[str, Any] | None) -> None:
+    async def _run_batch(self, step: StepContext, batch: Batch, groups: list[TaskRun], indices: list[int],
+                         finished: Callable[[int], Awaitable[None]], label: str) -> None:
         spec = self._resolve_spec(batch)
         st = self._status
         tokens: list[Token] | None = None
@@ -373,8 +381,7 @@ class TaskScheduler:
         st.batches_running += 1
         try:
             early = tokens is not None and self.config.release == "early"
-            evaluator = Evaluator(spec, rollout_id=rollout_id, tokens=tokens, iteration=iteration, step=kind,
-                                  release=self.pool.release_tokens if early else None,
+            evaluator = Evaluator(spec, step, tokens=tokens, release=self.pool.release_tokens if early else None,
                                   batch=label, admission=(queued, loop_time()) if tokens is not None else None)
 
             async def done(k: int) -> None:
@@ -386,8 +393,8 @@ class TaskScheduler:
         finally:
             st.batches_running -= 1
             st.batches_done += 1
-            if tokens is not None:
-                await self.pool.release_batch(tokens)
+            if tokens is not None:  # lands even when the batch is cancelled meanwhile (complete_after, a sibling)
+                await landed(self.pool.release_batch(tokens))
 
     def status(self) -> StepStatus:
         """The step in flight (or the last one), for progress displays and the manager: a copy."""

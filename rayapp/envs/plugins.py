@@ -119,9 +119,19 @@ def load_env(path: str) -> Env:
     return obj
 
 
+def _check_plain(obj: Any, kind: str, path: str, protocol: str) -> None:
+    """A plug-in the wiring calls (not awaits) is a plain function: an ``async def`` one would hand
+    back a coroutine where its result belongs."""
+    if inspect.iscoroutinefunction(obj):
+        raise PluginError(f"{kind} {path!r}: a coroutine function; it is called, not awaited: expected "
+                          f"a plain def {protocol}")
+
+
 def load_agent_factory(path: str) -> AgentFactory:
     obj = import_object(path, "agent")
-    check_signature(obj, 1, "agent", path, "factory(deps: AgentDeps) -> AgentHandler")
+    protocol = "factory(deps: AgentDeps) -> AgentHandler"
+    check_signature(obj, 1, "agent", path, protocol)
+    _check_plain(obj, "agent", path, protocol)
     return obj
 
 
@@ -165,5 +175,7 @@ def load_tools(names: list[str]) -> dict[str, ToolFn]:
 
 def load_rows(path: str) -> RowsFn:
     obj = import_object(path, "data source")
-    check_signature(obj, 1, "data source", path, "rows(cfg: DatasetConfig) -> Iterable[Task]")
+    protocol = "rows(cfg: DatasetConfig) -> Iterable[Task]"
+    check_signature(obj, 1, "data source", path, protocol)
+    _check_plain(obj, "data source", path, protocol)
     return obj

@@ -20,7 +20,7 @@ from msgspec import Meta
 
 from rayapp.core.batching import BatchingStrategy, load_strategy
 from rayapp.core.cascade import CASCADE_FIELDS, CascadeError, dataset_override
-from rayapp.core.contracts import Release
+from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.datasets.files import FieldMap
@@ -181,27 +181,14 @@ class DatasetConfig(_Strict):
                                                             "other key is an error")] = {}
 
 
-class SchedulerSection(_Strict, dict=True):
-    """The TaskScheduler's settings. ``dict=True`` only makes room for ``strategy``'s cache."""
+class SchedulerSection(SchedulerConfig, forbid_unknown_fields=True, frozen=True, dict=True):
+    """The TaskScheduler's settings (``SchedulerConfig``'s fields, defaults and bounds, defined once
+    there) and the recipe's own keys around it. ``dict=True`` only makes room for ``strategy``'s cache."""
 
     seed: Annotated[Seed, Meta(description="seed of the data source: which dataset each task comes from, and "
                                           "shuffle orders")] = 0
-    rollout_batch_size: Annotated[Count, Meta(description="tasks (prompts) fetched per rollout step")] = 8
     batching: Annotated[str, Meta(description="batching strategy: fifo, longest_first, budget, or a dotted path "
                                               "to a callable")] = "fifo"
-    n_samples_per_eval_prompt: Annotated[Count, Meta(description="samples per eval prompt (pass@k for k up to "
-                                                               "it)")] = 1
-    global_stopping: Annotated[StoppingCriteria, Meta(
-        description="stopping criteria of every evaluator, the cascade's lowest level")] = StoppingCriteria()
-    global_sampling: Annotated[SamplingParams, Meta(
-        description="sampling params of every evaluator, the cascade's lowest level")] = SamplingParams()
-    acquire_timeout_s: Annotated[Seconds, Meta(description="seconds a batch may wait for the pool to admit it; "
-                                                         "then the step fails")] = 3600.0
-    progress: Annotated[bool, Meta(description="show a progress bar per step")] = True
-    release: Annotated[Release, Meta(description="when a batch's placement goes back to the pool: early, each "
-                                                 "sample's share as soon as it ended and no sample of its batch "
-                                                 "waits for one; batch_end, all of it when the batch's last "
-                                                 "sample ends (the spec's)")] = "early"
     save_eval_details: Annotated[str | None, Meta(description="folder for eval_details/ artifacts (per-sample "
                                                               "JSONL, eval and train summaries); unset: none")] = None
     trajectory_dir: Annotated[str | None, Meta(description="folder where rollouts are saved and reused per the "
@@ -216,6 +203,10 @@ class SchedulerSection(_Strict, dict=True):
                                                               "rollout_batch_size, returns once that many are "
                                                               "complete and carries the rest into the next step "
                                                               "(kept in checkpoint_dir when set); unset: off")] = None
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The settings the TaskScheduler takes: this section's ``SchedulerConfig`` fields."""
+        return SchedulerConfig(**{f: getattr(self, f) for f in SchedulerConfig.__struct_fields__})
 
     @functools.cached_property
     def strategy(self) -> BatchingStrategy:

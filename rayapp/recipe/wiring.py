@@ -13,7 +13,7 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from rayapp.core.contracts import Pool, SchedulerConfig
+from rayapp.core.contracts import Pool
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs.agents.chat import Engine, Executor
 from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
@@ -77,13 +77,10 @@ def build_eval_sets(cfg: RecipeConfig) -> dict[str, list[Task]]:
 def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
                     open_sandbox: SandboxOpener) -> TaskScheduler:
     s = cfg.scheduler
-    config = SchedulerConfig(rollout_batch_size=s.rollout_batch_size,
-                             n_samples_per_eval_prompt=s.n_samples_per_eval_prompt,
-                             global_stopping=s.global_stopping, global_sampling=s.global_sampling,
-                             acquire_timeout_s=s.acquire_timeout_s, progress=s.progress, release=s.release)
     return TaskScheduler(
         build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox),
-        build_data_source(cfg), pool, config, batching_strategy=s.strategy, eval_datasets=build_eval_sets(cfg),
+        build_data_source(cfg), pool, s.scheduler_config(), batching_strategy=s.strategy,
+        eval_datasets=build_eval_sets(cfg),
         iteration=DAggerIterations(cfg.dagger) if cfg.dagger else None,
     )
 

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -37,8 +37,17 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from rayapp.core.contracts import Fetch, OnTaskDone, RolloutResult
+from rayapp.core.contracts import (
+    PLAIN,
+    OnTaskDone,
+    ResumableSource,
+    RolloutPlan,
+    RolloutResult,
+    Rollouts,
+    require_async,
+)
 from rayapp.core.convert import InputError, decode
+from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.files import atomic_write, fsync_dir
 from rayapp.types import Sample, Task
@@ -230,23 +239,11 @@ class RolloutCheckpoint:
         self._done.pop(rollout_id, None)
 
 
-async def _in_thread(fn: Any, *args: Any) -> Any:
+async def in_thread(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a thread (blocking I/O with fsync), awaited to its end even when the caller is
-    cancelled meanwhile: a thread cannot be stopped, and a checkpoint write must never land after the
-    step that made it has returned. The cancellation is raised once the write is over."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(work)
-            break
-        except asyncio.CancelledError:
-            if work.cancelled() or work.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
+    cancelled meanwhile (``core.landing``): a thread cannot be stopped, and a checkpoint write must
+    never land after the step that made it has returned."""
+    return await landed(asyncio.to_thread(fn, *args))
 
 
 class _Recorder:
@@ -273,37 +270,48 @@ class _Recorder:
 
     async def group_done(self, index: int, samples: list[Sample]) -> None:
         try:
-            await _in_thread(self.checkpoint.record_group, self.rollout_id, index, samples)
+            await in_thread(self.checkpoint.record_group, self.rollout_id, index, samples)
         except Exception as e:  # a WriteError names the file and the cause
             log.warning("rollout %d: could not checkpoint group %d, a restart would run it again: %s",
                         self.rollout_id, index, e)
 
 
 class ResumableRollouts:
-    """A TaskScheduler's rollout steps, checkpointed and resumable (module docstring). Its data
-    source must save and restore its state (``state_dict``/``load_state_dict``)."""
+    """Rollout steps of the ``Rollouts`` below it (the scheduler), checkpointed and resumable
+    (module docstring). ``source`` is the data source that ``Rollouts`` fetches from: its stream is
+    saved and set back (``ResumableSource``)."""
 
-    def __init__(self, scheduler: TaskScheduler, checkpoint: RolloutCheckpoint):
-        if not all(hasattr(scheduler.data_source, m) for m in ("state_dict", "load_state_dict")):
-            raise ValueError("a checkpoint needs a data_source with state_dict() and load_state_dict()")
-        self.scheduler, self.checkpoint = scheduler, checkpoint
+    def __init__(self, rollouts: Rollouts, source: ResumableSource, checkpoint: RolloutCheckpoint):
+        if not isinstance(source, ResumableSource):
+            missing = [m for m in ("get_tasks", "state_dict", "load_state_dict")
+                       if not callable(getattr(source, m, None))]
+            raise TypeError(f"a rollout checkpoint needs a data_source that saves its stream: {type(source).__name__} "
+                            f"lacks {missing} (core.contracts.ResumableSource: async get_tasks(n), "
+                            f"state_dict() -> dict, load_state_dict(state))")
+        require_async(source, "get_tasks", "data_source", "async def get_tasks(self, n: int) -> list[Task]")
+        self.rollouts, self.source, self.checkpoint = rollouts, source, checkpoint
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None, *,
-                              fetch: Fetch | None = None, complete_after: int | None = None,
-                              carry: Callable[[RolloutResult], list[CarriedGroup]] | None = None) -> RolloutResult:
-        """``scheduler.execute_rollout``; a step that was cut short (the process killed) resumes: the
-        same tasks are fetched again from the saved source state, and only the groups not recorded as
-        finished run (``on_task_done`` fires for those only). ``fetch`` and ``complete_after`` go to
-        the scheduler; ``carry(result)`` names the groups the finished step carries on, saved with
-        its end (``carried``)."""
-        source = self.scheduler.data_source
+    @classmethod
+    def over(cls, scheduler: TaskScheduler, checkpoint: RolloutCheckpoint) -> ResumableRollouts:
+        """``scheduler``'s rollout steps, checkpointed, with its data source."""
+        return cls(scheduler, scheduler.data_source, checkpoint)
+
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
+                              plan: RolloutPlan = PLAIN) -> RolloutResult:
+        """The step below; one that was cut short (the process killed) resumes: the same tasks are
+        fetched again from the saved source state, and only the groups not recorded as finished run
+        (``on_task_done`` fires for those only). ``plan.fetch`` and ``plan.complete_after`` go down;
+        the step log is this one's; ``plan.carry(result)`` names what the finished step carries on,
+        saved with its end (``carried``)."""
+        if plan.step_log is not None:
+            raise ValueError("a resumable step keeps its own step log (its checkpoint); pass none in the plan")
         restored = await self._open(rollout_id)
         step_log = _Recorder(self.checkpoint, rollout_id, restored)
-        result = await self.scheduler.execute_rollout(rollout_id, on_task_done, step_log=step_log, fetch=fetch,
-                                                      complete_after=complete_after)
+        result = await self.rollouts.execute_rollout(
+            rollout_id, on_task_done, msgspec.structs.replace(plan, step_log=step_log, carry=None))
         result.metrics["rollout/resumed_groups"] = float(len(restored))
-        carried = carry(result) if carry is not None else []
-        await self._finish(rollout_id, source.state_dict(), carried)
+        carried = plan.carry(result) if plan.carry is not None else []
+        await self._finish(rollout_id, self.source.state_dict(), carried)
         return result
 
     async def _finish(self, rollout_id: int, next_source_state: dict, carried: list[CarriedGroup]) -> None:
@@ -315,7 +323,7 @@ class ResumableRollouts:
         recorded as finished."""
         for attempt in range(1, FINISH_TRIES + 1):
             try:
-                await _in_thread(self.checkpoint.finish, rollout_id, next_source_state, carried)
+                await in_thread(self.checkpoint.finish, rollout_id, next_source_state, carried)
                 return
             except Exception as e:
                 if attempt < FINISH_TRIES:
@@ -333,24 +341,24 @@ class ResumableRollouts:
 
     async def carried(self, rollout_id: int) -> list[CarriedGroup] | None:
         """What finished rollout ``rollout_id`` carried on (``RolloutCheckpoint.carried``)."""
-        return await _in_thread(self.checkpoint.carried, rollout_id)
+        return await in_thread(self.checkpoint.carried, rollout_id)
 
     async def _open(self, rollout_id: int) -> dict[int, list[Sample]]:
         """Resume ``rollout_id`` (its source state back, its finished groups), or begin it where the
         data stream stood after rollout ``rollout_id - 1`` when that one finished here: a restarted
         process, or a trainer that went back to an earlier step, gets the same tasks again."""
-        ck, source = self.checkpoint, self.scheduler.data_source
-        resumed = await _in_thread(ck.resume, rollout_id)
+        ck, source = self.checkpoint, self.source
+        resumed = await in_thread(ck.resume, rollout_id)
         if resumed is not None:
             source.load_state_dict(resumed.source_state)
             log.warning("rollout %d resumes from its checkpoint: %d groups finished before", rollout_id,
                         len(resumed.groups))
             return dict(resumed.groups)
-        before = await _in_thread(ck.next_source_state, rollout_id - 1) if rollout_id > 0 else None
+        before = await in_thread(ck.next_source_state, rollout_id - 1) if rollout_id > 0 else None
         if before is not None:
             source.load_state_dict(before)
         elif rollout_id > 0:
             log.info("rollout %d: no finished checkpoint of rollout %d; the data stream goes on from where the "
                      "source stands", rollout_id, rollout_id - 1)
-        await _in_thread(ck.begin, rollout_id, source.state_dict())
+        await in_thread(ck.begin, rollout_id, source.state_dict())
         return {}

@@ -32,6 +32,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 from msgspec import Meta
 
+from rayapp.core.termination import is_solved
 from rayapp.episode import EpisodeKey
 from rayapp.types import Sample, Status, TerminationReason
 
@@ -46,8 +47,8 @@ ReasonValue = Literal[tuple(r.value for r in TerminationReason)]  # type: ignore
 
 class DropReason(enum.StrEnum):
     # rejection: the group's scores are all equal, so its advantages are all zero (no signal)
-    ALL_CORRECT = "all_correct"  # ... and positive (a success, as classify_termination says)
-    ALL_WRONG = "all_wrong"  # ... and <= 0
+    ALL_CORRECT = "all_correct"  # ... and solved (core.termination.is_solved: what the failure classes call success)
+    ALL_WRONG = "all_wrong"  # ... and not solved (a partial score such as 0.5 included)
     LOW_STD = "low_std"  # not all equal, but the std is under RejectionFilter.min_score_std
     # finish-only: the sample did not finish on its own; most severe first (a group removed
     # whole is counted under the most severe reason among its samples)
@@ -94,15 +95,18 @@ def score(sample: Sample, key: str = "score") -> float:
 
 class RejectionFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Drops whole groups that carry no learning signal: every reward equal (all-same rejection),
-    or a reward std under ``min_score_std``. ``drop_all_correct=False`` keeps all-equal positive
-    groups (for SFT on successes, say); ``drop_all_wrong=False`` keeps all-equal non-positive ones.
+    or a reward std under ``min_score_std``. ``drop_all_correct=False`` keeps all-equal solved
+    groups (for SFT on successes, say); ``drop_all_wrong=False`` keeps all-equal unsolved ones. Solved
+    means what the failure classes mean by success (``core.termination.is_solved``).
 
     A one-sample group is all-same by definition: use this filter with groups of n_samples > 1."""
 
     min_score_std: Annotated[float, Meta(description="also drop groups whose reward std (population) is under "
                                                      "this; 0: only all-equal groups")] = 0.0
-    drop_all_correct: Annotated[bool, Meta(description="drop groups whose rewards are all equal and > 0")] = True
-    drop_all_wrong: Annotated[bool, Meta(description="drop groups whose rewards are all equal and <= 0")] = True
+    drop_all_correct: Annotated[bool, Meta(description="drop groups whose rewards are all equal and solved (>= "
+                                                       "1, the failure classes' success)")] = True
+    drop_all_wrong: Annotated[bool, Meta(description="drop groups whose rewards are all equal and not solved (< 1, "
+                                                     "a partial score included)")] = True
     key: Annotated[str, Meta(description="the reward key judged (a sample without it scores 0)")] = "score"
     name: Annotated[str, _NAME] = "rejection"
 
@@ -114,7 +118,7 @@ class RejectionFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         scores = [score(s, self.key) for s in group]
         reason: DropReason | None = None
         if len(set(scores)) == 1:
-            if scores[0] > 0:
+            if is_solved(scores[0]):  # the one meaning of success, as the failure classes count it
                 reason = DropReason.ALL_CORRECT if self.drop_all_correct else None
             else:
                 reason = DropReason.ALL_WRONG if self.drop_all_wrong else None

@@ -1,10 +1,12 @@
 """Partial rollouts: a step starts more groups than the trainer takes and returns as soon as
 ``rollout_batch_size`` of them are complete; the unfinished groups are carried into the next step.
 
-``PartialRollouts`` wraps a TaskScheduler (with a ``RolloutCheckpoint``, through ``ResumableRollouts``)
-the way ``ResumableRollouts`` does; the scheduler itself knows only its general seam
-(``execute_rollout(fetch=..., complete_after=n)``: complete after ``n`` groups, the rest cancelled and
-handed back as unfinished). Each step:
+``PartialRollouts`` wraps the ``Rollouts`` below it (the TaskScheduler, or a ``ResumableRollouts``
+over it with a ``RolloutCheckpoint``; ``PartialRollouts.over`` builds the stack); the scheduler
+itself knows only its general seam (``RolloutPlan(fetch=..., complete_after=n)``: complete after
+``n`` groups, the rest cancelled and handed back as unfinished). A group is known by its own
+identity (``TaskKey.GROUP_ID``, given when its task was first fetched), never by its task_id: a
+small dataset hands the same task out twice in a step, and again each epoch. Each step:
 
 - the carried groups come first, oldest first, then only as many new tasks as it takes to start
   ``ceil(rollout_batch_size x over_provision)`` groups;
@@ -25,12 +27,14 @@ handed back as unfinished). Each step:
   step's ``groups``, ``on_task_done``, what is carried again and the checkpoint's FINISHED record
   (a step's own mid-way checkpoint holds what the scheduler ran, put back together the same way
   when a rerun restores it). A carried group whose samples have all ended is complete as it is:
-  it is returned first (up to ``rollout_batch_size - 1`` of them; the scheduler runs the rest of
-  the step). A carried group restarts whole, whatever the policy, once its attempt is older than
+  it is returned first (up to ``rollout_batch_size`` of them: with that many, nothing runs and
+  nothing new is fetched). A carried group restarts whole, whatever the policy, once its attempt is older than
   ``max_staleness`` steps (what it kept is dropped), so nothing returned is staler than that;
 - nothing is lost or duplicated: every fetched task comes back exactly once, complete, or is still
   carried. With a checkpoint the carried groups are saved with the step's end (the FINISHED record),
-  so a restarted manager takes them up again;
+  so a restarted manager takes them up again. Without one, a step asked for again (it failed, in the
+  scheduler or after it returned, so its result never reached the trainer) starts from every group
+  its attempt held: the groups it returned (complete: returned first) and those it carried;
 - every turn of what a step returns or carries names the weights that produced it
   (``TurnRecord.weight_version``): the engine's report, else the step that ran it. The step's
   metrics count ``rollout/partial/{carried,restarted,resumed,fetched}`` (groups; ``resumed``: carried
@@ -49,11 +53,21 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from rayapp.core.contracts import OnTaskDone, RolloutResult, UnfinishedGroup
+from rayapp.core.contracts import (
+    PLAIN,
+    DataSource,
+    OnTaskDone,
+    RolloutPlan,
+    RolloutResult,
+    Rollouts,
+    UnfinishedGroup,
+    identified,
+    require_async,
+)
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.episode import RESUME_POINTS, EpisodeKey
-from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint
-from rayapp.types import Sample, Status, Task
+from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
+from rayapp.types import Sample, Status, Task, TaskKey
 
 PartialPolicy = Literal["restart", "resume"]
 # task metadata: a carried group's samples still to run, by their index in the step -> their index in the group
@@ -143,64 +157,111 @@ def _whole(group: CarriedGroup, samples: list[Sample]) -> list[Sample]:
     return whole
 
 
-class PartialRollouts:
-    """A TaskScheduler's rollout steps as partial rollouts (module docstring). With a checkpoint,
-    a step cut short resumes as ``ResumableRollouts`` does, and the carried groups survive restarts."""
+def group_id(task: Task) -> str | None:
+    """The identity of the group ``task`` runs as (``TaskKey.GROUP_ID``, set when it was first fetched)."""
+    return task.metadata.get(TaskKey.GROUP_ID.value)
 
-    def __init__(self, scheduler: TaskScheduler, config: PartialConfig | None = None,
-                 checkpoint: RolloutCheckpoint | None = None):
+
+def _carried_ids(groups: list[CarriedGroup], rollout_id: int) -> list[CarriedGroup]:
+    """Carried groups as this version knows them: one saved before groups had ids gets one now, by
+    its place in what it came with (deterministic, so a resumed step gives it the same one)."""
+    key = TaskKey.GROUP_ID.value
+    return [g if group_id(g.task) is not None else msgspec.structs.replace(
+        g, task=msgspec.structs.replace(g.task, metadata={**g.task.metadata, key: f"carried{rollout_id}/{k}"}))
+        for k, g in enumerate(groups)]
+
+
+class PartialRollouts:
+    """Rollout steps as partial rollouts (module docstring), over any ``Rollouts``: the scheduler, or
+    a ``ResumableRollouts`` over it (then ``checkpoint`` is that one's, and the carried groups survive
+    restarts). It fetches from ``source`` itself and hands the scheduler its tasks through the plan."""
+
+    def __init__(self, rollouts: Rollouts, source: DataSource, rollout_batch_size: int,
+                 config: PartialConfig | None = None, *, checkpoint: RolloutCheckpoint | None = None,
+                 on_task_done: OnTaskDone | None = None):
+        require_async(source, "get_tasks", "partial rollouts' data_source",
+                      "async def get_tasks(self, n: int) -> list[Task]")
+        if type(rollout_batch_size) is not int or rollout_batch_size < 1:
+            raise ValueError(f"rollout_batch_size must be an int >= 1, got {rollout_batch_size!r}")
+        self.rollouts, self.source, self.size = rollouts, source, rollout_batch_size
+        self.config, self.checkpoint, self.on_task_done = config or PartialConfig(), checkpoint, on_task_done
+        self._carry: dict[int, list[CarriedGroup]] = {}  # what the latest steps (by id) carried on
+        # Without a checkpoint: the last attempt of a step, and every group it holds (returned or carried).
+        # Asked for that step again, its result never reached the trainer (the step failed after it
+        # returned): the retry starts from them, so no fetched task is lost.
+        self._owed: tuple[int, list[CarriedGroup]] | None = None
+
+    @classmethod
+    def over(cls, scheduler: TaskScheduler, config: PartialConfig | None = None,
+             checkpoint: RolloutCheckpoint | None = None) -> PartialRollouts:
+        """Partial rollouts over ``scheduler`` (through a ``ResumableRollouts`` with a checkpoint),
+        with its data source, batch size and default callback."""
         if scheduler.data_source is None:
             raise ValueError("partial rollouts need a scheduler with a data_source")
-        self.scheduler, self.config = scheduler, config or PartialConfig()
-        self._resumable = ResumableRollouts(scheduler, checkpoint) if checkpoint is not None else None
-        self._carry: dict[int, list[CarriedGroup]] = {}  # what the last step (by id) carried on
+        inner: Rollouts = scheduler if checkpoint is None else ResumableRollouts.over(scheduler, checkpoint)
+        return cls(inner, scheduler.data_source, scheduler.config.rollout_batch_size, config,
+                   checkpoint=checkpoint, on_task_done=scheduler.on_task_done)
 
     def carried(self) -> list[CarriedGroup]:
         """The groups the last step carried on (a copy of the list)."""
-        return [g for gs in self._carry.values() for g in gs]
+        return list(self._carry[max(self._carry)]) if self._carry else []
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
+                              plan: RolloutPlan = PLAIN) -> RolloutResult:
         """One partial step (module docstring): ``groups`` are the ``rollout_batch_size`` complete
         groups in fetch order (carried ones first), each whole; the unfinished ones stay here for
-        the next step."""
-        size = self.scheduler.config.rollout_batch_size
-        start = math.ceil(size * self.config.over_provision)
-        carried = [self._attempt(g, rollout_id) for g in await self._carried_into(rollout_id)]
+        the next step. It plans its own steps: ``plan`` must be the plain one."""
+        if plan != PLAIN:
+            raise ValueError("partial rollouts plan the step themselves (fetch, complete_after); pass no plan")
+        start = math.ceil(self.size * self.config.over_provision)
+        carried_in = await self._carried_into(rollout_id)
+        carried = [self._attempt(g, rollout_id) for g in carried_in]
         runs = [(g, _to_run(g)) for g in carried]
         done_already = [g for g, t in runs if t is None]  # every sample ended: complete, nothing to run
-        ready, waiting = done_already[:size - 1], done_already[size - 1:]  # the scheduler must run one
+        ready, waiting = done_already[:self.size], done_already[self.size:]
         ready_groups = [_whole(g, []) for g in ready]
         running = [(g, t) for g, t in runs if t is not None]
-        by_id = {t.task_id: g for g, t in running}
+        by_id = {group_id(g.task): g for g, _ in running}
+        left = self.size - len(ready)  # 0: the step is complete with what was carried in, nothing runs
         fetched: list[Task] = []
-        callback = on_task_done or self.scheduler.on_task_done
+        tasks: list[Task] = []  # what the scheduler runs, each with the identity it gives it
+        callback = on_task_done or self.on_task_done
 
         async def fetch() -> list[Task]:
-            fetched[:] = await self.scheduler.data_source.get_tasks(max(0, start - len(carried)))
-            return [t for _, t in running] + list(fetched)
+            fetched[:] = await self.source.get_tasks(max(0, start - len(carried))) if left else []
+            tasks[:] = identified(rollout_id, [t for _, t in running] + fetched)
+            return list(tasks)
 
         async def whole_done(task: Task, samples: list[Sample]) -> None:  # the trainer sees whole groups
-            g = by_id.get(task.task_id)
+            g = by_id.get(group_id(task))
             await callback(task, samples) if g is None else await callback(g.task, _whole(g, samples))
 
         def carry(result: RolloutResult) -> list[CarriedGroup]:
-            return [self._carried(u, running, rollout_id) for u in result.unfinished] + waiting
+            return [self._carried(u, by_id, rollout_id, ran=left > 0) for u in result.unfinished] + waiting
 
         for g, samples in zip(ready, ready_groups, strict=True):
             if callback is not None:
                 await callback(g.task, samples)
-        kw = {"fetch": fetch, "complete_after": size - len(ready)}
-        hook = whole_done if callback is not None else None
-        if self._resumable is not None:
-            result = await self._resumable.execute_rollout(rollout_id, hook, carry=carry, **kw)
-        else:
-            result = await self.scheduler.execute_rollout(rollout_id, hook, **kw)
+        try:
+            result = await self.rollouts.execute_rollout(
+                rollout_id, whole_done if callback is not None else None,
+                RolloutPlan(fetch=fetch, complete_after=left, carry=carry))
+        except BaseException:
+            if self.checkpoint is None:  # its checkpoint takes a resumed step up again; without one, this does
+                fresh = [CarriedGroup(t, rollout_id) for t in tasks[len(running):]]
+                self._owed = (rollout_id, [*carried_in, *fresh])
+            raise
         going_on = carry(result)
-        self._carry = {rollout_id: going_on}
-        groups = ready_groups + [
-            _whole(by_id[g[0].task_id], g) if g and g[0].task_id in by_id else g for g in result.groups]
+        self._carry = {r: c for r, c in self._carry.items() if r == rollout_id - 1} | {rollout_id: going_on}
+        ids = {group_id(t): t for t in tasks}
+        groups = ready_groups + [_whole(by_id[i], g) if (i := _sample_group(g)) in by_id else g for g in result.groups]
         for g in groups:
             stamp_versions(g, rollout_id)
+        if self.checkpoint is None:
+            returned = [CarriedGroup(g.task, g.since, s) for g, s in zip(ready, ready_groups, strict=True)]
+            returned += [CarriedGroup(by_id[i].task if i in by_id else ids[i], rollout_id, g)
+                         for g in groups[len(ready):] if (i := _sample_group(g)) is not None]
+            self._owed = (rollout_id, returned + going_on)
         ages = [staleness(s, rollout_id) for g in groups for s in g]
         metrics = {"carried": len(going_on), "fetched": len(fetched),
                    "restarted": sum(t is g.task for g, t in runs), "resumed": sum(t is not g.task for g, t in runs),
@@ -210,12 +271,16 @@ class PartialRollouts:
         return msgspec.structs.replace(result, groups=groups, unfinished=[])
 
     async def _carried_into(self, rollout_id: int) -> list[CarriedGroup]:
-        """What step ``rollout_id - 1`` carried on: kept here, else its checkpoint's (a restarted
+        """What step ``rollout_id`` starts from: when it ran here before and was asked for again
+        without a checkpoint, everything that attempt held (its result never reached the trainer);
+        else what step ``rollout_id - 1`` carried on: kept here, else its checkpoint's (a restarted
         manager, or a trainer that went back a step), else nothing."""
+        if self._owed is not None and self._owed[0] == rollout_id:
+            return list(self._owed[1])
         if rollout_id - 1 in self._carry:
             return list(self._carry[rollout_id - 1])
-        if self._resumable is not None and rollout_id > 0:
-            return list(await self._resumable.carried(rollout_id - 1) or [])
+        if self.checkpoint is not None and rollout_id > 0:
+            return _carried_ids(await in_thread(self.checkpoint.carried, rollout_id - 1) or [], rollout_id - 1)
         return []
 
     def _attempt(self, group: CarriedGroup, rollout_id: int) -> CarriedGroup:
@@ -225,14 +290,22 @@ class PartialRollouts:
             return CarriedGroup(group.task, rollout_id)
         return group
 
-    def _carried(self, group: UnfinishedGroup, running: list[tuple[CarriedGroup, Task]],
-                 rollout_id: int) -> CarriedGroup:
+    def _carried(self, group: UnfinishedGroup, by_id: dict[str | None, CarriedGroup], rollout_id: int, *,
+                 ran: bool) -> CarriedGroup:
         """An unfinished group of step ``rollout_id`` as the next step takes it up: whole (a carried
-        one put back together, its own task), its attempt begun when it was first carried in, or now."""
-        if group.index < len(running):
-            carried = running[group.index][0]
+        one put back together, its own task), its attempt begun when it was first carried in, or now.
+        A carried group the step did not run (``ran`` false) goes on as it came in."""
+        carried = by_id.get(group_id(group.task))
+        if carried is not None and not ran:
+            return carried
+        if carried is not None:
             task, since, samples = carried.task, carried.since, _whole(carried, group.samples)
         else:
             task, since, samples = group.task, rollout_id, group.samples
         stamp_versions(samples, rollout_id)
         return CarriedGroup(task, since, [] if self.config.policy == "restart" else samples)
+
+
+def _sample_group(samples: list[Sample]) -> str | None:
+    """The identity of the group ``samples`` are (their ``TaskKey.GROUP_ID``)."""
+    return samples[0].metadata.get(TaskKey.GROUP_ID.value) if samples else None

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult
+from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult, Rollouts
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
@@ -99,11 +99,11 @@ class StepRunner:
         self.release_previous, self.reuse = release_previous, reuse
         # With a checkpoint folder, a rollout cut short resumes where it stopped; with ``partial``,
         # steps are partial rollouts (training.partial), their carried groups in that folder too.
-        self._rollouts: TaskScheduler | ResumableRollouts | PartialRollouts = scheduler
+        self._rollouts: Rollouts = scheduler
         if partial is not None:
-            self._rollouts = PartialRollouts(scheduler, partial, checkpoint)
+            self._rollouts = PartialRollouts.over(scheduler, partial, checkpoint)
         elif checkpoint is not None:
-            self._rollouts = ResumableRollouts(scheduler, checkpoint)
+            self._rollouts = ResumableRollouts.over(scheduler, checkpoint)
         self._lock = asyncio.Lock()
         self.results = StepResults(checkpoint.dir if checkpoint is not None else None)
         self.observers: list[StepObserver] = []

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dagger demo-core demo-train test lint bench clean
+.PHONY: demo demo-dagger demo-core demo-train test lint bench clean tiny-model check-tiny-model
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,14 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest --ignore=tests/isolated
 	for f in tests/isolated/test_*.py; do $(BIN)/python -m pytest $$f || exit 1; done
+
+# The tiny model ships built (rayapp/inference/tiny-llama-v1); these rebuild it (minutes): `tiny-model` in
+# place, after a change to its recipe; `check-tiny-model` aside, comparing it file by file with the shipped one.
+tiny-model: $(STAMP)
+	$(BIN)/python -m rayapp.inference.tiny_model_ship write
+
+check-tiny-model: $(STAMP)
+	$(BIN)/python -m rayapp.inference.tiny_model_ship check
 
 # matplotlib (the 'bench' extra) only for the benchmarks' plots: `make test` never installs it.
 $(VENV)/.bench: pyproject.toml | $(STAMP)

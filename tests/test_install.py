@@ -90,7 +90,7 @@ def test_init_and_schema_work_outside_a_checkout(installed, tmp_path):
     assert schema.returncode == 0 and '"RecipeConfig"' in schema.stdout
 
 
-def test_the_manager_and_the_cli_import_without_torch(tmp_path):
+def test_the_manager_and_the_cli_import_without_torch(tmp_path, model_dir):
     """torch comes with the hf extra only: the Serve app (manager, pool, engine shell) and the CLI
     must import, and the tokenizer must load, where it is absent."""
     code = textwrap.dedent("""
@@ -105,9 +105,6 @@ def test_the_manager_and_the_cli_import_without_torch(tmp_path):
         assert ids and "torch" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
         print("ok")
     """)
-    from rayapp.inference.tiny_model import ensure_tiny_model
-
-    model = ensure_tiny_model(os.environ.get("RAYAPP_CACHE"))
-    out = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", code, str(model_dir)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

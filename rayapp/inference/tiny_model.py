@@ -16,12 +16,20 @@ N.`` reply, and the mechanics of the ``math`` environment's calculator (write th
 into a call, copy the result into the answer) while it seldom chooses to call it: the model cannot do
 two-digit arithmetic itself, so its arithmetic accuracy starts near 0, and GRPO can raise it within
 minutes on CPU by learning to call the tool (``recipes/train_grpo.py``, ``docs/training.md``).
+
+The build takes minutes on two cores, so its result ships with the package (``SHIPPED``, half a
+megabyte): ``ensure_tiny_model()`` returns that folder, and builds into the cache only where the
+shipped one is missing or of another recipe. The shipped build is checked against the code: its
+manifest records the recipe version, the digest of the training data (``training_digest``: a change
+to a prompt the corpus copies shows) and of the weights, which a test compares; ``make tiny-model``
+rebuilds it and ``make check-tiny-model`` rebuilds it aside and compares (``tiny_model_ship``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import random
@@ -35,8 +43,11 @@ from pathlib import Path
 MODEL_NAME = "tiny-llama-v1"
 RECIPE_VERSION = 2  # bump when anything below changes what gets built
 MANIFEST = "rayapp_tiny_model.json"  # written last: its presence marks a complete build
+SHIPPED = Path(__file__).with_name(MODEL_NAME)  # this recipe's build, shipped with the package
+WEIGHTS = "model.safetensors"
 SEED = 1234
 PRETRAIN_STEPS = 1200
+BATCH_SIZE = 32
 # The share of the first reply token's loss a calculator-call example carries: the model learns how
 # to call the tool and read its result, but calls it first in only about one math prompt in ten, so
 # that reinforcement learning has a choice to learn (see ``_chat_examples``).
@@ -90,7 +101,10 @@ def default_cache_dir() -> Path:
 
 
 def ensure_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The tiny model's folder under ``<cache>/models/tiny-llama-v1``, built there first if missing."""
+    """The tiny model's folder: the shipped build (``SHIPPED``) when it is this recipe's, else
+    ``<cache>/models/tiny-llama-v1``, built there first if missing."""
+    if is_complete(SHIPPED):
+        return SHIPPED
     dest = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     return ensure_built(dest / "models" / MODEL_NAME, build_tiny_model)
 
@@ -294,14 +308,15 @@ def _pretrain_batches(tokenizer, steps: int, batch_size: int, rng: random.Random
     return [[shape() for _ in range(rows)] for shape, rows in plan]
 
 
-def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, batch_size: int = 32, lr: float = 1e-2) -> list[float]:
-    """A short, seeded run of next-token training on the assistant replies of arithmetic chats.
+def pretrain(model, tokenizer, batches: list[list[Example]], lr: float = 1e-2) -> list[float]:
+    """A short, seeded run of next-token training on the assistant replies of arithmetic chats, one
+    step per batch (``_pretrain_batches``).
 
     Loss covers the reply and its eos only: the question's numbers are unpredictable, and the reply's
     format is what rollouts need. Returns the loss curve (recorded in the manifest)."""
     import torch
 
-    batches = _pretrain_batches(tokenizer, steps, batch_size, random.Random(SEED + 1))
+    steps = len(batches)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -347,7 +362,8 @@ def build_tiny_model(folder: Path, pretrain_steps: int = PRETRAIN_STEPS) -> dict
         torch.manual_seed(SEED)
         config = LlamaConfig(**MODEL_CONFIG)
         model = LlamaForCausalLM(config).to(torch.float32)
-        losses = pretrain(model, tokenizer, pretrain_steps) if pretrain_steps > 0 else []
+        batches = _pretrain_batches(tokenizer, pretrain_steps, BATCH_SIZE, random.Random(SEED + 1))
+        losses = pretrain(model, tokenizer, batches) if batches else []
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         tokenizer.save_pretrained(folder)
         with quiet_progress():
@@ -358,5 +374,23 @@ def build_tiny_model(folder: Path, pretrain_steps: int = PRETRAIN_STEPS) -> dict
     return {
         "name": MODEL_NAME, "seed": SEED, "pretrain_steps": pretrain_steps, "params": n_params,
         "config": MODEL_CONFIG, "loss_first": losses[:1], "loss_last": losses[-5:],
+        "training_sha256": training_digest(tokenizer, batches), "weights_sha256": file_digest(folder / WEIGHTS),
         "build_seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def training_digest(tokenizer=None, batches: list[list[Example]] | None = None) -> str:
+    """sha256 of what the build learns from: the tokenizer's vocabulary and merges and every pretraining
+    example (token ids and loss weights), by default the recipe's own, made afresh (seconds)."""
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
+    if batches is None:
+        batches = _pretrain_batches(tokenizer, PRETRAIN_STEPS, BATCH_SIZE, random.Random(SEED + 1))
+    h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+    for batch in batches:
+        for ids, weights in batch:
+            h.update(json.dumps([ids, weights]).encode())
+    return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -42,3 +42,26 @@ def test_the_demo_finds_and_stops_exactly_its_own_cluster_processes(tmp_path, mo
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_stop_finds_a_cluster_process_whose_command_line_names_no_folder(tmp_path):
+    """Ray's client server (``python -m ray.util.client.server --address=...``) names no session folder:
+    the stop finds it by the environment ``start_head`` gave the cluster, not by another cluster's."""
+    import os
+    import subprocess
+    import sys
+
+    from rayapp.cli import ray_processes, stop_cluster
+    from rayapp.cli.local import CLUSTER_ENV
+
+    mine, other = tmp_path / "rayapp-x-12", tmp_path / "rayapp-x-123"
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env={**os.environ, CLUSTER_ENV: str(d)}) for d in (mine, other)]
+    try:
+        assert ray_processes(mine) == [procs[0].pid]
+        assert stop_cluster(mine, grace_s=5) == []
+        assert procs[0].wait(timeout=10) is not None and procs[1].poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -31,6 +31,9 @@ LOCAL_ENV_WHY = {
 }
 # Where Ray's processes and clients read the token from (Ray's names); an own head replaces them.
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+# Set for `ray start` of a head of our own: every process of that cluster inherits it (raylet, GCS, workers,
+# and the ones whose command line names no folder, as Ray's client server), so the stop finds them all.
+CLUSTER_ENV = "RAYAPP_CLUSTER"
 
 
 def free_port() -> int:
@@ -95,7 +98,8 @@ def start_head(num_gpus: int, num_cpus: int, temp_dir: Path, dashboard_port: int
            f"--num-gpus={num_gpus}", f"--num-cpus={num_cpus}", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
            "--disable-usage-stats"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=180)
+    env = {**os.environ, CLUSTER_ENV: str(temp_dir)}
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=180, env=env)
     return f"127.0.0.1:{port}"
 
 
@@ -118,13 +122,25 @@ def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subproces
 
 
 def ray_processes(temp_dir: Path) -> list[int]:
-    """The processes of the Ray cluster under ``temp_dir`` (every one names its session folder)."""
+    """The processes of the Ray cluster under ``temp_dir``: each that inherited ``CLUSTER_ENV`` naming it
+    from ``start_head``, or whose command line names the folder (what a head started otherwise leaves)."""
     # -ww: full command lines whatever COLUMNS says (pytest sets it; ps would cut at that width)
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     # the folder itself, not a longer name that starts with it (/tmp/x-12 is not /tmp/x-123)
     mine = re.compile(re.escape(str(temp_dir)) + r"(?=/|\s|$)")
-    pids = [int(line.split(None, 1)[0]) for line in out.splitlines() if mine.search(line)]
-    return [p for p in pids if p != os.getpid()]
+    pids = {int(line.split(None, 1)[0]) for line in out.splitlines() if mine.search(line)}
+    pids |= _inherited(f"{CLUSTER_ENV}={temp_dir}".encode())
+    return sorted(p for p in pids if p != os.getpid())
+
+
+def _inherited(entry: bytes) -> set[int]:
+    """The processes whose environment holds ``entry`` exactly (Linux's /proc; none elsewhere)."""
+    found = set()
+    for d in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            if entry in (d / "environ").read_bytes().split(b"\0"):
+                found.add(int(d.name))
+    return found
 
 
 def stop_cluster(temp_dir: Path, grace_s: float = 15.0) -> list[int]:

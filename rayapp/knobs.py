@@ -22,8 +22,10 @@ from rayapp.training import dagger, reuse
 
 # Environment variables read outside the two tables above.
 OTHER_ENV: dict[str, tuple[str, str]] = {
-    "RAYAPP_CACHE": ("~/.cache/rayapp", "user-set: where the tiny CPU model is built on first use, and where the "
-                                        "manager keeps the tokenizer files engines hand it"),
+    "RAYAPP_CACHE": ("~/.cache/rayapp", "user-set: where the tiny CPU model is built when the shipped build is "
+                                        "missing, and where the manager keeps the tokenizer files engines hand it"),
+    "RAYAPP_CLUSTER": ("", "code-set: the session folder of a Ray head `rayapp run`/`demo` started, in the "
+                           "environment of every process of that cluster, so the stop finds each one"),
     # read by rayapp.actors.http_auth (not imported here: it imports Ray)
     "RAYAPP_HTTP_TOKEN": ("", "user-set: the bearer token every manager HTTP route but /healthz then needs (a "
                               "Kubernetes Secret as an environment variable; never in a file in a repository)"),

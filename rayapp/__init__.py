@@ -41,16 +41,16 @@ from rayapp.envs.datasets.files import FieldMap
 from rayapp.envs.plugins import PluginError
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
-from rayapp.episode import EpisodeContext, EpisodeRecord
+from rayapp.episode import EpisodeContext
+from rayapp.record import EpisodePhase, EpisodeRecord, Iteration, TerminationReason
 from rayapp.training.artifacts import read_jsonl
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
-from rayapp.training.partial import PartialConfig, PartialRollouts, group_index
+from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.types import (
     AgentResult,
     Batch,
     BatchRequest,
-    EpisodePhase,
     EvaluatorSpec,
     NodeSpec,
     Resource,
@@ -62,7 +62,6 @@ from rayapp.types import (
     Task,
     TaskConfig,
     TaskKey,
-    TerminationReason,
     Token,
 )
 
@@ -104,6 +103,7 @@ __all__ = [
     "FinishOnlyFilter",
     "FunctionAgent",
     "HeldBatch",
+    "Iteration",
     "LayoutError",
     "LocalProcessSandbox",
     "MultiDataSource",
@@ -146,7 +146,6 @@ __all__ = [
     "eval_metrics",
     "failure_summary",
     "fifo_batching",
-    "group_index",
     "interleave",
     "is_solved",
     "load_strategy",

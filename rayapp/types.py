@@ -1,4 +1,5 @@
-"""The data model shared by every layer (spec §2-§4), as msgspec Structs.
+"""The data model shared by every layer (spec §2-§4), as msgspec Structs; the episode record they
+carry is ``rayapp.record``.
 
 The field annotations carry the bounds (``Meta(ge=...)``). Struct constructors do not check them:
 whatever comes from outside (layouts, recipes, dataset rows, saved state) goes through the one door,
@@ -15,6 +16,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from rayapp.record import CarriedRun, EpisodeRecord, TerminationReason
+
 # Bounds the types carry, checked wherever outside input is converted (rayapp.core.convert). The upper
 # bound of a float only rejects inf: msgspec lets inf through ``ge``, NaN fails any bound.
 FINITE = sys.float_info.max
@@ -29,44 +32,11 @@ class Status(enum.StrEnum):
     ABORTED = "aborted"
 
 
-class TerminationReason(enum.StrEnum):
-    """Why an agent ended its own episode (``AgentResult.termination_reason``)."""
-
-    STOP = "stop"  # the model finished on its own
-    MAX_TURNS = "max_turns"  # StoppingCriteria.max_turns model turns were used
-    MAX_CONTEXT_LEN = "max_context_len"  # the episode filled StoppingCriteria.max_context_len tokens
-    LENGTH = "length"  # a generation hit max_new_tokens (or the engine's context) with room left
-
-
-class AbortReason(enum.StrEnum):
-    """Why the evaluator aborted an episode: the transport class of the error (``classify_abort``)."""
-
-    AGENT_TIMEOUT = "agent_timeout"  # the episode or a step of it ran out of time
-    INFRA_CONN = "infra_conn"  # the inference engine (or another service) could not be reached
-    INFRA_SANDBOX = "infra_sandbox"  # the sandbox crashed, was killed or ran out of memory
-    INFRA_OTHER = "infra_other"  # anything else: a bug, a bad result shape, ...
-
-
 class StepKind(enum.StrEnum):
     """The scheduler step an episode belongs to."""
 
     ROLLOUT = "rollout"
     EVAL = "eval"
-
-
-class EpisodePhase(enum.StrEnum):
-    """The evaluator's two phases of one episode. The verifier's value stays "eval", the word
-    abort records have always carried."""
-
-    RUN = "run"
-    VERIFY = "eval"
-
-
-class Actor(enum.StrEnum):
-    """Who acted at a model turn of a DAgger roll-in."""
-
-    TEACHER = "teacher"
-    STUDENT = "student"
 
 
 class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -142,6 +112,7 @@ class Task(msgspec.Struct, forbid_unknown_fields=True):
     config: TaskConfig
     label: Any = None
     metadata: dict[str, Any] = {}
+    carried: CarriedRun | None = None  # set by partial rollouts on the task of a carried group's rest
 
     @property
     def evaluator_id(self) -> str:
@@ -178,6 +149,8 @@ class Sample(msgspec.Struct):
     reward: dict[str, float] = {}
     metadata: dict[str, Any] = {}
     remove_sample: bool = False
+    # what the episode did, typed; the trainer gets it as the spec's metadata keys (training.converters)
+    episode: EpisodeRecord = msgspec.field(default_factory=EpisodeRecord)
 
 
 class Token(msgspec.Struct, frozen=True, gc=False):

@@ -10,6 +10,7 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import RolloutPlan
 from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
+from rayapp.training.converters import trainer_metadata
 from rayapp.types import AgentResult, Batch, EvaluatorSpec, Resource, Sample, Status, StoppingCriteria, Task, TaskConfig
 
 
@@ -46,7 +47,7 @@ def test_rollout_runs_every_task_and_returns_groups_in_fetch_order(make_pool):
             as_verified = verify(s, AgentResult(tokens=[], response_length=0, response=s.response))
             assert s.reward["score"] == as_verified["score"]
             assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
-            assert s.metadata["_placement"]["node"] in {"n0", "n1"}
+            assert trainer_metadata(s)["_placement"]["node"] in {"n0", "n1"}
     assert result.metrics["rollout/success"] + result.metrics["rollout/wrong_answer"] == 15
     st = sched.status()
     assert st.tasks_done == st.tasks == 5 and st.samples_done == 15 and st.phase == "rollout done"
@@ -127,7 +128,7 @@ def test_one_failing_sample_never_fails_the_step(make_pool):
                                SchedulerConfig(rollout_batch_size=3, progress=False)).execute_rollout(0))
     statuses = [g[0].status for g in result.groups]
     assert statuses == [Status.COMPLETED, Status.ABORTED, Status.COMPLETED]
-    assert result.groups[1][0].metadata["_termination_reason"] == "infra_conn"
+    assert trainer_metadata(result.groups[1][0])["_termination_reason"] == "infra_conn"
     assert result.metrics["rollout/infra_conn"] == 1
 
 
@@ -422,7 +423,7 @@ def plain_callback(task, samples):
     ({"pool": HalfPool(), "config": SchedulerConfig(release="batch_end")},
      r"^pool HalfPool\.release_batch: a plain function; it must be a coroutine function"),
     ({"iteration": AsyncIteration()}, r"^iteration AsyncIteration\.rollout_state: not a plain function; it must be "
-                                      r"def rollout_state\(self, rollout_id: int\) -> dict"),
+                                      r"def rollout_state\(self, rollout_id: int\) -> Iteration"),
 ])
 def test_a_seam_of_the_wrong_kind_is_one_error_at_construction_naming_object_method_and_protocol(kwargs, message):
     with pytest.raises(TypeError, match=message):

@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run
+from conftest import ended, run
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import RolloutResult, SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.recipe import FiltersConfig
+from rayapp.record import Actor
 from rayapp.training.artifacts import EvalDetailsWriter, read_jsonl
 from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.filters import FinishOnlyFilter, RejectionFilter
@@ -33,8 +34,9 @@ def _scheduler(make_pool, log=None, gate=None):
             await gate.wait()
         if log is not None:
             log.append(sample.task_id)
-        return AgentResult(tokens=[1, 2], response_length=1, response="x", termination_reason="stop",
-                           metadata={"_turn_actor": ["teacher", "student"]})
+        ctx.record_turn(1, "teacher", Actor.TEACHER)
+        ctx.record_turn(2, "student", Actor.STUDENT)
+        return AgentResult(tokens=[1, 2], response_length=1, response="x", termination_reason="stop", turns=2)
 
     def verify_fn(sample, result):
         i = int(sample.task_id.rsplit("-", 1)[1])
@@ -49,7 +51,7 @@ def _scheduler(make_pool, log=None, gate=None):
 
 def test_filter_step_keeps_survivors_and_counts_every_drop():
     def s(task, score, status=Status.COMPLETED, reason="stop"):
-        return Sample(task, 0, "p", reward={"score": score}, status=status, metadata={"_termination_reason": reason})
+        return Sample(task, 0, "p", reward={"score": score}, status=status, episode=ended(reason))
 
     groups = [[s("a", 1), s("a", 1)],                                   # all correct: rejected
               [s("b", 0), s("b", 0)],                                   # all wrong: rejected

@@ -53,6 +53,7 @@ from rayapp.core.landing import landed
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
+from rayapp.record import EpisodeRecord, Iteration
 from rayapp.types import (
     Batch,
     BatchRequest,
@@ -91,6 +92,23 @@ async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> No
         if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
             raise
         raise RuntimeError(f"handing on group {i} (step log, on_task_done) raised {type(e).__name__}: {e}") from e
+
+
+
+def _samples(rollout_id: int, task: Task) -> list[Sample]:
+    """The samples a task runs: ``n_samples`` numbered from its eval copy's first or, for the rest of
+    a carried group (``Task.carried``), the ones it has left, by index, each with its resume point."""
+    meta, carried = {**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id}, task.carried
+    if carried is None:
+        first = task.metadata.get(TaskKey.EVAL_COPY, 0)
+        return [Sample(task.task_id, first + i, task.prompt, task.label, metadata=dict(meta))
+                for i in range(task.config.n_samples)]
+    points = carried.points or [None] * len(carried.indices)
+    if not len(carried.indices) == len(points) == task.config.n_samples:
+        raise ValueError(f"task {task.task_id!r}: its carried run names {len(carried.indices)} samples and "
+                         f"{len(points)} resume points for n_samples={task.config.n_samples}")
+    return [Sample(task.task_id, i, task.prompt, task.label, metadata=dict(meta), episode=EpisodeRecord(start=p))
+            for i, p in zip(carried.indices, points, strict=True)]
 
 
 class TaskScheduler:
@@ -153,7 +171,7 @@ class TaskScheduler:
         if on_task_done is not None:
             require_async(on_task_done, None, "execute_rollout's on_task_done", "async (task, samples) -> None")
         # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
-        state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
+        state = self.iteration.rollout_state(rollout_id) if self.iteration else Iteration()
         began = loop_time()
         fetched = fetch() if fetch is not None else self.data_source.get_tasks(self.config.rollout_batch_size)
         tasks, fetched_at = identified(rollout_id, list(await fetched)), loop_time()
@@ -189,7 +207,7 @@ class TaskScheduler:
         """Every (prompt x copy) sample, interleaved round-robin across datasets, in one run_all."""
         if not self.eval_datasets:
             raise ValueError("execute_eval needs eval_datasets")
-        state = self.iteration.eval_state(rollout_id) if self.iteration else {}
+        state = self.iteration.eval_state(rollout_id) if self.iteration else Iteration()
         began, per_dataset = loop_time(), []
         for name, tasks in self.eval_datasets.items():
             copies = []
@@ -227,12 +245,7 @@ class TaskScheduler:
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
-            first = task.metadata.get(TaskKey.EVAL_COPY, 0)
-            samples = [
-                Sample(task.task_id, first + i, task.prompt, task.label,
-                       metadata={**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id})
-                for i in range(task.config.n_samples)
-            ]
+            samples = _samples(rollout_id, task)
             spec = self._resolve_spec_id(task.evaluator_id)
             key = (spec.evaluator_id, id(task.metadata.get(TaskKey.DATASET_CFG)))
             resolved = settings.get(key)

@@ -9,7 +9,6 @@ from rayapp.core.batching import (
     BatchingStrategy,
     budget_batching,
     fifo_batching,
-    load_strategy,
     longest_first_batching,
 )
 from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, resolve_stopping
@@ -38,7 +37,7 @@ from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.datasets.files import FieldMap
-from rayapp.envs.plugins import PluginError
+from rayapp.envs.plugins import PluginError, load_strategy
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
 from rayapp.episode import EpisodeContext

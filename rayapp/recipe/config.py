@@ -18,12 +18,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from rayapp.core.batching import BatchingStrategy, load_strategy
+from rayapp.core.batching import BatchingStrategy
 from rayapp.core.cascade import CASCADE_FIELDS, CascadeError, dataset_override
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.datasets.files import FieldMap
+from rayapp.envs.plugins import load_strategy
 from rayapp.recipe.limits import (
     MAX_CPUS,
     MAX_GPUS,
@@ -332,11 +333,11 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     # need not share: only load_recipe, on the user's side, reads it ahead.
     if is_inline(recipe.pool.cluster_layout):
         yield from _check_layout(recipe.pool)
-    # Sizes, folders, engine options and the strategy's shape (recipe/limits.py); a layout file is
+    # Sizes, folders and engine options (recipe/limits.py); a layout file is
     # load_recipe's to read, so only an inline one is fitted here.
     yield from check_limits(recipe, layout_of(recipe.pool) if is_inline(recipe.pool.cluster_layout) else None)
     try:
-        recipe.scheduler.strategy  # noqa: B018 -- resolved (and cached) now, so a bad path fails here
+        recipe.scheduler.strategy  # noqa: B018 -- resolved and checked (cached) now: a bad path fails here
     except ValueError as e:
         yield "$.scheduler.batching", str(e)
 

@@ -3,7 +3,7 @@
 The public API, re-exported from the pure core (``rayapp.core``), the data model, the agents and the
 training-loop pieces that need neither Ray nor torch (the DAgger schedule and agent, the filters)."""
 
-from rayapp.core.agent import AgentHandler, BaseAgent, FunctionAgent
+from rayapp.core.agent import AgentHandler, FunctionAgent
 from rayapp.core.batching import (
     STRATEGIES,
     BatchingStrategy,
@@ -74,7 +74,6 @@ __all__ = [
     "AgentOutputError",
     "AgentResult",
     "AgentTimeout",
-    "BaseAgent",
     "Batch",
     "BatchRequest",
     "BatchingStrategy",

@@ -54,6 +54,10 @@ from typing import Any
 
 import msgspec
 import ray
+
+# No public API serves here: ray.available_resources() is the cluster's total and ray.nodes() each
+# node's totals, and the per-node view of what is free now is a DeveloperAPI that Ray exports only
+# from ray._private.state (Ray 2.60's own ray.util.tpu imports it from there too).
 from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

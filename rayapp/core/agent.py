@@ -34,11 +34,6 @@ class AgentHandler(Protocol):
         """The verifier: the reward dict, with at least ``"score"``."""
 
 
-# The name the environments' agents used for this protocol before they shared the core's; kept
-# importable so code written against it still runs.
-BaseAgent = AgentHandler
-
-
 async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``: awaited when a coroutine function, else in a worker thread (a blocking function
     must not stall the loop, or no phase clock could stop it)."""

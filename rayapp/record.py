@@ -32,11 +32,11 @@ class AbortReason(enum.StrEnum):
 
 
 class EpisodePhase(enum.StrEnum):
-    """The evaluator's two phases of one episode. The verifier's value stays "eval", the word
-    abort records have always carried."""
+    """The evaluator's two phases of one episode: the agent's run, then the verifier's. The trainer's
+    ``_abort`` record names the verify phase "eval", as the spec does (``training.converters``)."""
 
     RUN = "run"
-    VERIFY = "eval"
+    VERIFY = "verify"
 
 
 class Actor(enum.StrEnum):

@@ -1,4 +1,4 @@
-"""The data model shared by every layer (spec §2-§4), as msgspec Structs; the episode record they
+"""The data model shared by every layer (docs/scheduler.md §2-§4), as msgspec Structs; the episode record they
 carry is ``rayapp.record``.
 
 The field annotations carry the bounds (``Meta(ge=...)``). Struct constructors do not check them:
@@ -62,7 +62,7 @@ class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoppingCriteria(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """When an episode stops. ``None`` means "not set at this level" in the cascade (spec §2);
+    """When an episode stops. ``None`` means "not set at this level" in the cascade (docs/scheduler.md §2);
     after resolution a ``None`` left over means "no limit"."""
 
     max_turns: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most model turns in one episode of a "
@@ -168,7 +168,7 @@ class Token(msgspec.Struct, frozen=True, gc=False):
 
 
 class AgentResult(msgspec.Struct):
-    """What an agent's run phase returns (spec §4); the evaluator copies the token data onto the
+    """What an agent's run phase returns (docs/scheduler.md §4); the evaluator copies the token data onto the
     sample. ``tokens`` is prompt + response as in Sample."""
 
     tokens: list[Annotated[int, Meta(ge=0, le=MAX_COUNT)]]  # token ids
@@ -185,7 +185,7 @@ class AgentResult(msgspec.Struct):
 
 class TaskKey(enum.StrEnum):
     """The ``metadata`` keys a task and its samples carry from the data source and the scheduler
-    (spec §2, §5): where the task came from and how the cascade's third level reads it."""
+    (docs/scheduler.md §2, §5): where the task came from and how the cascade's third level reads it."""
 
     DATASET_NAME = "_dataset_name"  # the rollout dataset (MultiDataSource)
     DATASET_CFG = "_dataset_cfg"  # that dataset's flat overrides: the cascade's third level
@@ -200,7 +200,7 @@ class TaskKey(enum.StrEnum):
 
 
 class EvaluatorSpec(msgspec.Struct):
-    """Binds a handler (the agent that owns the episode) to a resource model (spec §4).
+    """Binds a handler (the agent that owns the episode) to a resource model (docs/scheduler.md §4).
     ``resource`` is the per-evaluator budget; ``run_resource``/``eval_resource`` what one sample
     needs in each phase."""
 
@@ -221,7 +221,7 @@ class EvaluatorSpec(msgspec.Struct):
 
 
 class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One node of a cluster layout (spec §3)."""
+    """One node of a cluster layout (docs/scheduler.md §3)."""
 
     gpus: tuple[Annotated[int, Meta(ge=0, le=MAX_GPU_ID)], ...] = ()
     cpu: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
@@ -229,7 +229,7 @@ class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class BatchRequest(msgspec.Struct, frozen=True):
-    """One batch's admission request to the placement pool (spec §3): ``min(budget_tokens(budget,
+    """One batch's admission request to the placement pool (docs/scheduler.md §3): ``min(budget_tokens(budget,
     per_sample), max_tokens)`` tokens of ``per_sample``, all or none. ``label`` names the batch in
     errors and in what realises it (the Ray placement group); ``owner`` is the caller that holds it
     (a manager replica), so whatever it left behind can be freed at once; ``timeout_s`` bounds the

@@ -151,6 +151,7 @@ def test_a_failing_sample_becomes_a_classified_aborted_dummy(exc, phase, reason)
         assert trainer_metadata(s)["_termination_reason_agent"] == "stop"
         diag = trainer_metadata(s)["_abort"]
         assert diag["phase"] == phase and diag["node"] in {"node0", "node1"}
+        assert s.episode.abort.phase == {"run": "run", "eval": "verify"}[phase]  # the trainer's word for verify: eval
         assert diag["turns"] == (4 if phase == "run" else 1)  # the agent's progress, or its result's
         assert diag["window"][0] <= diag["window"][1]
     assert ev._local.qsize() == 2
@@ -318,7 +319,7 @@ def test_a_verify_phase_past_its_limit_aborts_at_the_limit_and_others_are_untouc
     assert s0.status is s2.status is Status.COMPLETED
     assert s1.status is Status.ABORTED and trainer_metadata(s1)["_termination_reason"] == "agent_timeout"
     assert trainer_metadata(s1)["_abort"]["window"] == [0.0, 30.0]
-    assert trainer_metadata(s1)["_abort"]["error"] == "AgentTimeout: eval phase ran past its 30s limit"
+    assert trainer_metadata(s1)["_abort"]["error"] == "AgentTimeout: verify phase ran past its 30s limit"
     assert ev._local.qsize() == 3 and ev._deadlines._timer is None  # nothing left armed
 
 

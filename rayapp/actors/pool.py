@@ -1,6 +1,6 @@
 """The PlacementPool on Ray: the core pool over long-lived placement groups, one per layout node.
 
-The core pool decides (all-or-nothing, best-fit, FIFO, spec §3). Ray cannot grow or shrink a
+The core pool decides (all-or-nothing, best-fit, FIFO, docs/scheduler.md §3). Ray cannot grow or shrink a
 placement group, and making one per batch costs a Ray round trip plus, now and then, a ~1 s wait for
 resources a removed group gives back; so the service reserves the whole layout once, at start-up,
 all-or-nothing, and the ledger sub-allocates it. Each layout node gets one group, named

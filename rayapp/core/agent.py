@@ -1,4 +1,4 @@
-"""The handler an EvaluatorSpec binds (spec §4): the agent that owns one sample's episode.
+"""The handler an EvaluatorSpec binds (docs/scheduler.md §4): the agent that owns one sample's episode.
 
 Two phases run under the one token the sample holds and share one EpisodeContext: ``run`` (the
 episode, returns an AgentResult) and ``evaluate`` (the verifier, returns the reward dict). While

@@ -1,4 +1,4 @@
-"""Batch composition: the scheduler's one pluggable decision (spec §2).
+"""Batch composition: the scheduler's one pluggable decision (docs/scheduler.md §2).
 
 A strategy is any callable ``(tasks, specs) -> batches``; everything downstream is uniform. Every
 strategy keeps two invariants the scheduler checks before anything runs: each task lands in exactly

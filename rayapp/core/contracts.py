@@ -96,7 +96,7 @@ class StepLog(Protocol):
 
 
 class IterationSource(Protocol):
-    """Per-iteration state the scheduler publishes (spec §5), e.g. a DAgger schedule: the Iteration it
+    """Per-iteration state the scheduler publishes (docs/scheduler.md §5), e.g. a DAgger schedule: the Iteration it
     returns goes to every agent (``EpisodeContext.iteration``) and back with the step's results."""
 
     def rollout_state(self, rollout_id: int) -> Iteration: ...

@@ -1,4 +1,4 @@
-"""One batch's episodes (spec §4): created per batch, runs its groups once, discarded.
+"""One batch's episodes (docs/scheduler.md §4): created per batch, runs its groups once, discarded.
 
 Invariants it keeps:
 - at most ``spec.resource.concurrency`` samples run at once, and no more than the batch has

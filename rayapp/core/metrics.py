@@ -1,4 +1,4 @@
-"""Step metrics: eval accuracy and pass@k per dataset, failure-class counts (spec §5).
+"""Step metrics: eval accuracy and pass@k per dataset, failure-class counts (docs/scheduler.md §5).
 
 pass@k is the unbiased estimator of Chen et al. 2021 (the HumanEval paper): for a prompt with n
 samples of which c pass, ``1 - C(n-c, k) / C(n, k)``, averaged over prompts. Aborted samples stay

@@ -1,4 +1,4 @@
-"""The TaskScheduler: drives a rollout step (spec §1-§3). Plain asyncio, no Ray.
+"""The TaskScheduler: drives a rollout step (docs/scheduler.md §1-§3). Plain asyncio, no Ray.
 
 Every step makes the same four moves: fetch -> distribute -> batch -> run. A step's groups are
 indexed by their position in the fetch: results, the progress callback and a step log all speak of

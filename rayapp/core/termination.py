@@ -1,4 +1,4 @@
-"""Why an episode ended (spec §4): abort classification and the eight failure classes.
+"""Why an episode ended (docs/scheduler.md §4): abort classification and the eight failure classes.
 
 ``classify_abort`` maps an exception raised inside an episode to one transport class. It reads the
 exception's type first (the exception types below, builtin timeouts and connection errors, and

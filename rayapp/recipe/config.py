@@ -137,7 +137,7 @@ class EvaluatorConfig(_Strict):
         Resource())
     run_resource: Annotated[Resource, Meta(description="what one sample holds in its run phase; cpu and "
                                                        "memory_gb also limit its sandbox")] = Resource()
-    eval_resource: Annotated[Resource, Meta(description="what one sample holds in its eval phase (it holds the "
+    eval_resource: Annotated[Resource, Meta(description="what one sample holds in its verify phase (it holds the "
                                                         "larger of the two throughout)")] = Resource()
     batch_size: Annotated[Count | None, Meta(description="most tasks in one batch; unset: a step's tasks of one "
                                                        "type form one batch")] = None
@@ -147,7 +147,7 @@ class EvaluatorConfig(_Strict):
     default_sampling: Annotated[SamplingParams, Meta(
         description="sampling params of this evaluator: over scheduler.global_sampling, under a dataset's "
                     "dataset_cfg")] = SamplingParams()
-    eval_timeout_s: Annotated[Seconds, Meta(description="wall-clock limit of a sample's eval (verify) phase, "
+    eval_timeout_s: Annotated[Seconds, Meta(description="wall-clock limit of a sample's verify phase, "
                                                       "seconds; past it the sample aborts")] = 300.0
     sandbox: Annotated[SandboxConfig, Meta(description="where the agent's commands and tests run")] = (
         SandboxConfig())
@@ -216,7 +216,7 @@ class SchedulerSection(SchedulerConfig, forbid_unknown_fields=True, frozen=True,
 
 
 class FiltersConfig(_Strict):
-    """Survivorship filters on each rollout step (spec §5): rejection first, then finish-only on
+    """Survivorship filters on each rollout step (docs/scheduler.md §5): rejection first, then finish-only on
     the survivors; the abort cap only warns."""
 
     rejection: Annotated[RejectionFilter | None, Meta(description="drops groups without learning signal; unset: "

@@ -59,7 +59,7 @@ def check_limits(recipe: Any, layout: dict[str, NodeSpec] | None = None) -> Iter
 
 
 def _sample(ev: Any) -> Resource:
-    """What one sample of ``ev`` holds throughout: the larger of its run and eval phases, per field."""
+    """What one sample of ``ev`` holds throughout: the larger of its run and verify phases, per field."""
     run, ev_ = ev.run_resource, ev.eval_resource
     return Resource(gpu=max(run.gpu, ev_.gpu), concurrency=max(run.concurrency, ev_.concurrency),
                     cpu=max(run.cpu, ev_.cpu), memory_gb=max(run.memory_gb, ev_.memory_gb))

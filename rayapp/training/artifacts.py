@@ -1,4 +1,4 @@
-"""Eval artifacts (spec §5 "Eval outputs", ``--save-eval-details``), written crash-safe.
+"""Eval artifacts (docs/scheduler.md §5, ``--save-eval-details``), written crash-safe.
 
 Files under ``{root}/eval_details/``, one set per iteration ``id``:
 

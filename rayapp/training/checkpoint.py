@@ -1,4 +1,4 @@
-"""Mid-rollout checkpoints, and resuming a rollout step from one (spec §5 "Reuse & resume").
+"""Mid-rollout checkpoints, and resuming a rollout step from one (docs/scheduler.md §5).
 
 ``RolloutCheckpoint`` keeps a rollout's progress on disk, one folder per rollout::
 

@@ -43,6 +43,7 @@ from rayapp.core.contracts import EvalResult, RolloutResult, UnfinishedGroup
 from rayapp.record import (
     AbortRecord,
     DaggerLabel,
+    EpisodePhase,
     EpisodeRecord,
     EpisodeTiming,
     Placement,
@@ -71,6 +72,9 @@ class EpisodeKey(enum.StrEnum):
 # Task metadata keys of versions before CarriedRun, read back from their checkpoints only.
 _OLD_RESUME_POINTS, _OLD_SAMPLE_INDICES = "_resume_points", "_partial_sample_indices"
 _EMPTY = EpisodeRecord()
+# An abort's phase as the spec names it for the trainer: the verify phase is its "eval" phase.
+_SPEC_PHASE = {EpisodePhase.RUN: "run", EpisodePhase.VERIFY: "eval"}
+_PHASE = {v: k for k, v in _SPEC_PHASE.items()}
 Result = TypeVar("Result", RolloutResult, EvalResult)
 
 
@@ -87,6 +91,7 @@ def episode_metadata(record: EpisodeRecord) -> dict[str, Any]:
             out[EpisodeKey.TERMINATION_REASON_AGENT.value] = str(record.termination_reason)
         abort = msgspec.to_builtins(record.abort)
         del abort["reason"]  # carried by _termination_reason
+        abort["phase"] = _SPEC_PHASE[record.abort.phase]
         out[EpisodeKey.ABORT.value] = abort
     elif record.turns is not None or record.termination_reason is not None:  # the run phase is over
         reason = record.termination_reason
@@ -156,7 +161,8 @@ def stored_sample(s: Sample) -> Sample:
         placement=_take(m, EpisodeKey.PLACEMENT, Placement),
         turn_records=_take(m, EpisodeKey.TURN_PLACEMENT, list[TurnRecord]) or [],
         dagger_labels=_take(m, EpisodeKey.DAGGER_LABELS, list[DaggerLabel]) or [],
-        abort=None if abort is None else msgspec.convert({**abort, "reason": reason}, AbortRecord),
+        abort=None if abort is None else msgspec.convert(
+            {**abort, "reason": reason, "phase": _PHASE.get(abort.get("phase"), abort.get("phase"))}, AbortRecord),
         resume=_take(m, EpisodeKey.RESUME, ResumePoint),
         timing=_take(m, EpisodeKey.TIMING, EpisodeTiming))
     return s

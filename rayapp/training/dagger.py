@@ -1,4 +1,4 @@
-"""The DAgger schedule and the per-iteration state the scheduler publishes (spec §5).
+"""The DAgger schedule and the per-iteration state the scheduler publishes (docs/scheduler.md §5).
 
 ``DAggerSchedule`` maps a rollout index to the mixing weight β (the probability that the teacher,
 not the student, acts at a turn) and to t_max (the roll-in tail length). Guarantees:
@@ -42,7 +42,7 @@ from rayapp.types import StepKind
 BetaSchedule = Literal["linear", "cosine", "exponential", "step"]
 BETA_SCHEDULES: tuple[str, ...] = ("linear", "cosine", "exponential", "step")
 
-# Code-set per iteration by the scheduler: never set these by hand (spec §6).
+# Code-set per iteration by the scheduler: never set these by hand (docs/scheduler.md §6).
 ENV_ROLLOUT_ID = "STACX_ROLLOUT_ID"
 ENV_BETA = "STACX_DAGGER_BETA"
 ENV_T_MAX = "STACX_DAGGER_T_MAX"

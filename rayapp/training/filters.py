@@ -1,4 +1,4 @@
-"""Survivorship filters over a rollout step's groups (spec §5), and the aborted-share cap.
+"""Survivorship filters over a rollout step's groups (docs/scheduler.md §5), and the aborted-share cap.
 
 A step is ``list[list[Sample]]``: one group per prompt, GRPO style. Filters compose as a list and
 run in list order; the spec's order is rejection first, finish-only on the survivors::

@@ -1,4 +1,4 @@
-"""One training step of a recipe, end to end, in the order the trainer's data depends on (spec §5):
+"""One training step of a recipe, end to end, in the order the trainer's data depends on (docs/scheduler.md §5):
 
 - rollout: a fresh run of the scheduler, or the saved trajectories the reuse policy points at
   (``reuse.py``); then the roll-in metrics, counted before any filter drops a sample (every roll-in
@@ -194,7 +194,7 @@ class StepRunner:
         return {k: str(p) for k, p in paths.items()}
 
     async def _run_or_reuse(self, rollout_id: int) -> RolloutResult:
-        """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
+        """A fresh rollout, or the saved one the reuse policy (docs/scheduler.md §5) points at."""
         if self.trajectory_dir is None:
             return await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"))
         ran: list[RolloutResult] = []

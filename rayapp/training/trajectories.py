@@ -1,4 +1,4 @@
-"""Saved trajectories: the trainer's data (spec §5 "Reuse & resume"; the reuse policy that chooses
+"""Saved trajectories: the trainer's data (docs/scheduler.md §5; the reuse policy that chooses
 between fresh and saved is ``reuse.py``, mid-rollout checkpoints are ``checkpoint.py``).
 
 A trajectory file is ``torch.save`` of plain data, read with ``torch.load(weights_only=True)``::

@@ -442,3 +442,19 @@ def test_an_on_task_done_of_the_wrong_kind_is_refused_before_the_step_fetches():
     with pytest.raises(TypeError, match=r"^execute_rollout's on_task_done plain_callback: a plain function"):
         run(sched.execute_rollout(0, plain_callback))
     assert fetched == []
+
+
+def test_a_carried_tasks_samples_keep_their_group_index_and_resume_point():
+    from rayapp.core.evaluator import TaskRun
+    from rayapp.record import CarriedRun, ResumePoint
+    from rayapp.types import Task, TaskConfig
+
+    point = ResumePoint(1, [1, 2], 1, [1], [0.0])
+    task = Task("t", "p", TaskConfig("x", n_samples=2), carried=CarriedRun([1, 3], [None, point]))
+    samples = TaskRun.samples_of(4, task)
+    assert [s.index for s in samples] == [1, 3] and [s.episode.start for s in samples] == [None, point]
+    assert all(s.metadata == {"_rollout_id": 4} for s in samples)
+    bad = Task("t", "p", TaskConfig("x", n_samples=3), carried=CarriedRun([1, 3]))
+    with pytest.raises(ValueError, match=r"^task 't': its carried run names 2 samples and 2 resume points for "
+                                         r"n_samples=3$"):
+        TaskRun.samples_of(4, bad)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import ended, run
 
@@ -14,7 +15,7 @@ from rayapp.core.scheduler import RolloutResult, SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.recipe import FiltersConfig
-from rayapp.record import Actor
+from rayapp.record import Actor, EpisodeRecord
 from rayapp.training.artifacts import EvalDetailsWriter, read_jsonl
 from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.filters import FinishOnlyFilter, RejectionFilter
@@ -300,6 +301,26 @@ def test_after_a_restart_a_finished_step_comes_back_from_the_checkpoint_folder(m
     assert len(log) == 18  # nothing ran again
     assert sorted(p.name for p in (tmp_path / "step_results").iterdir()) == [
         "eval_000000.msgpack", "rollout_000000.msgpack", "rollout_000001.msgpack"]
+
+
+def test_results_leave_through_the_trainers_door_and_a_stored_one_of_the_previous_format_is_served(
+        make_pool, tmp_path):
+    log = []
+    first = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path))
+    r0 = run(first.rollout(0))
+    assert all(s.episode == EpisodeRecord() and s.metadata["_turns"] == 1 and "_termination_reason" in s.metadata
+               and {"started", "run_s", "verify_s", "ended"} <= set(s.metadata["_timing"])
+               for g in r0.groups for s in g)  # the spec's keys, written at the door
+    path = tmp_path / "step_results" / "rollout_000000.msgpack"
+    stored = msgspec.msgpack.decode(path.read_bytes())
+    for g in stored["result"]["groups"]:
+        for s in g:
+            del s["episode"]  # as the version before Sample.episode wrote it
+    path.write_bytes(msgspec.msgpack.encode(stored))
+    again = run(StepRunner(_counting(make_pool, log, checkpointable=True),
+                           checkpoint=RolloutCheckpoint(tmp_path)).rollout(0))
+    assert _samples(again) == _samples(r0) and len(log) == 8  # served, not run again
+    assert [s.metadata for g in again.groups for s in g] == [s.metadata for g in r0.groups for s in g]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "another step's", "an eval's"])

@@ -44,7 +44,7 @@ from rayapp.core.convert import InputError, check, clip, show
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentOutputError, AgentTimeout, classify_abort
 from rayapp.episode import EPISODE, EpisodeContext
-from rayapp.record import AbortRecord, EpisodePhase, EpisodeTiming, Placement
+from rayapp.record import AbortRecord, EpisodePhase, EpisodeRecord, EpisodeTiming, Placement
 from rayapp.types import (
     AgentResult,
     EvaluatorSpec,
@@ -54,6 +54,7 @@ from rayapp.types import (
     StepKind,
     StoppingCriteria,
     Task,
+    TaskKey,
     Token,
 )
 
@@ -74,6 +75,22 @@ class TaskRun:
     samples: list[Sample]
     stopping: StoppingCriteria
     sampling: SamplingParams
+
+    @staticmethod
+    def samples_of(rollout_id: int, task: Task) -> list[Sample]:
+        """The samples a task runs: ``n_samples`` numbered from its eval copy's first or, for the rest of
+        a carried group (``Task.carried``), the ones it has left, by index, each with its resume point."""
+        meta, carried = {**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id}, task.carried
+        if carried is None:
+            first = task.metadata.get(TaskKey.EVAL_COPY, 0)
+            return [Sample(task.task_id, first + i, task.prompt, task.label, metadata=dict(meta))
+                    for i in range(task.config.n_samples)]
+        points = carried.points or [None] * len(carried.indices)
+        if not len(carried.indices) == len(points) == task.config.n_samples:
+            raise ValueError(f"task {task.task_id!r}: its carried run names {len(carried.indices)} samples and "
+                             f"{len(points)} resume points for n_samples={task.config.n_samples}")
+        return [Sample(task.task_id, i, task.prompt, task.label, metadata=dict(meta), episode=EpisodeRecord(start=p))
+                for i, p in zip(carried.indices, points, strict=True)]
 
 
 def _checked(result: Any) -> AgentResult:

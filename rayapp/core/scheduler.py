@@ -53,7 +53,7 @@ from rayapp.core.landing import landed
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
-from rayapp.record import EpisodeRecord, Iteration
+from rayapp.record import Iteration
 from rayapp.types import (
     Batch,
     BatchRequest,
@@ -92,23 +92,6 @@ async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> No
         if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
             raise
         raise RuntimeError(f"handing on group {i} (step log, on_task_done) raised {type(e).__name__}: {e}") from e
-
-
-
-def _samples(rollout_id: int, task: Task) -> list[Sample]:
-    """The samples a task runs: ``n_samples`` numbered from its eval copy's first or, for the rest of
-    a carried group (``Task.carried``), the ones it has left, by index, each with its resume point."""
-    meta, carried = {**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id}, task.carried
-    if carried is None:
-        first = task.metadata.get(TaskKey.EVAL_COPY, 0)
-        return [Sample(task.task_id, first + i, task.prompt, task.label, metadata=dict(meta))
-                for i in range(task.config.n_samples)]
-    points = carried.points or [None] * len(carried.indices)
-    if not len(carried.indices) == len(points) == task.config.n_samples:
-        raise ValueError(f"task {task.task_id!r}: its carried run names {len(carried.indices)} samples and "
-                         f"{len(points)} resume points for n_samples={task.config.n_samples}")
-    return [Sample(task.task_id, i, task.prompt, task.label, metadata=dict(meta), episode=EpisodeRecord(start=p))
-            for i, p in zip(carried.indices, points, strict=True)]
 
 
 class TaskScheduler:
@@ -245,7 +228,7 @@ class TaskScheduler:
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
-            samples = _samples(rollout_id, task)
+            samples = TaskRun.samples_of(rollout_id, task)
             spec = self._resolve_spec_id(task.evaluator_id)
             key = (spec.evaluator_id, id(task.metadata.get(TaskKey.DATASET_CFG)))
             resolved = settings.get(key)

@@ -43,10 +43,10 @@ test: lint
 # The tiny model ships built (rayapp/inference/tiny-llama-v1); these rebuild it (minutes): `tiny-model` in
 # place, after a change to its recipe; `check-tiny-model` aside, comparing it file by file with the shipped one.
 tiny-model: $(STAMP)
-	$(BIN)/python -m rayapp.inference.tiny_model_ship write
+	$(BIN)/python -m rayapp.training.tiny_model_ship write
 
 check-tiny-model: $(STAMP)
-	$(BIN)/python -m rayapp.inference.tiny_model_ship check
+	$(BIN)/python -m rayapp.training.tiny_model_ship check
 
 # matplotlib (the 'bench' extra) only for the benchmarks' plots: `make test` never installs it.
 $(VENV)/.bench: pyproject.toml | $(STAMP)

@@ -319,9 +319,9 @@ def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: f
         lost += len(want - set(keys))
         duplicated += len(keys) - len(set(keys))
         statuses.update(s.status.value for s in samples)
-        reasons.update(str(s.metadata.get("_termination_reason")) for s in samples if s.status is Status.ABORTED)
-        run.aborts.update((s.metadata["_abort"]["node"], MASK.sub("#", s.metadata["_abort"]["error"])[:110])
-                          for s in samples if s.status is Status.ABORTED)
+        aborted = [s.episode.abort for s in samples if s.status is Status.ABORTED]
+        reasons.update(str(a.reason) for a in aborted)
+        run.aborts.update((a.node, MASK.sub("#", a.error)[:110]) for a in aborted)
     recover = [min((d for d in run.done.values() if d > t), default=float("nan")) - t for _, t in run.faults]
     kinds = Counter(k for k, _ in run.faults)
     by_kind = ", ".join(f"{k} {kinds[k]}" for k in KINDS if kinds[k])

@@ -36,8 +36,8 @@ from rayapp.core.clock import loop_time, run_virtual
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.episode import RESUME_POINTS, ResumePoint, TurnRecord
-from rayapp.training.partial import PartialConfig, PartialRollouts, group_index
+from rayapp.record import ResumePoint, TurnRecord
+from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.types import AgentResult, BatchRequest, EvaluatorSpec, Resource, Status, Task, TaskConfig, Token
 
 
@@ -157,16 +157,15 @@ class MeteredPool:
 
 
 def _resume_from(sample) -> tuple[int, float]:
-    """Where a carried sample goes on from (partial rollouts, ``policy: resume``), by its resume
-    point handed in the task's ``RESUME_POINTS``: the turns it did, and the engine seconds its cut
-    turn had done (the record of that turn, as a real agent keeps the cut turn's tokens); (0, 0)
-    when it starts afresh."""
-    points = sample.metadata.pop(RESUME_POINTS, None) or []
-    point = points[sample.index] if sample.index < len(points) else None
-    if not point:
+    """Where a carried sample goes on from (partial rollouts, ``policy: resume``), by the resume
+    point its record starts from: the turns it did, and the engine seconds its cut turn had done
+    (the record of that turn, as a real agent keeps the cut turn's tokens); (0, 0) when it starts
+    afresh."""
+    point = sample.episode.start
+    if point is None:
         return 0, 0.0
-    cut = [r["engine_s"] for r in point.get("turn_records", []) if r["turn"] == point["turns"] + 1]
-    return point["turns"], sum(cut)
+    cut = [r.engine_s or 0.0 for r in point.turn_records if r.turn == point.turns + 1]
+    return point.turns, sum(cut)
 
 
 async def _engine_turn(ctx, turn: int, engine_s: float, done_s: float, keep: Callable[[], None]) -> None:
@@ -199,7 +198,7 @@ def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Co
         since[key] = loop_time()
 
     async def run_fn(sample, ctx) -> AgentResult:
-        key = (sample.task_id, group_index(sample))  # a carried group runs only the samples not ended
+        key = (sample.task_id, sample.index)
         trace = traces[key[0]].samples[key[1]]
         runs[key] += 1
         done, done_s = _resume_from(sample)
@@ -225,7 +224,7 @@ def _spec(batch_tasks: int, traces: dict[str, TaskTrace], meter: Meter, runs: Co
         meter.wasted += share * (loop_time() - since[key])
 
     async def verify_fn(sample, result) -> dict[str, float]:
-        key = (sample.task_id, group_index(sample))
+        key = (sample.task_id, sample.index)
         try:
             await asyncio.sleep(traces[key[0]].samples[key[1]].verify_s)
         except asyncio.CancelledError:

@@ -3,13 +3,12 @@
 The public API, re-exported from the pure core (``rayapp.core``), the data model, the agents and the
 training-loop pieces that need neither Ray nor torch (the DAgger schedule and agent, the filters)."""
 
-from rayapp.core.agent import AgentHandler, BaseAgent, FunctionAgent
+from rayapp.core.agent import AgentHandler, FunctionAgent
 from rayapp.core.batching import (
     STRATEGIES,
     BatchingStrategy,
     budget_batching,
     fifo_batching,
-    load_strategy,
     longest_first_batching,
 )
 from rayapp.core.cascade import CascadeError, build_sampling_params, cascade, resolve_stopping
@@ -38,19 +37,19 @@ from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.datasets.files import FieldMap
-from rayapp.envs.plugins import PluginError
+from rayapp.envs.plugins import PluginError, load_strategy
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
-from rayapp.episode import EpisodeContext, EpisodeRecord
+from rayapp.episode import EpisodeContext
+from rayapp.record import EpisodePhase, EpisodeRecord, Iteration, TerminationReason
 from rayapp.training.artifacts import read_jsonl
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
-from rayapp.training.partial import PartialConfig, PartialRollouts, group_index
+from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.types import (
     AgentResult,
     Batch,
     BatchRequest,
-    EpisodePhase,
     EvaluatorSpec,
     NodeSpec,
     Resource,
@@ -62,7 +61,6 @@ from rayapp.types import (
     Task,
     TaskConfig,
     TaskKey,
-    TerminationReason,
     Token,
 )
 
@@ -76,7 +74,6 @@ __all__ = [
     "AgentOutputError",
     "AgentResult",
     "AgentTimeout",
-    "BaseAgent",
     "Batch",
     "BatchRequest",
     "BatchingStrategy",
@@ -104,6 +101,7 @@ __all__ = [
     "FinishOnlyFilter",
     "FunctionAgent",
     "HeldBatch",
+    "Iteration",
     "LayoutError",
     "LocalProcessSandbox",
     "MultiDataSource",
@@ -146,7 +144,6 @@ __all__ = [
     "eval_metrics",
     "failure_summary",
     "fifo_batching",
-    "group_index",
     "interleave",
     "is_solved",
     "load_strategy",

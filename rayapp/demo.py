@@ -16,18 +16,18 @@ from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
-from rayapp.episode import EpisodeKey
+from rayapp.record import Placement
 from rayapp.types import Sample, StoppingCriteria, Task
 
 DEMO_LAYOUT = '{"node-a": [0, 1], "node-b": {"gpus": [0, 1], "cpu": 8, "memory_gb": 32}}'
 
 
 def _line(s: Sample) -> str:
-    where = s.metadata.get(EpisodeKey.PLACEMENT) or {}
-    gpus = ",".join(map(str, where.get("gpu_ids", [])))
+    where = s.episode.placement or Placement("-", [], 0.0)
+    gpus = ",".join(map(str, where.gpu_ids))
     return (f"  {s.task_id}#{s.index}  {s.status.value:<9} score={s.reward.get('score', 0):.0f}  "
             f"tokens={len(s.tokens):>2} loss_mask_sum={sum(s.loss_mask):>2}  "
-            f"placed on {where.get('node', '-')} gpu {gpus} ({where.get('gpu', 0):.2f})  "
+            f"placed on {where.node} gpu {gpus} ({where.gpu:.2f})  "
             f"{s.response!r}")
 
 
@@ -60,7 +60,7 @@ async def main(rollout_batch_size: int, n_samples: int, eval_copies: int, progre
     print(f"\n== eval 0: {eval_copies} copies per prompt, interleaved across {list(eval_sets)}")
     for name, value in sorted(ev.metrics.items()):
         print(f"  {name:<28} {value:.3f}")
-    nodes = Counter(s.metadata[EpisodeKey.PLACEMENT]["node"] for g in result.groups for s in g)
+    nodes = Counter(s.episode.placement.node for g in result.groups for s in g if s.episode.placement)
     print(f"\n== placement: samples per node {dict(nodes)}; pool back to its initial state: "
           f"{pool.snapshot() == initial}")
 

@@ -1,4 +1,4 @@
-"""The knob reference (spec §6), generated from the code's own definitions:
+"""The knob reference (docs/scheduler.md §6), generated from the code's own definitions:
 
     python -m rayapp.knobs > docs/knobs.md
 

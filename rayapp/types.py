@@ -1,4 +1,5 @@
-"""The data model shared by every layer (spec §2-§4), as msgspec Structs.
+"""The data model shared by every layer (docs/scheduler.md §2-§4), as msgspec Structs; the episode record they
+carry is ``rayapp.record``.
 
 The field annotations carry the bounds (``Meta(ge=...)``). Struct constructors do not check them:
 whatever comes from outside (layouts, recipes, dataset rows, saved state) goes through the one door,
@@ -15,6 +16,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from rayapp.record import CarriedRun, EpisodeRecord, TerminationReason
+
 # Bounds the types carry, checked wherever outside input is converted (rayapp.core.convert). The upper
 # bound of a float only rejects inf: msgspec lets inf through ``ge``, NaN fails any bound.
 FINITE = sys.float_info.max
@@ -29,44 +32,11 @@ class Status(enum.StrEnum):
     ABORTED = "aborted"
 
 
-class TerminationReason(enum.StrEnum):
-    """Why an agent ended its own episode (``AgentResult.termination_reason``)."""
-
-    STOP = "stop"  # the model finished on its own
-    MAX_TURNS = "max_turns"  # StoppingCriteria.max_turns model turns were used
-    MAX_CONTEXT_LEN = "max_context_len"  # the episode filled StoppingCriteria.max_context_len tokens
-    LENGTH = "length"  # a generation hit max_new_tokens (or the engine's context) with room left
-
-
-class AbortReason(enum.StrEnum):
-    """Why the evaluator aborted an episode: the transport class of the error (``classify_abort``)."""
-
-    AGENT_TIMEOUT = "agent_timeout"  # the episode or a step of it ran out of time
-    INFRA_CONN = "infra_conn"  # the inference engine (or another service) could not be reached
-    INFRA_SANDBOX = "infra_sandbox"  # the sandbox crashed, was killed or ran out of memory
-    INFRA_OTHER = "infra_other"  # anything else: a bug, a bad result shape, ...
-
-
 class StepKind(enum.StrEnum):
     """The scheduler step an episode belongs to."""
 
     ROLLOUT = "rollout"
     EVAL = "eval"
-
-
-class EpisodePhase(enum.StrEnum):
-    """The evaluator's two phases of one episode. The verifier's value stays "eval", the word
-    abort records have always carried."""
-
-    RUN = "run"
-    VERIFY = "eval"
-
-
-class Actor(enum.StrEnum):
-    """Who acted at a model turn of a DAgger roll-in."""
-
-    TEACHER = "teacher"
-    STUDENT = "student"
 
 
 class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -92,7 +62,7 @@ class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoppingCriteria(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """When an episode stops. ``None`` means "not set at this level" in the cascade (spec §2);
+    """When an episode stops. ``None`` means "not set at this level" in the cascade (docs/scheduler.md §2);
     after resolution a ``None`` left over means "no limit"."""
 
     max_turns: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most model turns in one episode of a "
@@ -142,6 +112,7 @@ class Task(msgspec.Struct, forbid_unknown_fields=True):
     config: TaskConfig
     label: Any = None
     metadata: dict[str, Any] = {}
+    carried: CarriedRun | None = None  # set by partial rollouts on the task of a carried group's rest
 
     @property
     def evaluator_id(self) -> str:
@@ -178,6 +149,8 @@ class Sample(msgspec.Struct):
     reward: dict[str, float] = {}
     metadata: dict[str, Any] = {}
     remove_sample: bool = False
+    # what the episode did, typed; the trainer gets it as the spec's metadata keys (training.converters)
+    episode: EpisodeRecord = msgspec.field(default_factory=EpisodeRecord)
 
 
 class Token(msgspec.Struct, frozen=True, gc=False):
@@ -195,7 +168,7 @@ class Token(msgspec.Struct, frozen=True, gc=False):
 
 
 class AgentResult(msgspec.Struct):
-    """What an agent's run phase returns (spec §4); the evaluator copies the token data onto the
+    """What an agent's run phase returns (docs/scheduler.md §4); the evaluator copies the token data onto the
     sample. ``tokens`` is prompt + response as in Sample."""
 
     tokens: list[Annotated[int, Meta(ge=0, le=MAX_COUNT)]]  # token ids
@@ -212,7 +185,7 @@ class AgentResult(msgspec.Struct):
 
 class TaskKey(enum.StrEnum):
     """The ``metadata`` keys a task and its samples carry from the data source and the scheduler
-    (spec §2, §5): where the task came from and how the cascade's third level reads it."""
+    (docs/scheduler.md §2, §5): where the task came from and how the cascade's third level reads it."""
 
     DATASET_NAME = "_dataset_name"  # the rollout dataset (MultiDataSource)
     DATASET_CFG = "_dataset_cfg"  # that dataset's flat overrides: the cascade's third level
@@ -227,7 +200,7 @@ class TaskKey(enum.StrEnum):
 
 
 class EvaluatorSpec(msgspec.Struct):
-    """Binds a handler (the agent that owns the episode) to a resource model (spec §4).
+    """Binds a handler (the agent that owns the episode) to a resource model (docs/scheduler.md §4).
     ``resource`` is the per-evaluator budget; ``run_resource``/``eval_resource`` what one sample
     needs in each phase."""
 
@@ -248,7 +221,7 @@ class EvaluatorSpec(msgspec.Struct):
 
 
 class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One node of a cluster layout (spec §3)."""
+    """One node of a cluster layout (docs/scheduler.md §3)."""
 
     gpus: tuple[Annotated[int, Meta(ge=0, le=MAX_GPU_ID)], ...] = ()
     cpu: Annotated[float, Meta(ge=0, le=FINITE)] = 0.0
@@ -256,7 +229,7 @@ class NodeSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class BatchRequest(msgspec.Struct, frozen=True):
-    """One batch's admission request to the placement pool (spec §3): ``min(budget_tokens(budget,
+    """One batch's admission request to the placement pool (docs/scheduler.md §3): ``min(budget_tokens(budget,
     per_sample), max_tokens)`` tokens of ``per_sample``, all or none. ``label`` names the batch in
     errors and in what realises it (the Ray placement group); ``owner`` is the caller that holds it
     (a manager replica), so whatever it left behind can be freed at once; ``timeout_s`` bounds the

@@ -96,9 +96,9 @@ def show_rollout(result) -> None:
 def show_iteration(result) -> None:
     """What the scheduler published for this iteration, and who acted in the DAgger roll-ins."""
     it, m = result.iteration, result.metrics
-    if not it:
+    if it.rollout_id is None:  # the recipe publishes no iteration state
         return
-    print(f"iteration {result.rollout_id}: beta={it.get('beta')} t_max={it.get('t_max')}; roll-in turns by teacher "
+    print(f"iteration {result.rollout_id}: beta={it.beta} t_max={it.t_max}; roll-in turns by teacher "
           f"{m.get('dagger/turns/teacher', 0):.0f}, by student {m.get('dagger/turns/student', 0):.0f}; "
           f"teacher labels for student turns {m.get('dagger/labels', 0):.0f}")
 
@@ -150,7 +150,7 @@ def main() -> None:
         if a.eval:
             t0 = time.monotonic()
             ev = wait_with_progress(handle, handle.evaluate.remote(rid), f"eval {rid}", a.timeout)
-            beta = f" (beta={ev.iteration['beta']})" if "beta" in ev.iteration else ""
+            beta = f" (beta={ev.iteration.beta})" if ev.iteration.rollout_id is not None else ""
             print(f"[{time.monotonic() - t0:.1f}s] eval {rid}{beta}:")
             for k, v in sorted(ev.metrics.items()):
                 if k.endswith(("/accuracy", "/n_samples")) or "/pass@" in k:

@@ -8,12 +8,22 @@ import pytest
 
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
+from rayapp.record import AbortReason, AbortRecord, EpisodePhase, EpisodeRecord, TerminationReason
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # ray, where used, on 127.0.0.1 only
 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def ended(reason=None, turns=None, **kw):
+    """The record of an episode that ended for ``reason``: an abort's reason makes an abort record,
+    an agent's is its termination reason."""
+    if reason in set(AbortReason):
+        abort = AbortRecord(AbortReason(reason), EpisodePhase.RUN, [0.0, 0.0], 0.0, None, [], turns or 0, "test")
+        return EpisodeRecord(turns=turns, abort=abort, **kw)
+    return EpisodeRecord(turns=turns, termination_reason=None if reason is None else TerminationReason(reason), **kw)
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ from conftest import run
 from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.arithmetic import verify
-from rayapp.episode import RESUME_POINTS, EpisodeContext
+from rayapp.episode import EpisodeContext
 from rayapp.inference.client import FinishReason, GenerateRequest, GenerationCut, generate_abortable
+from rayapp.training.converters import trainer_metadata
 from rayapp.types import SamplingParams, StoppingCriteria
 
 
@@ -77,7 +78,7 @@ def cut_after(agent, s, backend, tokens):
 
 def resumed(point):
     s = sample()
-    s.metadata[RESUME_POINTS] = [msgspec.to_builtins(point)]
+    s.episode.start = point
     return s
 
 
@@ -194,7 +195,7 @@ def test_partial_steps_on_the_real_engine_return_what_an_uncut_run_would(backend
         whole = run(asyncio.wait_for(uncut(s.prompt), 60))
         assert s.tokens == whole.tokens and s.loss_mask == whole.loss_mask and s.response == whole.response
         assert s.rollout_log_probs == pytest.approx(whole.rollout_log_probs, abs=1e-4)
-        versions = [r["weight_version"] for r in s.metadata["_turn_placement"]]
+        versions = [r["weight_version"] for r in trainer_metadata(s)["_turn_placement"]]
         if len(versions) > 1:
             resumed += 1
             assert versions == sorted(versions, key=int) and len(set(versions)) == len(versions)

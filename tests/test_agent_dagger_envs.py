@@ -15,6 +15,8 @@ from rayapp.envs.protocol import AgentDeps
 from rayapp.envs.sandboxes import make_sandbox
 from rayapp.envs.swe import DAggerSweAgent, SweAgent, load_repos, load_swe_tasks
 from rayapp.episode import EpisodeContext
+from rayapp.record import Iteration
+from rayapp.training.converters import episode_metadata
 from rayapp.types import Sample, SamplingParams, StepKind, StoppingCriteria
 
 DONE = "I fixed the bug."
@@ -37,7 +39,7 @@ def episode(tok, model_dir, beta, t_max, student_script, teacher_script, step=St
     agent = DAggerSweAgent(AgentDeps(student, run_inline, open_sandbox, teacher=teacher))
     sample = Sample(task.task_id, 0, task.prompt, task.label)
     ctx = EpisodeContext(2, None, StoppingCriteria(max_turns=3), SamplingParams(max_new_tokens=4096),
-                         {"beta": beta, "t_max": t_max}, step)
+                         Iteration(beta=beta, t_max=t_max), step)
 
     async def both_phases():
         async with ctx:  # as the evaluator does: the context closes the sandbox the agent kept
@@ -45,7 +47,7 @@ def episode(tok, model_dir, beta, t_max, student_script, teacher_script, step=St
             return result, await agent.evaluate(sample, result, ctx)  # verified in the episode's own sandbox
 
     result, reward = run(both_phases())
-    sample.metadata.update(ctx.record.to_metadata())  # what the evaluator hands the trainer
+    sample.metadata.update(episode_metadata(ctx.record))  # what the trainer gets
     return sample, result, reward, student, teacher
 
 

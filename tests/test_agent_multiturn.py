@@ -15,6 +15,8 @@ from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.agents.tools import calculator, parse_tool_call
 from rayapp.envs.arithmetic import verify
 from rayapp.episode import EpisodeContext
+from rayapp.record import Iteration
+from rayapp.training.converters import episode_metadata
 from rayapp.types import AgentResult, SamplingParams, StoppingCriteria, Token
 
 TURNS = st.sampled_from([CALL, "<tool_call>{not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>',
@@ -82,7 +84,7 @@ def test_a_tool_call_round_trip_and_the_final_answer(tok, model_dir):
     second_prompt = tok.decode(engine.requests[1].input_ids)
     assert '"result": "4"' in second_prompt and "<|tool|>" in second_prompt
     assert [t.node for t in c.record.turn_records] == ["node-a", "node-a"]
-    assert c.record.to_metadata()["_turn_placement"] == [
+    assert episode_metadata(c.record)["_turn_placement"] == [
         {"turn": i, "engine": "scripted", "node": "node-a", "gpu_ids": [1], "engine_s": t}
         for i, t in ((1, 2.5), (2, 0.75))]
 
@@ -177,9 +179,9 @@ def test_dagger_roll_in_mixes_student_and_teacher_by_beta_and_t_max(tok, model_d
         student.name, teacher.name = "student", "teacher"
         agent = DAggerAgent(student, teacher, verify)
         c = EpisodeContext(3, None, StoppingCriteria(max_turns=max_turns), SamplingParams(max_new_tokens=64),
-                           {"beta": beta, "t_max": t_max})
+                           Iteration(beta=beta, t_max=t_max))
         result = run(agent.run(sample(), c))
-        return c.record.to_metadata(), result  # the metadata the trainer gets
+        return episode_metadata(c.record), result  # the metadata the trainer gets
 
     m, result = episode(beta=1.0, t_max=0)
     assert m["_turn_actor"] == ["teacher"] * 4 and "_dagger_labels" not in m

@@ -12,7 +12,8 @@ from conftest import run
 from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.arithmetic import verify
-from rayapp.episode import RESUME_POINTS, EpisodeKey
+from rayapp.record import Iteration, ResumePoint
+from rayapp.training.converters import episode_metadata
 
 
 class ExecSandbox:
@@ -82,17 +83,15 @@ def test_a_cut_short_episode_resumes_from_its_last_complete_turn(tok, model_dir)
 
     again = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."]))
     s = sample()
-    s.metadata[RESUME_POINTS] = [msgspec.to_builtins(point)]
+    s.episode.start = point
     c2 = ctx(max_turns=5)
     result = run(ToolAgent(again, verify, tools=["calculator", "bash"], sandbox_factory=factory).run(s, c2))
-    assert RESUME_POINTS not in s.metadata  # taken out: no part of the trainer's sample
     assert again.sent[0].input_ids == point.tokens  # the cut turn, generated again from the same context
     assert result.tokens[:len(point.tokens)] == point.tokens  # the kept turns, exactly
     kept = len(point.tokens) - point.prompt_len
     assert result.loss_mask[:kept] == point.loss_mask and result.rollout_log_probs[:kept] == point.rollout_log_probs
     assert result.turns == 3 and [r.turn for r in c2.record.turn_records] == [1, 2, 3]
     assert boxes[1].commands == ["touch a"]  # replayed in the new episode's fresh sandbox
-    assert EpisodeKey.RESUME.value == "_resume"
 
 
 def test_an_agent_that_cannot_resume_starts_afresh(tok, model_dir):
@@ -100,10 +99,8 @@ def test_an_agent_that_cannot_resume_starts_afresh(tok, model_dir):
         resumable = False
 
     s = sample()
-    s.metadata[RESUME_POINTS] = [{"turns": 1, "tokens": [1, 2], "prompt_len": 1, "loss_mask": [1],
-                                  "rollout_log_probs": [0.0]}]
+    s.episode.start = ResumePoint(turns=1, tokens=[1, 2], prompt_len=1, loss_mask=[1], rollout_log_probs=[0.0])
     assert Fresh(ScriptedEngine(tok, model_dir, []), verify).resume_point(s) is None
-    assert RESUME_POINTS not in s.metadata
 
 
 def versioned(engine, version):
@@ -128,7 +125,7 @@ def test_a_cut_short_dagger_roll_in_resumes_with_its_labels_and_per_turn_weights
 
     def context():
         return EpisodeContext(0, None, StoppingCriteria(max_turns=5), SamplingParams(max_new_tokens=64),
-                              {"beta": 0.0, "t_max": 0})
+                              Iteration(beta=0.0, t_max=0))
 
     student = versioned(recording(ScriptedEngine(tok, model_dir, [CALL] * 8)), "0")
     teacher = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."] * 8))
@@ -151,13 +148,13 @@ def test_a_cut_short_dagger_roll_in_resumes_with_its_labels_and_per_turn_weights
     student2 = versioned(recording(ScriptedEngine(tok, model_dir, ["The answer is 4."])), "1")
     teacher2 = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."] * 8))
     s = sample()
-    s.metadata[RESUME_POINTS] = [msgspec.to_builtins(point)]
+    s.episode.start = point
     c2 = context()
     result = run(DAggerAgent(student2, teacher2, verify).run(s, c2))
     assert len(student2.sent) == 1 and student2.sent[0].input_ids == point.tokens  # only the cut turn, again
     assert len(teacher2.sent) == 1  # labelled once: the kept turns' labels came with the point
     assert result.turns == 3 and result.tokens[:len(point.tokens)] == point.tokens
-    meta = c2.record.to_metadata()
+    meta = episode_metadata(c2.record)
     assert [lab["turn"] for lab in meta["_dagger_labels"]] == [1, 2, 3]
     assert meta["_dagger_labels"][:2] == msgspec.to_builtins(point.dagger_labels)
     assert [r.weight_version for r in c2.record.turn_records] == ["0", "0", "1"]  # the staleness per turn

@@ -2,9 +2,10 @@ import pytest
 from conftest import run
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.batching import budget_batching, fifo_batching, load_strategy, longest_first_batching
+from rayapp.core.batching import budget_batching, fifo_batching, longest_first_batching
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import verify
+from rayapp.envs.plugins import PluginError, load_strategy
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Task, TaskConfig
 
 
@@ -70,13 +71,26 @@ def test_every_strategy_keeps_each_task_once_and_one_type_per_batch(strategy):
     assert all({t.config.task_type for t in b.tasks} == {b.task_type} for b in batches)
 
 
-def test_load_strategy_by_short_name_or_dotted_path():
+def test_load_strategy_by_short_name_or_import_path_like_every_plugin():
     assert load_strategy("fifo") is fifo_batching
     assert load_strategy("rayapp.core.batching.budget_batching") is budget_batching
     assert load_strategy("rayapp.core.batching:longest_first_batching") is longest_first_batching
-    for bad in ["nope", "rayapp.core.batching.nope", "no_such_module.fn", "rayapp.core.batching.STRATEGIES"]:
-        with pytest.raises(ValueError, match="batching strategy"):
+    for bad, why in [
+        ("nope", "batching strategy 'nope': not one of ['budget', 'fifo', 'longest_first'] nor an import path"),
+        ("rayapp.core.batching:nope", "batching strategy 'rayapp.core.batching:nope': module 'rayapp.core.batching' "
+                                      "has no attribute 'nope'"),
+        ("no_such_module.fn", "batching strategy 'no_such_module.fn': no module named 'no_such_module' (is its "
+                              "package on PYTHONPATH where the manager runs?)"),
+        ("rayapp.core.batching:STRATEGIES", "batching strategy 'rayapp.core.batching:STRATEGIES': a dict is not "
+                                            "callable; expected strategy(tasks: list[Task], specs: "
+                                            "dict[str, EvaluatorSpec]) -> list[Batch]"),
+        ("rayapp.core.clock:loop_time", "batching strategy 'rayapp.core.clock:loop_time': takes () -> 'float', "
+                                        "expected strategy(tasks: list[Task], specs: dict[str, EvaluatorSpec]) "
+                                        "-> list[Batch]"),
+    ]:
+        with pytest.raises(PluginError) as e:
             load_strategy(bad)
+        assert str(e.value).startswith(why) and "\n" not in str(e.value), str(e.value)
 
 
 def test_strategies_group_and_size_by_evaluator_id_not_task_type():

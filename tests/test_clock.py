@@ -14,6 +14,7 @@ from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, StepState, TaskScheduler
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
+from rayapp.training.converters import trainer_metadata
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
 
 HOUR = 3600.0
@@ -97,7 +98,7 @@ def test_a_rollout_of_hour_long_episodes_runs_in_virtual_time_with_exact_timings
     assert makespan == 7 * HOUR
     statuses = [g[0].status for g in result.groups]
     assert statuses == [Status.COMPLETED, Status.COMPLETED, Status.ABORTED, Status.COMPLETED]
-    cut = result.groups[2][0].metadata
+    cut = trainer_metadata(result.groups[2][0])
     assert cut["_termination_reason"] == "agent_timeout"
     assert cut["_abort"]["window"] == [2 * HOUR, 7 * HOUR] and cut["_abort"]["elapsed_s"] == 5 * HOUR
     st = sched.status()

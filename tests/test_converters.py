@@ -4,14 +4,33 @@ skip where verl is not installed (see docs/trainers.md for how to install it bes
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+from conftest import ended
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayapp.core.contracts import RolloutResult
-from rayapp.episode import EpisodeKey
-from rayapp.training.converters import to_slime, verl_tensors
-from rayapp.types import Sample, Status
+from rayapp.core.contracts import EvalResult, RolloutResult, UnfinishedGroup
+from rayapp.record import (
+    Actor,
+    DaggerLabel,
+    EpisodeRecord,
+    EpisodeTiming,
+    Placement,
+    ResumePoint,
+    TerminationReason,
+    ToolReplay,
+    TurnRecord,
+)
+from rayapp.training.converters import (
+    EpisodeKey,
+    for_trainer,
+    stored_sample,
+    to_slime,
+    trainer_sample,
+    verl_tensors,
+)
+from rayapp.types import Sample, Status, Task, TaskConfig
 
 torch = pytest.importorskip("torch")
 
@@ -167,3 +186,51 @@ def test_the_real_verl_dataproto_takes_the_batch_and_grpo_groups_it():
     assert (adv[data.batch["response_mask"] == 0] == 0).all()
     halves = data.chunk(2)
     assert verl.DataProto.concat(halves).batch["input_ids"].tolist() == data.batch["input_ids"].tolist()
+
+
+def _full_record() -> EpisodeRecord:
+    turns = [TurnRecord(1, "teacher", "n0", [0], Actor.TEACHER, 0.5, "3"),
+             TurnRecord(2, "student", actor=Actor.STUDENT)]
+    point = ResumePoint(2, [1, 2, 3], 1, [1, 0], [-0.5, 0.0], turns, [ToolReplay("bash", {"command": "ls"})],
+                        [DaggerLabel(2, 3, [7], "x")], partial=1)
+    return EpisodeRecord(turns=2, termination_reason=TerminationReason.MAX_TURNS, placement=Placement("n0", [0], 0.5),
+                         turn_records=turns, dagger_labels=[DaggerLabel(2, 3, [7], "x")], resume=point,
+                         timing=EpisodeTiming(1.0, "rollout0/b0", 0.25, 0.5, 2.0, 0.5, 3.5))
+
+
+def test_the_door_writes_the_spec_keys_and_reads_them_back():
+    s = make_sample("t0", 0, [1], [2], versions=())
+    s.metadata = {"_dataset_name": "a"}
+    s.episode = _full_record()
+    out = trainer_sample(s)
+    assert out is not s and s.episode == _full_record() and s.metadata == {"_dataset_name": "a"}  # s as it was
+    assert out.episode == EpisodeRecord()
+    m = out.metadata
+    assert m["_dataset_name"] == "a" and m["_turns"] == 2 and m["_termination_reason"] == "max_turns"
+    assert m["_placement"] == {"node": "n0", "gpu_ids": [0], "gpu": 0.5} and m["_turn_actor"] == ["teacher", "student"]
+    assert m["_turn_placement"][0] == {"turn": 1, "engine": "teacher", "node": "n0", "gpu_ids": [0],
+                                       "actor": "teacher", "engine_s": 0.5, "weight_version": "3"}
+    assert m["_timing"] == {"started": 1.0, "batch": "rollout0/b0", "queued": 0.25, "admitted": 0.5, "run_s": 2.0,
+                            "verify_s": 0.5, "ended": 3.5}
+    assert m["_resume"]["turns"] == 2 and m["_dagger_labels"] == [{"turn": 2, "state_len": 3, "label_ids": [7],
+                                                                   "text": "x"}]
+    assert stored_sample(msgspec.structs.replace(out, metadata=dict(out.metadata))) == s
+    aborted = msgspec.structs.replace(s, episode=ended("infra_sandbox", turns=1, termination_reason=None))
+    aborted.episode.termination_reason = TerminationReason.STOP
+    back = trainer_sample(aborted)
+    assert back.metadata["_termination_reason"] == "infra_sandbox"
+    assert back.metadata["_termination_reason_agent"] == "stop"
+    assert "reason" not in back.metadata["_abort"] and stored_sample(back) == aborted
+
+
+def test_results_leave_through_the_door_and_slime_reads_either_form():
+    s = make_sample("t0", 0, [1], [2])
+    s.metadata, s.episode = {}, _full_record()
+    result = RolloutResult(3, [[s]], unfinished=[UnfinishedGroup(1, Task("u", "p", TaskConfig("x")), [s])])
+    out = for_trainer(result)
+    assert result.groups[0][0] is s and s.episode == _full_record()  # the result itself is left as it is
+    assert out.groups[0][0].metadata == out.unfinished[0].samples[0].metadata == trainer_sample(s).metadata
+    assert to_slime(out) == to_slime(result)
+    assert to_slime(result)[0]["weight_versions"] == ["3"]
+    ev = for_trainer(EvalResult(3, {}, {"a": [s]}))
+    assert ev.samples["a"][0].metadata["_turns"] == 2

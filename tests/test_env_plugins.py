@@ -9,7 +9,7 @@ import textwrap
 import pytest
 from conftest import run
 
-from rayapp import AgentDeps, AgentHandler, BaseAgent, ChatAgent, DAggerAgent, Env, PluginError, ToolAgent
+from rayapp import AgentDeps, AgentHandler, ChatAgent, DAggerAgent, Env, PluginError, ToolAgent
 from rayapp.core.agent import FunctionAgent
 from rayapp.envs.agents.tools import ToolCall, calculator
 from rayapp.envs.registry import ENVS, get_env
@@ -97,7 +97,6 @@ def test_the_built_in_envs_rows_carry_their_name_as_task_type():
 
 
 def test_every_agent_is_the_core_s_agent_handler():
-    assert BaseAgent is AgentHandler  # the old name, kept importable
     for cls in (ChatAgent, ToolAgent, DAggerAgent, SweAgent, DAggerSweAgent, FunctionAgent):
         assert issubclass(cls, AgentHandler), cls
 

@@ -7,6 +7,8 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
+from rayapp.record import TerminationReason
+from rayapp.training.converters import trainer_metadata
 from rayapp.types import (
     AgentResult,
     EvaluatorSpec,
@@ -17,7 +19,6 @@ from rayapp.types import (
     StoppingCriteria,
     Task,
     TaskConfig,
-    TerminationReason,
     Token,
 )
 
@@ -83,7 +84,7 @@ def test_concurrency_ceiling_and_one_token_held_across_run_and_eval():
             assert s.status is Status.COMPLETED and s.reward == {"score": 1.0}
             assert s.tokens == [1, 2, 5, 5, 5] and s.response_length == 3
             assert s.loss_mask == [1, 1, 1] and s.rollout_log_probs == [-0.1] * 3
-            assert s.metadata["_placement"]["node"] in {"node0", "node1"}
+            assert trainer_metadata(s)["_placement"]["node"] in {"node0", "node1"}
             assert not s.remove_sample
 
 
@@ -146,10 +147,11 @@ def test_a_failing_sample_becomes_a_classified_aborted_dummy(exc, phase, reason)
         assert s.reward == {"score": 0.0}
         assert s.tokens == [0, 0] and s.response_length == 1 and s.loss_mask == [0]
         assert s.remove_sample
-        assert s.metadata["_termination_reason"] == reason
-        assert s.metadata["_termination_reason_agent"] == "stop"
-        diag = s.metadata["_abort"]
+        assert trainer_metadata(s)["_termination_reason"] == reason
+        assert trainer_metadata(s)["_termination_reason_agent"] == "stop"
+        diag = trainer_metadata(s)["_abort"]
         assert diag["phase"] == phase and diag["node"] in {"node0", "node1"}
+        assert s.episode.abort.phase == {"run": "run", "eval": "verify"}[phase]  # the trainer's word for verify: eval
         assert diag["turns"] == (4 if phase == "run" else 1)  # the agent's progress, or its result's
         assert diag["window"][0] <= diag["window"][1]
     assert ev._local.qsize() == 2
@@ -162,9 +164,9 @@ def test_run_phase_timeout_from_stopping_criteria_is_an_agent_timeout():
     groups = make_groups(1, 1, StoppingCriteria(timeout_s=0.05))
     run(Evaluator(spec(FunctionAgent(slow, lambda s, r: {"score": 1.0})), StepContext(0), tokens=None).run(groups))
     s = groups[0].samples[0]
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "agent_timeout"
-    assert "_termination_reason_agent" not in s.metadata
-    assert "run phase ran past its 0.05s limit" in s.metadata["_abort"]["error"]
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "agent_timeout"
+    assert "_termination_reason_agent" not in trainer_metadata(s)
+    assert "run phase ran past its 0.05s limit" in trainer_metadata(s)["_abort"]["error"]
 
 
 def test_a_timeout_the_agent_raises_itself_is_not_blamed_on_the_phase_clock():
@@ -174,7 +176,7 @@ def test_a_timeout_the_agent_raises_itself_is_not_blamed_on_the_phase_clock():
     groups = make_groups(1, 1, StoppingCriteria(timeout_s=30))
     run(Evaluator(spec(FunctionAgent(inner_timeout, lambda s, r: {"score": 1.0})), StepContext(0),
                   tokens=None).run(groups))
-    diag = groups[0].samples[0].metadata["_abort"]
+    diag = trainer_metadata(groups[0].samples[0])["_abort"]
     assert diag["error"] == "TimeoutError: tool call timed out"
 
 
@@ -190,7 +192,7 @@ def test_malformed_results_abort_as_infra_other(result, reward):
     agent = FunctionAgent(lambda s, c: result, lambda s, r: reward)
     run(Evaluator(spec(agent), StepContext(0), tokens=None).run(groups))
     s = groups[0].samples[0]
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "infra_other"
 
 
 def test_truncated_episode_and_default_loss_mask():
@@ -200,7 +202,7 @@ def test_truncated_episode_and_default_loss_mask():
                   tokens=None).run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.TRUNCATED and s.loss_mask == [1, 1] and s.reward == {"score": 0.0}
-    assert s.metadata["_termination_reason"] == "max_turns"
+    assert trainer_metadata(s)["_termination_reason"] == "max_turns"
 
 
 def test_an_evaluator_runs_one_batch_once():
@@ -219,7 +221,7 @@ def test_an_agent_result_that_breaks_its_type_aborts_the_sample(bad):
     run(Evaluator(spec(FunctionAgent(lambda s, c: bad, lambda s, r: {"score": 1})), StepContext(0),
                   tokens=None).run(groups))
     s = groups[0].samples[0]
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "infra_other"
     assert s.tokens == [0, 0] and s.remove_sample
 
 
@@ -234,9 +236,9 @@ def test_an_unknown_termination_reason_aborts_naming_it():
     run(Evaluator(spec(FunctionAgent(lambda s, c: res, lambda s, r: {"score": 1})), StepContext(0),
                   tokens=None).run(groups))
     s = groups[0].samples[0]
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "infra_other"
     assert '$.termination_reason: expected "stop" or "max_turns" or "max_context_len" or "length", got ' \
-           '"max_context"' in s.metadata["_abort"]["error"]
+           '"max_context"' in trainer_metadata(s)["_abort"]["error"]
 
 
 def test_a_plain_string_reason_becomes_the_enum_and_the_metadata_holds_plain_values():
@@ -249,7 +251,7 @@ def test_a_plain_string_reason_becomes_the_enum_and_the_metadata_holds_plain_val
         return {"score": 0}
 
     run(Evaluator(spec(FunctionAgent(lambda s, c: res, verify)), StepContext(0), tokens=tokens(1)).run(groups))
-    meta = groups[0].samples[0].metadata
+    meta = trainer_metadata(groups[0].samples[0])
     assert verified[0].termination_reason is TerminationReason.LENGTH  # the verifier sees the checked result
     timing = meta.pop("_timing")
     assert meta == {"_placement": {"node": "node0", "gpu_ids": [0], "gpu": 0.5}, "_turns": 2,
@@ -300,7 +302,7 @@ def test_a_failing_close_aborts_the_sample_and_the_token_comes_back():
     ev = Evaluator(spec(FunctionAgent(run_fn, lambda s, r: {"score": 1.0})), StepContext(0), tokens=tokens(1))
     run(ev.run(groups))
     s = groups[0].samples[0]
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_conn"
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "infra_conn"
     assert ev._local.qsize() == 1
 
 
@@ -315,9 +317,9 @@ def test_a_verify_phase_past_its_limit_aborts_at_the_limit_and_others_are_untouc
     run_virtual(ev.run(groups))
     s0, s1, s2 = groups[0].samples
     assert s0.status is s2.status is Status.COMPLETED
-    assert s1.status is Status.ABORTED and s1.metadata["_termination_reason"] == "agent_timeout"
-    assert s1.metadata["_abort"]["window"] == [0.0, 30.0]
-    assert s1.metadata["_abort"]["error"] == "AgentTimeout: eval phase ran past its 30s limit"
+    assert s1.status is Status.ABORTED and trainer_metadata(s1)["_termination_reason"] == "agent_timeout"
+    assert trainer_metadata(s1)["_abort"]["window"] == [0.0, 30.0]
+    assert trainer_metadata(s1)["_abort"]["error"] == "AgentTimeout: verify phase ran past its 30s limit"
     assert ev._local.qsize() == 3 and ev._deadlines._timer is None  # nothing left armed
 
 

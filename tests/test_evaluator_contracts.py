@@ -11,6 +11,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator
+from rayapp.training.converters import trainer_metadata
 from rayapp.types import AgentResult, Status, StoppingCriteria
 
 # ---- an agent's own BaseExceptions, blocking agents ----------------------------------------------
@@ -39,8 +40,8 @@ def test_an_agent_raising_a_base_exception_aborts_only_its_sample(exc, phase):
     run_virtual(ev.run(groups))
     bad = groups[0].samples[0]
     assert bad.status is Status.ABORTED and bad.remove_sample
-    assert bad.metadata["_termination_reason"] == "infra_other"
-    assert bad.metadata["_abort"]["error"].startswith(type(exc).__name__)
+    assert trainer_metadata(bad)["_termination_reason"] == "infra_other"
+    assert trainer_metadata(bad)["_abort"]["error"].startswith(type(exc).__name__)
     assert all(s.status is Status.COMPLETED for g in groups for s in g.samples if s is not bad)
     assert peak[0] <= 2 and ev._local.qsize() == 2
 
@@ -66,7 +67,7 @@ def test_a_blocking_synchronous_agent_still_times_out():
 
     run(main())
     [s] = groups[0].samples
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "agent_timeout"
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "agent_timeout"
 
 
 def test_a_plain_function_agent_runs_off_the_loop():
@@ -104,8 +105,8 @@ def test_garbage_token_data_aborts_the_sample_naming_the_field(field, result):
     agent = FunctionAgent(lambda s, c: result, lambda s, r: {"score": 1.0})
     run_virtual(Evaluator(spec(agent), StepContext(0), tokens=tokens(1)).run(groups))
     [s] = groups[0].samples
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
-    assert field in s.metadata["_abort"]["error"]
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "infra_other"
+    assert field in trainer_metadata(s)["_abort"]["error"]
     assert s.tokens == [0, 0] and s.reward == {"score": 0.0}
 
 
@@ -116,5 +117,5 @@ def test_a_reward_that_is_not_a_finite_number_aborts_the_sample_naming_the_entry
     agent = FunctionAgent(lambda s, c: ok_result(), lambda s, r: reward)
     run_virtual(Evaluator(spec(agent), StepContext(0), tokens=tokens(1)).run(groups))
     [s] = groups[0].samples
-    assert s.status is Status.ABORTED and s.metadata["_termination_reason"] == "infra_other"
-    assert "reward[" in s.metadata["_abort"]["error"] and s.reward == {"score": 0.0}
+    assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "infra_other"
+    assert "reward[" in trainer_metadata(s)["_abort"]["error"] and s.reward == {"score": 0.0}

@@ -22,16 +22,9 @@ from rayapp.core.contracts import RolloutPlan
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
-from rayapp.types import (
-    AbortReason,
-    AgentResult,
-    EvaluatorSpec,
-    Resource,
-    Status,
-    StoppingCriteria,
-    Task,
-    TaskConfig,
-)
+from rayapp.record import AbortReason
+from rayapp.training.converters import trainer_metadata
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
 
 H = 3600.0
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
@@ -246,7 +239,7 @@ def check_complete(result, plan, n_complete):
             fault, _, _, verify_fails = plan[(s.task_id, s.index)]
             if fault not in ("ok", "swallow") or verify_fails:
                 assert s.status is Status.ABORTED and s.remove_sample
-                assert s.metadata["_termination_reason"] in set(AbortReason)
+                assert trainer_metadata(s)["_termination_reason"] in set(AbortReason)
             else:
                 assert s.status is Status.COMPLETED and s.reward == {"score": 1.0}
 

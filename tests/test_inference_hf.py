@@ -34,6 +34,7 @@ from rayapp.inference.tiny_model import (
     is_complete,
     load_tokenizer,
 )
+from rayapp.training.tiny_recipe import corpus_lines
 from rayapp.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
@@ -333,7 +334,7 @@ def test_build_is_idempotent_and_deterministic(cache_dir, model_dir):
     stamp = (model_dir / MANIFEST).stat().st_mtime_ns
     assert ensure_tiny_model(cache_dir) == model_dir and (model_dir / MANIFEST).stat().st_mtime_ns == stamp
     assert json.loads((model_dir / MANIFEST).read_text())["params"] > 0
-    assert build_tokenizer().get_vocab() == load_tokenizer(model_dir).get_vocab()
+    assert build_tokenizer(corpus_lines()).get_vocab() == load_tokenizer(model_dir).get_vocab()
 
 
 def test_concurrent_builders_build_once_atomically(tmp_path):
@@ -368,6 +369,7 @@ def refuse(*a, **k): raise OSError("network access attempted")
 socket.socket.connect = refuse
 socket.create_connection = refuse
 from rayapp.inference import GenerateRequest, make_backend
+from rayapp.training.tiny_recipe import corpus_lines
 from rayapp.types import SamplingParams
 b = make_backend("hf", cache_dir={str(cache_dir)!r})
 ids = b.tokenizer.apply_chat_template([{{"role": "user", "content": "What is 2 + 2?"}}],

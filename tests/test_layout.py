@@ -1,4 +1,4 @@
-"""rayapp.core.layout: the cluster layout schema (spec §3) and its one-error-per-failure contract."""
+"""rayapp.core.layout: the cluster layout schema (docs/scheduler.md §3) and its one-error-per-failure contract."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-# --- the two forms of spec §3 -------------------------------------------------------------------
+# --- the two forms of a layout (docs/scheduler.md §3) ----------------------------------------------------
 
 
 def test_full_dict_form_inline() -> None:

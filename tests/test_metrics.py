@@ -1,4 +1,5 @@
 import pytest
+from conftest import ended
 
 from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.types import Sample
@@ -24,7 +25,7 @@ def test_pass_at_k_rejects_impossible_counts(n, c, k):
 
 
 def s(task, score, reason="stop"):
-    return Sample(task, 0, "p", reward={"score": score}, metadata={"_termination_reason": reason})
+    return Sample(task, 0, "p", reward={"score": score}, episode=ended(reason))
 
 
 def test_eval_metrics_per_dataset_with_pass_at_k():

@@ -5,7 +5,6 @@ and a new manager takes over. Virtual time throughout (``core.clock.run_virtual`
 import asyncio
 import math
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,10 +16,10 @@ from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.episode import RESUME_POINTS, EpisodeKey, ResumePoint, TurnRecord
+from rayapp.record import EpisodeRecord, ResumePoint, TurnRecord
 from rayapp.training import checkpoint as checkpoint_module
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
-from rayapp.training.partial import SAMPLE_INDICES, PartialConfig, PartialRollouts, group_index
+from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status
 
 
@@ -29,15 +28,14 @@ class Resuming(LongTail):
     multi-turn agent does."""
 
     async def run(self, sample, ctx):
-        points = sample.metadata.pop(RESUME_POINTS, None) or []
-        point = points[sample.index] if sample.index < len(points) and points[sample.index] else None
+        point = ctx.record.start
         done = 0
         if point is not None:
-            done = point["turns"]
+            done = point.turns
             ctx.record.turns = done
-            ctx.record.turn_records = [msgspec.convert(t, TurnRecord) for t in point["turn_records"]]
-            ctx.record.resume = msgspec.convert(point, ResumePoint)
-        key = (sample.task_id, group_index(sample))  # a carried group runs only its samples not ended
+            ctx.record.turn_records = list(point.turn_records)
+            ctx.record.resume = point
+        key = (sample.task_id, sample.index)  # a carried group runs only its samples not ended, by their index
         self.started[key] += 1
         hours = min(self.rng.lognormvariate(0, 1.1), 40.0)
         for turn in range(done + 1, TURNS + 1):
@@ -73,14 +71,12 @@ def test_no_group_is_lost_or_duplicated_across_steps(seed, batch, over, policy, 
         f"t{i}" for i in range(source.cursor))
     assert all(s.status.value == "completed" for r in results for g in r.groups for s in g)
     assert all(r.metrics["rollout/partial/staleness_max"] <= max_staleness for r in results)
-    turns = [[t["turn"] for t in s.metadata[EpisodeKey.TURN_PLACEMENT.value]] for r in results for g in r.groups
-             for s in g]
+    turns = [[t.turn for t in s.episode.turn_records] for r in results for g in r.groups for s in g]
     assert all(t == list(range(1, TURNS + 1)) for t in turns)  # a resumed episode repeats no done turn
     assert pool.snapshot() == before and pool.held == 0
     n = source.group
     everything = [g for r in results for g in r.groups] + [g.samples for g in partial.carried() if g.samples]
     assert all([s.index for s in g] == list(range(n)) for g in everything)  # whole: 0..n-1, each once
-    assert not any(group_index(s) != s.index for g in everything for s in g)  # renumbering undone
     if policy == "resume" and max_staleness >= steps - 1:  # no group aged out: none restarted whole
         assert max(agent.ended.values(), default=0) <= 1  # a sample that ended is kept, never run again
 
@@ -185,7 +181,7 @@ def test_a_failed_finished_write_fails_the_step_and_a_restarted_manager_loses_an
     assert ck.tries == checkpoint_module.FINISH_TRIES
     assert RolloutCheckpoint(tmp_path).carried(1) is None  # nothing half-written
     # under resume, step 1's own checkpoint holds parts of carried groups (their samples not ended)
-    parts = [g for g in RolloutCheckpoint(tmp_path).resume(1).groups.values() if SAMPLE_INDICES in g[0].metadata]
+    parts = [g for g in RolloutCheckpoint(tmp_path).resume(1).groups.values() if len(g) < 4]
     assert bool(parts) == (cfg.policy == "resume")
 
     # a new manager over the same folder: the trainer runs step 1 again, then step 2
@@ -208,7 +204,7 @@ def test_a_carried_group_whose_samples_all_ended_is_returned_without_running(mak
     agent, source = Resuming(seed=5), Stream(group=2)
     task = (run_virtual(source.get_tasks(1)))[0]
     ended = [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED,
-                    metadata={EpisodeKey.TURN_PLACEMENT.value: [{"turn": 1, "weight_version": "0"}]})
+                    episode=EpisodeRecord(turn_records=[TurnRecord(1, "e", weight_version="0")]))
              for i in (1, 0)]
     ck = RolloutCheckpoint(tmp_path)
     ck.begin(0, source.state_dict())

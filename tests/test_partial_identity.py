@@ -16,7 +16,7 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
-from rayapp.episode import EpisodeKey
+from rayapp.record import EpisodeRecord, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
 from rayapp.training.filters import Verdict
 from rayapp.training.partial import PartialConfig, PartialRollouts
@@ -195,7 +195,7 @@ def test_a_carried_group_already_complete_is_returned_with_a_batch_of_one(make_p
     agent, source = Resuming(seed=5), Stream(group=2)
     task = run_virtual(source.get_tasks(1))[0]
     ended = [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED,
-                    metadata={EpisodeKey.TURN_PLACEMENT.value: [{"turn": 1, "weight_version": "0"}]})
+                    episode=EpisodeRecord(turn_records=[TurnRecord(1, "e", weight_version="0")]))
              for i in (0, 1)]
     ck = RolloutCheckpoint(tmp_path)
     ck.begin(0, source.state_dict())

@@ -15,7 +15,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import RolloutPlan, SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.episode import RESUME_POINTS, EpisodeKey, ResumePoint
+from rayapp.record import ResumePoint
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
 from rayapp.training.partial import PartialConfig, PartialRollouts, staleness
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
@@ -95,8 +95,8 @@ def test_complete_after_returns_n_groups_and_hands_back_the_rest_with_their_turn
     cut = [s for u in result.unfinished for s in u.samples if s.status is Status.PENDING]
     assert cut, "some sample was cut short"
     for s in cut:  # what it did so far is on record: turns that ended, with the step's placement
-        done = s.metadata.get(EpisodeKey.TURN_PLACEMENT.value, [])
-        assert len(done) == s.metadata.get(EpisodeKey.TURNS.value, 0) < TURNS
+        done = s.episode.turn_records
+        assert len(done) == (s.episode.turns or 0) < TURNS
         assert agent.ended[(s.task_id, s.index)] == 0
 
 
@@ -172,9 +172,9 @@ def test_carried_groups_are_the_unfinished_ones_and_restart_discards_their_turns
     assert again, "a carried group came back in the next step"
     for s in again:
         assert agent.started[(s.task_id, s.index)] >= 2  # ran again from its first turn
-        turns = s.metadata[EpisodeKey.TURN_PLACEMENT.value]
-        assert [t["turn"] for t in turns] == list(range(1, TURNS + 1))
-        assert {t["weight_version"] for t in turns} == {"1"}  # all of this step's attempt
+        turns = s.episode.turn_records
+        assert [t.turn for t in turns] == list(range(1, TURNS + 1))
+        assert {t.weight_version for t in turns} == {"1"}  # all of this step's attempt
 
 
 class Resumable(LongTail):
@@ -184,8 +184,7 @@ class Resumable(LongTail):
     async def run(self, sample, ctx):
         key = (sample.task_id, sample.index)
         self.started[key] += 1
-        points = sample.metadata.pop(RESUME_POINTS, None)
-        point = msgspec.convert(points[sample.index], ResumePoint) if points and points[sample.index] else None
+        point = ctx.record.start
         tokens = list(point.tokens) if point else [0]
         if point:
             ctx.record.turns, ctx.record.turn_records, ctx.record.resume = point.turns, list(point.turn_records), point
@@ -214,8 +213,8 @@ def test_resume_keeps_completed_turns_and_staleness_stays_bounded(make_pool, max
             out.append(await partial.execute_rollout(i))
             for g in partial.carried():
                 for s in g.samples:
-                    if s.metadata.get(EpisodeKey.RESUME.value):
-                        cut[(s.task_id, s.index)] = s.metadata[EpisodeKey.RESUME.value]["tokens"]
+                    if s.episode.resume is not None:
+                        cut[(s.task_id, s.index)] = s.episode.resume.tokens
         return out
 
     results = run_virtual(steps())
@@ -239,7 +238,7 @@ def test_resume_keeps_completed_turns_and_staleness_stays_bounded(make_pool, max
                 kept = cut.get((s.task_id, s.index))
                 if kept and agent.started[(s.task_id, s.index)] >= 2 and s.tokens[:len(kept)] == kept:
                     resumed += 1
-                assert RESUME_POINTS not in s.metadata
+                assert s.episode.start is None  # what the step was handed is no part of its result
     assert resumed > 0, "some returned sample went on from the turns it had kept"
 
 

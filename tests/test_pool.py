@@ -1,4 +1,4 @@
-"""PlacementPool ledger (spec §3): packing, best fit, greedy node choice, all-or-nothing, release
+"""PlacementPool ledger (docs/scheduler.md §3): packing, best fit, greedy node choice, all-or-nothing, release
 validation and bad input. Waiting and reservations: test_pool_reservations.py; the stateful model
 check: test_pool_model.py."""
 

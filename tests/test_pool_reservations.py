@@ -1,4 +1,4 @@
-"""PlacementPool admission (spec §3): waiting (wake-up, timeout, cancellation, FIFO), the reservation
+"""PlacementPool admission (docs/scheduler.md §3): waiting (wake-up, timeout, cancellation, FIFO), the reservation
 hook (refusal retried at the head of the queue, errors and cancellation holding nothing), and
 batches tracked with their owners."""
 

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from rayapp.training.converters import trainer_metadata
 from rayapp.types import EvaluatorSpec, Resource, Status, Task, TaskConfig
 
 LAYOUT = '{"127.0.0.1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 4}}'
@@ -82,21 +83,21 @@ def test_killed_sandbox_killed_engine_and_timeout_abort_with_their_class(ray_ses
     result = asyncio.run(sched_ok.execute_rollout(0))
     by_kind = {g[0].metadata["fault"] + str(i): g[0] for i, g in enumerate(result.groups)}
     assert by_kind["sandbox1"].status is Status.ABORTED
-    assert by_kind["sandbox1"].metadata["_termination_reason"] == "infra_sandbox"
+    assert trainer_metadata(by_kind["sandbox1"])["_termination_reason"] == "infra_sandbox"
     assert by_kind["ok0"].status is Status.COMPLETED and by_kind["ok2"].status is Status.COMPLETED
 
     sched_t = TaskScheduler([spec(agent, timeout_s=3)], Source(["timeout"]), pool,
                             SchedulerConfig(rollout_batch_size=1, progress=False))
     timed_out = asyncio.run(sched_t.execute_rollout(1)).groups[0][0]
-    assert timed_out.status is Status.ABORTED and timed_out.metadata["_termination_reason"] == "agent_timeout"
+    assert timed_out.status is Status.ABORTED and trainer_metadata(timed_out)["_termination_reason"] == "agent_timeout"
 
     sched_e = TaskScheduler([spec(agent, timeout_s=60)], Source(["engine"]), pool,
                             SchedulerConfig(rollout_batch_size=1, progress=False))
     lost = asyncio.run(sched_e.execute_rollout(2)).groups[0][0]
-    assert lost.status is Status.ABORTED and lost.metadata["_termination_reason"] == "infra_conn"
+    assert lost.status is Status.ABORTED and trainer_metadata(lost)["_termination_reason"] == "infra_conn"
     for s in (by_kind["sandbox1"], timed_out, lost):
         assert s.remove_sample and s.loss_mask == [0] and s.tokens == [0, 0] and s.reward == {"score": 0.0}
-        assert s.metadata["_abort"]["phase"] == "run" and s.metadata["_abort"]["node"] == "127.0.0.1"
+        assert trainer_metadata(s)["_abort"]["phase"] == "run" and trainer_metadata(s)["_abort"]["node"] == "127.0.0.1"
 
 
 def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):

@@ -10,6 +10,7 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import RolloutPlan
 from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
+from rayapp.training.converters import trainer_metadata
 from rayapp.types import AgentResult, Batch, EvaluatorSpec, Resource, Sample, Status, StoppingCriteria, Task, TaskConfig
 
 
@@ -46,7 +47,7 @@ def test_rollout_runs_every_task_and_returns_groups_in_fetch_order(make_pool):
             as_verified = verify(s, AgentResult(tokens=[], response_length=0, response=s.response))
             assert s.reward["score"] == as_verified["score"]
             assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
-            assert s.metadata["_placement"]["node"] in {"n0", "n1"}
+            assert trainer_metadata(s)["_placement"]["node"] in {"n0", "n1"}
     assert result.metrics["rollout/success"] + result.metrics["rollout/wrong_answer"] == 15
     st = sched.status()
     assert st.tasks_done == st.tasks == 5 and st.samples_done == 15 and st.phase == "rollout done"
@@ -127,7 +128,7 @@ def test_one_failing_sample_never_fails_the_step(make_pool):
                                SchedulerConfig(rollout_batch_size=3, progress=False)).execute_rollout(0))
     statuses = [g[0].status for g in result.groups]
     assert statuses == [Status.COMPLETED, Status.ABORTED, Status.COMPLETED]
-    assert result.groups[1][0].metadata["_termination_reason"] == "infra_conn"
+    assert trainer_metadata(result.groups[1][0])["_termination_reason"] == "infra_conn"
     assert result.metrics["rollout/infra_conn"] == 1
 
 
@@ -422,7 +423,7 @@ def plain_callback(task, samples):
     ({"pool": HalfPool(), "config": SchedulerConfig(release="batch_end")},
      r"^pool HalfPool\.release_batch: a plain function; it must be a coroutine function"),
     ({"iteration": AsyncIteration()}, r"^iteration AsyncIteration\.rollout_state: not a plain function; it must be "
-                                      r"def rollout_state\(self, rollout_id: int\) -> dict"),
+                                      r"def rollout_state\(self, rollout_id: int\) -> Iteration"),
 ])
 def test_a_seam_of_the_wrong_kind_is_one_error_at_construction_naming_object_method_and_protocol(kwargs, message):
     with pytest.raises(TypeError, match=message):
@@ -441,3 +442,19 @@ def test_an_on_task_done_of_the_wrong_kind_is_refused_before_the_step_fetches():
     with pytest.raises(TypeError, match=r"^execute_rollout's on_task_done plain_callback: a plain function"):
         run(sched.execute_rollout(0, plain_callback))
     assert fetched == []
+
+
+def test_a_carried_tasks_samples_keep_their_group_index_and_resume_point():
+    from rayapp.core.evaluator import TaskRun
+    from rayapp.record import CarriedRun, ResumePoint
+    from rayapp.types import Task, TaskConfig
+
+    point = ResumePoint(1, [1, 2], 1, [1], [0.0])
+    task = Task("t", "p", TaskConfig("x", n_samples=2), carried=CarriedRun([1, 3], [None, point]))
+    samples = TaskRun.samples_of(4, task)
+    assert [s.index for s in samples] == [1, 3] and [s.episode.start for s in samples] == [None, point]
+    assert all(s.metadata == {"_rollout_id": 4} for s in samples)
+    bad = Task("t", "p", TaskConfig("x", n_samples=3), carried=CarriedRun([1, 3]))
+    with pytest.raises(ValueError, match=r"^task 't': its carried run names 2 samples and 2 resume points for "
+                                         r"n_samples=3$"):
+        TaskRun.samples_of(4, bad)

@@ -11,7 +11,7 @@ from rayapp.core.termination import (
     classify_abort,
     classify_termination,
 )
-from rayapp.types import TerminationReason
+from rayapp.record import TerminationReason
 
 
 class RemoteError(Exception):

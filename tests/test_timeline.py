@@ -12,6 +12,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
+from rayapp.training.converters import trainer_metadata
 from rayapp.training.timeline import QUEUE, chrome_trace, timeline_rows
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
 
@@ -74,8 +75,8 @@ def test_rows_put_a_sample_where_its_token_was(step):
         if r["node"] == QUEUE:
             continue
         s = next(s for s in step if f"{s.task_id}#{s.index}" == r["name"])
-        assert r["node"] == s.metadata["_placement"]["node"]
-        assert r["lane"].startswith(f"gpu {s.metadata['_placement']['gpu_ids'][0]}/")
+        assert r["node"] == trainer_metadata(s)["_placement"]["node"]
+        assert r["lane"].startswith(f"gpu {trainer_metadata(s)['_placement']['gpu_ids'][0]}/")
         assert r["abort"] == (s.status is Status.ABORTED and r["phase"] == "run")
 
 

@@ -5,7 +5,11 @@ changed prompt in the corpus shows here), its weights' digest; and that the buil
 (a few pretraining steps) and writes the same tokenizer files. ``make check-tiny-model`` rebuilds it
 whole and compares (minutes: not part of ``make test``)."""
 
+import ast
 import json
+from pathlib import Path
+
+import pytest
 
 from rayapp.inference.tiny_model import (
     MANIFEST,
@@ -17,8 +21,8 @@ from rayapp.inference.tiny_model import (
     file_digest,
     is_complete,
     load_tokenizer,
-    training_digest,
 )
+from rayapp.training.tiny_recipe import TRAINING, training_digest
 
 REBUILD = "the shipped tiny model is not what its recipe builds now: run `make tiny-model` and commit the result"
 
@@ -32,9 +36,34 @@ def test_the_shipped_build_is_what_its_recipe_makes(tmp_path):
 
 
 def test_the_build_runs_and_writes_the_shipped_tokenizer(tmp_path):
-    folder = ensure_built(tmp_path / "tiny", lambda f: build_tiny_model(f, pretrain_steps=2))
+    folder = ensure_built(tmp_path / "tiny", lambda f: build_tiny_model(f, TRAINING, pretrain_steps=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
         assert (folder / name).read_bytes() == (SHIPPED / name).read_bytes(), name
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["pretrain_steps"] == 2 and manifest["weights_sha256"] == file_digest(folder / WEIGHTS)
     assert load_tokenizer(folder).get_vocab() == load_tokenizer(SHIPPED).get_vocab()
+
+
+def test_without_the_shipped_build_and_without_training_data_nothing_is_built(tmp_path, monkeypatch):
+    from rayapp.inference import tiny_model
+
+    monkeypatch.setattr(tiny_model, "SHIPPED", tmp_path / "not-shipped")
+    with pytest.raises(FileNotFoundError, match=r"make tiny-model.*tiny_recipe\.TRAINING"):
+        tiny_model.ensure_tiny_model(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_inference_package_imports_no_environment():
+    """The tiny model's training data comes in from its caller (``tiny_recipe``): no module of
+    ``rayapp.inference`` imports ``rayapp.envs`` (or ``rayapp.training``, which sits above it)."""
+    for path in Path(tiny_model_file()).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n.startswith(("rayapp.envs", "rayapp.training"))], path.name
+
+
+def tiny_model_file() -> str:
+    from rayapp.inference import tiny_model
+
+    return tiny_model.__file__

@@ -3,13 +3,23 @@ import json
 import logging
 
 import pytest
+from conftest import ended
 
 import rayapp.training.artifacts as art
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.metrics import failure_summary
-from rayapp.episode import AbortRecord, EpisodeRecord, Placement, TurnRecord
+from rayapp.record import (
+    AbortReason,
+    AbortRecord,
+    EpisodePhase,
+    EpisodeRecord,
+    Placement,
+    TerminationReason,
+    TurnRecord,
+)
 from rayapp.training.artifacts import EvalDetailsWriter, JsonlAppender, read_jsonl
-from rayapp.types import AbortReason, EpisodePhase, Sample, Status, Task, TaskConfig, TerminationReason
+from rayapp.training.converters import episode_metadata, stored_sample, trainer_metadata
+from rayapp.types import Sample, Status, Task, TaskConfig
 
 
 def _placed(turn, node="10.0.0.2", gpus=(0,), engine="student"):
@@ -17,20 +27,21 @@ def _placed(turn, node="10.0.0.2", gpus=(0,), engine="student"):
 
 
 def _result():
-    ok = Sample("m1", 0, "1+1?", status=Status.COMPLETED, tokens=[5, 6, 7, 8, 9], response="2 ✓",
+    ok = stored_sample(Sample("m1", 0, "1+1?", status=Status.COMPLETED, tokens=[5, 6, 7, 8, 9], response="2 ✓",
                 response_length=2, reward={"score": 1.0},
                 metadata={"_eval_dataset_name": "math", "_turns": 2, "_termination_reason": "stop",
-                          "_turn_placement": [_placed(1), _placed(2, gpus=(0, 1), engine="teacher") | {"beta": 0.5}]})
-    wrong = Sample("m1", 1, "1+1?", status=Status.TRUNCATED, tokens=[5, 6, 7], response="3",
+                          "_turn_placement": [_placed(1),
+                                              _placed(2, gpus=(0, 1), engine="teacher") | {"engine_s": 0.5}]}))
+    wrong = stored_sample(Sample("m1", 1, "1+1?", status=Status.TRUNCATED, tokens=[5, 6, 7], response="3",
                    response_length=1, reward={"score": 0.0},
-                   metadata={"_turns": 4, "_termination_reason": "max_turns", "_turn_placement": []})
+                   metadata={"_turns": 4, "_termination_reason": "max_turns", "_turn_placement": []}))
     abort = {"phase": "run", "window": [1.0, 2.5], "elapsed_s": 1.5, "node": "10.0.0.3", "gpu_ids": [2],
              "turns": 1, "error": "SandboxError: container died"}
-    aborted = Sample("s1", 0, "fix it", status=Status.ABORTED, tokens=[0, 0], response_length=1,
+    aborted = stored_sample(Sample("s1", 0, "fix it", status=Status.ABORTED, tokens=[0, 0], response_length=1,
                      reward={"score": 0.0}, remove_sample=True,
                      metadata={"_turns": 1, "_termination_reason": "infra_sandbox", "_abort": abort,
                                "_placement": {"node": "10.0.0.3", "gpu_ids": [2], "gpu": 1.0},
-                               "_turn_placement": [{"turn": 1, "engine": "student"}]})
+                               "_turn_placement": [{"turn": 1, "engine": "student"}]}))
     metrics = {"eval/math/accuracy": 0.5, "eval/math/pass@2": 1.0, "eval/swe/accuracy": 0.0}
     return EvalResult(3, metrics, {"math": [ok, wrong], "swe": [aborted]}), abort
 
@@ -50,7 +61,7 @@ EXPECTED_PLACEMENT = [
     {"dataset": "math", "task_id": "m1", "index": 0, "turn": 1, "node": "10.0.0.2", "gpu_ids": [0],
      "engine": "student"},
     {"dataset": "math", "task_id": "m1", "index": 0, "turn": 2, "node": "10.0.0.2", "gpu_ids": [0, 1],
-     "engine": "teacher", "beta": 0.5},
+     "engine": "teacher", "engine_s": 0.5},
     # the turn named no node: the sample's token says where it ran
     {"dataset": "swe", "task_id": "s1", "index": 0, "turn": 1, "node": "10.0.0.3", "gpu_ids": [2],
      "engine": "student"},
@@ -64,13 +75,14 @@ def test_the_episode_record_derives_the_metadata_these_files_read():
                            turn_records=[TurnRecord(1, "student")],
                            abort=AbortRecord(AbortReason.INFRA_SANDBOX, EpisodePhase.RUN, [1.0, 2.5], 1.5, "10.0.0.3",
                                              [2], 1, "SandboxError: container died"))
-    assert record.to_metadata() == aborted.metadata
+    assert aborted.episode == record and not aborted.metadata  # the trainer's keys read back into the record
+    assert episode_metadata(record) == trainer_metadata(aborted)
     record.termination_reason = TerminationReason.STOP  # an abort in the verify phase keeps the agent's reason
-    assert record.to_metadata()["_termination_reason_agent"] == "stop"
-    assert record.to_metadata()["_termination_reason"] == "infra_sandbox"
-    done = EpisodeRecord(turns=4, termination_reason=TerminationReason.MAX_TURNS).to_metadata()
-    assert done == {"_turns": 4, "_termination_reason": "max_turns"}
-    assert art.sample_record("math", Sample("m", 0, "p", metadata=done))["failure_class"] == "max_turns"
+    assert episode_metadata(record)["_termination_reason_agent"] == "stop"
+    assert episode_metadata(record)["_termination_reason"] == "infra_sandbox"
+    done = EpisodeRecord(turns=4, termination_reason=TerminationReason.MAX_TURNS)
+    assert episode_metadata(done) == {"_turns": 4, "_termination_reason": "max_turns"}
+    assert art.sample_record("math", Sample("m", 0, "p", episode=done))["failure_class"] == "max_turns"
 
 
 def test_write_eval_contents_are_exact(tmp_path):
@@ -199,8 +211,8 @@ def test_a_crash_during_write_eval_keeps_the_old_files(tmp_path, monkeypatch):
 
 def test_rollout_summary(tmp_path):
     def s(ds, score, reason="stop", **kw):
-        meta = {"_termination_reason": reason} | ({"_dataset_name": ds} if ds else {})
-        return Sample("t", 0, "p", reward={"score": score}, metadata=meta, **kw)
+        meta = {"_dataset_name": ds} if ds else {}
+        return Sample("t", 0, "p", reward={"score": score}, metadata=meta, episode=ended(reason), **kw)
 
     groups = [[s("a", 1.0), s("a", 0.0)], [s("b", 0.0, "infra_conn", remove_sample=True)], [s(None, 0.0, "length")]]
     path = EvalDetailsWriter(tmp_path).write_rollout_summary(4, RolloutResult(4, groups, {"rollout/n": 4.0}))

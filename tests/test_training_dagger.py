@@ -4,10 +4,12 @@ t_max_step guard, the eval rule for β, and flag parsing."""
 import argparse
 import math
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rayapp.record import Iteration
 from rayapp.training.dagger import (
     ENV_BETA,
     ENV_EVAL_BETA,
@@ -16,11 +18,25 @@ from rayapp.training.dagger import (
     FLAGS,
     DAggerIterations,
     DAggerSchedule,
-    IterationState,
     add_dagger_args,
-    pop_beta_for_eval,
-    publish,
+    eval_beta,
 )
+from rayapp.training.stacx_env import StacxEnv, env_values
+from rayapp.types import StepKind
+
+
+def publish(state, env=None):
+    """What the observer writes for a rollout step with ``state``; the values it wrote."""
+    StacxEnv(env).published(StepKind.ROLLOUT, state)
+    return env_values(state)
+
+
+def pop_beta_for_eval(env):
+    """An eval step's β and what the observer does to ``env`` with it."""
+    beta = eval_beta(env)
+    view = DAggerSchedule().state(0)
+    StacxEnv(env).published(StepKind.EVAL, msgspec.structs.replace(view, beta=beta))
+    return beta
 
 # (schedule, {iteration: β}), every β worked out by hand from the module docstring's formulas.
 BETA_TABLE = [
@@ -111,14 +127,14 @@ def test_state_and_env_with_the_ramp_on():
     s = DAggerSchedule("linear", beta_start=1.0, beta_end=0.0, decay_iters=4, t_max_start=2, t_max_end=10,
                        t_max_step=3)
     state = s.state(1)
-    assert state == IterationState(rollout_id=1, beta=0.75, t_max=5, t_max_step=3)
-    assert state.to_env() == {ENV_ROLLOUT_ID: "1", ENV_BETA: "0.75", ENV_T_MAX: "5"}
+    assert state == Iteration(rollout_id=1, beta=0.75, t_max=5, t_max_step=3)
+    assert env_values(state) == {ENV_ROLLOUT_ID: "1", ENV_BETA: "0.75", ENV_T_MAX: "5"}
 
 
 def test_env_round_trips_beta_exactly():
     s = DAggerSchedule("cosine", beta_start=1.0, beta_end=0.0, decay_iters=7)
     for t in range(8):
-        assert float(s.state(t).to_env()[ENV_BETA]) == s.beta(t)
+        assert float(env_values(s.state(t))[ENV_BETA]) == s.beta(t)
 
 
 def test_t_max_step_guard_keeps_a_static_tail_length():
@@ -141,10 +157,10 @@ def test_t_max_step_guard_keeps_a_static_tail_length():
 ])
 def test_agents_see_the_guarded_t_max_never_0(static, schedule, rollout_id, seen):
     env = {} if static is None else {ENV_T_MAX: static}
-    it = DAggerIterations(schedule, env)
+    it = DAggerIterations(schedule, env, observers=[StacxEnv(env)])
     for state in (it.rollout_state(rollout_id), it.eval_state(rollout_id)):
-        assert state.get("t_max") == seen and state.get("t_max") != 0
-        assert state["rollout_id"] == rollout_id and state["t_max_step"] == schedule.t_max_step
+        assert (state.t_max or None) == seen
+        assert state.rollout_id == rollout_id and state.t_max_step == schedule.t_max_step
     assert env.get(ENV_T_MAX) == (static if not schedule.t_max_step else str(schedule.t_max(rollout_id)))
 
 
@@ -155,16 +171,15 @@ def test_agents_get_the_ramp_else_the_static_else_the_start_t_max_and_never_0(st
     env = {} if static is None else {ENV_T_MAX: str(static)}
     schedule = DAggerSchedule(t_max_start=start, t_max_end=end, t_max_step=step)
     state = DAggerIterations(schedule, env).rollout_state(t)
-    assert state.get("t_max", 1) > 0
     want = schedule.t_max(t) if step else (static if static is not None else start)
-    assert state.get("t_max") == (want or None)
+    assert state.t_max == want
 
 
 @pytest.mark.parametrize("bad", ["-3", "five", "1.5", "9" * 5000])
 def test_a_bad_static_tail_length_is_one_error_and_publishes_nothing(bad):
     env = {ENV_T_MAX: bad}
     with pytest.raises(ValueError, match=f"{ENV_T_MAX}: a statically set tail length must be an integer >= 0"):
-        DAggerIterations(DAggerSchedule(t_max_step=0), env).rollout_state(2)
+        DAggerIterations(DAggerSchedule(t_max_step=0), env, observers=[StacxEnv(env)]).rollout_state(2)
     assert env == {ENV_T_MAX: bad}
 
 
@@ -173,7 +188,7 @@ def test_publish_defaults_to_os_environ(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     import os
 
-    publish(IterationState(rollout_id=4, beta=0.25, t_max=3, t_max_step=1))
+    publish(Iteration(rollout_id=4, beta=0.25, t_max=3, t_max_step=1))
     assert (os.environ[ENV_ROLLOUT_ID], os.environ[ENV_BETA], os.environ[ENV_T_MAX]) == ("4", "0.25", "3")
 
 
@@ -266,14 +281,14 @@ def test_bad_values_through_the_other_paths():
 
 
 def test_roll_in_metrics_count_who_acted_and_the_labels():
-    from rayapp.episode import DaggerLabel, EpisodeRecord, TurnRecord
+    from rayapp.record import Actor, DaggerLabel, EpisodeRecord, TurnRecord
     from rayapp.training.dagger import roll_in_metrics
-    from rayapp.types import Actor, Sample
+    from rayapp.types import Sample
 
-    def s(actors, labels=0):  # the metadata an evaluator derives from the episode's record
+    def s(actors, labels=0):  # a sample with the record of a roll-in
         record = EpisodeRecord(turn_records=[TurnRecord(i, "e", actor=Actor(a)) for i, a in enumerate(actors, 1)],
                                dagger_labels=[DaggerLabel(1, 3, [4], "x")] * labels)
-        return Sample("t", 0, "p", None, metadata=record.to_metadata())
+        return Sample("t", 0, "p", None, episode=record)
 
     groups = [[s(["teacher", "student"], 1), s(["student", "student"], 2)], [s(["teacher"])]]
     assert roll_in_metrics(groups) == {"dagger/turns/teacher": 2.0, "dagger/turns/student": 3.0,

@@ -6,6 +6,7 @@ import logging
 
 import msgspec
 import pytest
+from conftest import ended
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -36,7 +37,7 @@ def make(kind: str, score: float = 0.0, task: str = "t", index: int = 0) -> Samp
     }[kind]
     reward = {} if kind == "pending" else {"score": score}
     return Sample(task_id=task, index=index, prompt="p", status=status, reward=reward,
-                  metadata={"_termination_reason": reason}, remove_sample=remove)
+                  episode=ended(reason), remove_sample=remove)
 
 
 def group(task: str, *specs: tuple[str, float]) -> list[Sample]:
@@ -154,7 +155,7 @@ def test_nothing_is_lost_silently(spec, filters):
 
 def test_abort_cap_warns_once_and_drops_nothing(caplog):
     groups = [group("a", ("abort", 0), ("abort", 0), ("ok", 1)), group("b", ("abort", 0), ("ok", 0))]
-    groups[1][0].metadata["_termination_reason"] = "agent_timeout"
+    groups[1][0].episode = ended("agent_timeout")
     with caplog.at_level(logging.WARNING, logger="rayapp.training.filters"):
         report = apply_filters(groups, [], abort_cap=AbortCap(max_aborted_share=0.5), rollout_id=7)
     assert report.abort_share_exceeded and report.aborted == 3 and report.abort_share == 0.6
@@ -238,7 +239,7 @@ def test_rejection_calls_a_group_correct_exactly_when_the_failure_classes_call_i
     group = [make("ok", score, index=i) for i in range(3)]
     verdict = RejectionFilter().judge(group)
     assert verdict.group_reason is reason
-    success = {classify_termination(s.reward, s.metadata["_termination_reason"]) for s in group}
+    success = {classify_termination(s.reward, s.episode.reason) for s in group}
     assert (reason is DropReason.ALL_CORRECT) == (success == {FailureClass.SUCCESS})
     # keeping all-correct groups keeps an all-0.5 group only if it is not called correct
     assert (RejectionFilter(drop_all_correct=False).judge(group).group_reason is None) == (score == 1.0)

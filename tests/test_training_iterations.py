@@ -1,5 +1,6 @@
-"""The scheduler publishes each iteration's DAgger state before fetching: agents get it explicitly,
-code reading STACX_* sees it in the environment, results carry it back; eval runs at beta 0 unless
+"""The scheduler publishes each iteration's DAgger state before fetching: agents get it typed
+(``ctx.iteration``), code reading STACX_* sees it in the environment (written by the one observer,
+``StacxEnv``), results carry it back; eval runs at beta 0 unless
 STACX_DAGGER_EVAL_BETA re-injects it."""
 
 import os
@@ -10,7 +11,9 @@ from conftest import run
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, verify
+from rayapp.record import Iteration
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule
+from rayapp.training.stacx_env import StacxEnv
 from rayapp.types import AgentResult, EvaluatorSpec
 
 
@@ -28,14 +31,14 @@ def scheduler(seen, schedule):
             return await super().get_tasks(n)
 
     def run_fn(sample, ctx):
-        seen.append(("agent", ctx.iteration.get("beta"), ctx.iteration.get("t_max"),
+        seen.append(("agent", ctx.iteration.beta, ctx.iteration.t_max,
                      os.environ.get("STACX_DAGGER_BETA"), os.environ.get("STACX_DAGGER_T_MAX")))
         return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label))
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify))
     return TaskScheduler([spec], Source(), None, SchedulerConfig(rollout_batch_size=2, progress=False),
                          eval_datasets={"a": ArithmeticSource(9).take(1)},
-                         iteration=DAggerIterations(schedule))
+                         iteration=DAggerIterations(schedule, observers=[StacxEnv()]))
 
 
 def test_rollout_publishes_state_before_the_fetch_and_returns_it(clean_env):
@@ -45,7 +48,7 @@ def test_rollout_publishes_state_before_the_fetch_and_returns_it(clean_env):
     result = run(scheduler(seen, schedule).execute_rollout(2))
     assert seen[0] == ("fetch", "0.5")
     assert seen[1:] == [("agent", 0.5, 6, "0.5", "6")] * 2
-    assert result.iteration == {"rollout_id": 2, "beta": 0.5, "t_max": 6, "t_max_step": 2}
+    assert result.iteration == Iteration(rollout_id=2, beta=0.5, t_max=6, t_max_step=2)
 
 
 def test_a_static_tail_length_is_not_clobbered_when_the_ramp_is_off(clean_env):
@@ -63,5 +66,14 @@ def test_eval_runs_student_only_unless_re_injected(clean_env, eval_beta, expecte
     sched = scheduler(seen, DAggerSchedule(decay_iters=10))
     run(sched.execute_rollout(0))  # publishes beta 1.0
     result = run(sched.execute_eval(0))
-    assert seen[-1][1] == expected and result.iteration["beta"] == expected
+    assert seen[-1][1] == expected and result.iteration.beta == expected
     assert os.environ.get("STACX_DAGGER_BETA") == (None if eval_beta is None else eval_beta)
+
+
+def test_without_the_observer_nothing_is_written_to_the_environment(clean_env):
+    seen: list = []
+    sched = scheduler(seen, DAggerSchedule(decay_iters=4))
+    sched.iteration.observers.clear()
+    result = run(sched.execute_rollout(1))
+    assert seen[1][:4] == ("agent", 0.75, 0, None) and result.iteration.beta == 0.75
+    assert not {k for k in os.environ if k.startswith("STACX_")}

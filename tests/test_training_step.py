@@ -6,14 +6,16 @@ import importlib.util
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
-from conftest import run
+from conftest import ended, run
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import RolloutResult, SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.recipe import FiltersConfig
+from rayapp.record import Actor, EpisodeRecord
 from rayapp.training.artifacts import EvalDetailsWriter, read_jsonl
 from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.filters import FinishOnlyFilter, RejectionFilter
@@ -33,8 +35,9 @@ def _scheduler(make_pool, log=None, gate=None):
             await gate.wait()
         if log is not None:
             log.append(sample.task_id)
-        return AgentResult(tokens=[1, 2], response_length=1, response="x", termination_reason="stop",
-                           metadata={"_turn_actor": ["teacher", "student"]})
+        ctx.record_turn(1, "teacher", Actor.TEACHER)
+        ctx.record_turn(2, "student", Actor.STUDENT)
+        return AgentResult(tokens=[1, 2], response_length=1, response="x", termination_reason="stop", turns=2)
 
     def verify_fn(sample, result):
         i = int(sample.task_id.rsplit("-", 1)[1])
@@ -49,7 +52,7 @@ def _scheduler(make_pool, log=None, gate=None):
 
 def test_filter_step_keeps_survivors_and_counts_every_drop():
     def s(task, score, status=Status.COMPLETED, reason="stop"):
-        return Sample(task, 0, "p", reward={"score": score}, status=status, metadata={"_termination_reason": reason})
+        return Sample(task, 0, "p", reward={"score": score}, status=status, episode=ended(reason))
 
     groups = [[s("a", 1), s("a", 1)],                                   # all correct: rejected
               [s("b", 0), s("b", 0)],                                   # all wrong: rejected
@@ -298,6 +301,26 @@ def test_after_a_restart_a_finished_step_comes_back_from_the_checkpoint_folder(m
     assert len(log) == 18  # nothing ran again
     assert sorted(p.name for p in (tmp_path / "step_results").iterdir()) == [
         "eval_000000.msgpack", "rollout_000000.msgpack", "rollout_000001.msgpack"]
+
+
+def test_results_leave_through_the_trainers_door_and_a_stored_one_of_the_previous_format_is_served(
+        make_pool, tmp_path):
+    log = []
+    first = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path))
+    r0 = run(first.rollout(0))
+    assert all(s.episode == EpisodeRecord() and s.metadata["_turns"] == 1 and "_termination_reason" in s.metadata
+               and {"started", "run_s", "verify_s", "ended"} <= set(s.metadata["_timing"])
+               for g in r0.groups for s in g)  # the spec's keys, written at the door
+    path = tmp_path / "step_results" / "rollout_000000.msgpack"
+    stored = msgspec.msgpack.decode(path.read_bytes())
+    for g in stored["result"]["groups"]:
+        for s in g:
+            del s["episode"]  # as the version before Sample.episode wrote it
+    path.write_bytes(msgspec.msgpack.encode(stored))
+    again = run(StepRunner(_counting(make_pool, log, checkpointable=True),
+                           checkpoint=RolloutCheckpoint(tmp_path)).rollout(0))
+    assert _samples(again) == _samples(r0) and len(log) == 8  # served, not run again
+    assert [s.metadata for g in again.groups for s in g] == [s.metadata for g in r0.groups for s in g]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "another step's", "an eval's"])

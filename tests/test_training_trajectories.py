@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rayapp.training.trajectories as tr
+from rayapp.record import EpisodeRecord, TurnRecord
 from rayapp.training.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy, SaveKind
 from rayapp.training.trajectories import (
     TrajectoryError,
@@ -61,13 +62,17 @@ def sample(task_id="t", index=0, **kw):
 
 
 def test_file_is_plain_data_with_header_and_token_tensors(tmp_path):
-    groups = [[sample(metadata={"_turn_placement": [{"node": "10.0.0.1", "gpu_ids": [0, 1]}]})], []]
+    record = EpisodeRecord(turns=1, turn_records=[TurnRecord(1, "e", "10.0.0.1", [0, 1])])
+    groups = [[sample(metadata={"kind": "x"}, episode=record)], []]
     path = save_trajectories(tmp_path / "sub" / MAIN_FILE, groups, rollout_id=7)
     raw = torch.load(path, weights_only=True)
     assert raw["format"] == "rayapp.trajectories" and raw["version"] == 1 and raw["rollout_id"] == 7
     s = raw["groups"][0][0]
     assert s["tokens"].dtype == torch.int32 and s["loss_mask"].dtype == torch.int8
     assert s["rollout_log_probs"].dtype == torch.float64 and s["status"] == "completed"
+    assert "episode" not in s and s["metadata"] == {  # the trainer's data: the record as the spec's keys
+        "kind": "x", "_turns": 1, "_termination_reason": None,
+        "_turn_placement": [{"turn": 1, "engine": "e", "node": "10.0.0.1", "gpu_ids": [0, 1]}]}
     assert load_trajectories(path) == (7, groups)
     assert [p.name for p in path.parent.iterdir()] == [MAIN_FILE]  # no temp file left behind
 

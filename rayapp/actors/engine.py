@@ -18,7 +18,8 @@ from typing import Any
 
 from rayapp.actors.remote import bounded, is_lost
 from rayapp.core.termination import AgentTimeout, EngineConnectionError
-from rayapp.inference.client import GenerateOutput, GenerateRequest, make_backend
+from rayapp.inference.backends import make_backend
+from rayapp.inference.client import GenerateOutput, GenerateRequest
 from rayapp.inference.tiny_model import default_cache_dir
 from rayapp.inference.tokenizer_files import cache_tokenizer_files, read_tokenizer_files
 

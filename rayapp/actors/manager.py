@@ -1,4 +1,4 @@
-"""The SchedulerRolloutManager: the Serve ingress hosting the TaskScheduler (spec §1).
+"""The SchedulerRolloutManager: the Serve ingress hosting the TaskScheduler (docs/scheduler.md §1).
 
 The trainer calls ``generate(rollout_id)`` / ``evaluate(rollout_id)`` through a handle; the same
 replica answers a small HTTP control surface under the app's route. This file only translates:

@@ -1,6 +1,6 @@
 """The PlacementPool on Ray: the core pool over long-lived placement groups, one per layout node.
 
-The core pool decides (all-or-nothing, best-fit, FIFO, spec §3). Ray cannot grow or shrink a
+The core pool decides (all-or-nothing, best-fit, FIFO, docs/scheduler.md §3). Ray cannot grow or shrink a
 placement group, and making one per batch costs a Ray round trip plus, now and then, a ~1 s wait for
 resources a removed group gives back; so the service reserves the whole layout once, at start-up,
 all-or-nothing, and the ledger sub-allocates it. Each layout node gets one group, named
@@ -54,6 +54,10 @@ from typing import Any
 
 import msgspec
 import ray
+
+# No public API serves here: ray.available_resources() is the cluster's total and ray.nodes() each
+# node's totals, and the per-node view of what is free now is a DeveloperAPI that Ray exports only
+# from ray._private.state (Ray 2.60's own ray.util.tpu imports it from there too).
 from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -85,9 +85,10 @@ def demo(args: argparse.Namespace) -> int:
         return 2
     os.environ.update(LOCAL_ENV)
     from rayapp.inference.tiny_model import ensure_tiny_model
+    from rayapp.training.tiny_recipe import TRAINING
 
     t0 = time.monotonic()
-    print(f"tiny model ready at {ensure_tiny_model()} ({time.monotonic() - t0:.1f}s)", flush=True)
+    print(f"tiny model ready at {ensure_tiny_model(training=TRAINING)} ({time.monotonic() - t0:.1f}s)", flush=True)
     args.temp_dir = args.temp_dir or f"/tmp/rayapp-demo-{os.getpid()}"
     return _run_app(recipe, args, ["--rollouts", str(args.rollouts), "--eval"], ROOT, args.timeout)
 

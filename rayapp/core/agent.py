@@ -1,4 +1,4 @@
-"""The handler an EvaluatorSpec binds (spec §4): the agent that owns one sample's episode.
+"""The handler an EvaluatorSpec binds (docs/scheduler.md §4): the agent that owns one sample's episode.
 
 Two phases run under the one token the sample holds and share one EpisodeContext: ``run`` (the
 episode, returns an AgentResult) and ``evaluate`` (the verifier, returns the reward dict). While
@@ -32,11 +32,6 @@ class AgentHandler(Protocol):
     @abstractmethod
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
         """The verifier: the reward dict, with at least ``"score"``."""
-
-
-# The name the environments' agents used for this protocol before they shared the core's; kept
-# importable so code written against it still runs.
-BaseAgent = AgentHandler
 
 
 async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:

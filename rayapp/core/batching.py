@@ -1,4 +1,4 @@
-"""Batch composition: the scheduler's one pluggable decision (spec §2).
+"""Batch composition: the scheduler's one pluggable decision (docs/scheduler.md §2).
 
 A strategy is any callable ``(tasks, specs) -> batches``; everything downstream is uniform. Every
 strategy keeps two invariants the scheduler checks before anything runs: each task lands in exactly
@@ -10,7 +10,6 @@ batch by the very spec that runs it.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from rayapp.core.pool import budget_tokens
@@ -80,20 +79,3 @@ STRATEGIES: dict[str, BatchingStrategy] = {
     "longest_first": longest_first_batching,
     "budget": budget_batching,
 }
-
-
-def load_strategy(name: str) -> BatchingStrategy:
-    """A shipped strategy by short name, or any callable by dotted path (``pkg.mod.fn`` or
-    ``pkg.mod:fn``), as recipes name plugins."""
-    if name in STRATEGIES:
-        return STRATEGIES[name]
-    module, sep, attr = name.replace(":", ".").rpartition(".")
-    if not sep or not module:
-        raise ValueError(f"batching strategy {name!r}: not one of {sorted(STRATEGIES)} nor a dotted path")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"batching strategy {name!r}: cannot import: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"batching strategy {name!r}: {type(fn).__name__} is not callable")
-    return fn

@@ -1,4 +1,4 @@
-"""The config cascade for generation settings (spec §2).
+"""The config cascade for generation settings (docs/scheduler.md §2).
 
 Stopping criteria and sampling params resolve field by field through three levels, the most
 specific set value winning: the global setting, then the spec's default, then the per-dataset

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 import msgspec
 from msgspec import Meta
 
+from rayapp.record import Iteration
 from rayapp.types import (
     FINITE,
     MAX_COUNT,
@@ -95,13 +96,12 @@ class StepLog(Protocol):
 
 
 class IterationSource(Protocol):
-    """Per-iteration state the scheduler publishes (spec §5), e.g. a DAgger schedule. Each call may
-    publish environment variables too; the plain dict it returns goes to every agent and back with
-    the step's results."""
+    """Per-iteration state the scheduler publishes (docs/scheduler.md §5), e.g. a DAgger schedule: the Iteration it
+    returns goes to every agent (``EpisodeContext.iteration``) and back with the step's results."""
 
-    def rollout_state(self, rollout_id: int) -> dict[str, Any]: ...
+    def rollout_state(self, rollout_id: int) -> Iteration: ...
 
-    def eval_state(self, rollout_id: int) -> dict[str, Any]: ...
+    def eval_state(self, rollout_id: int) -> Iteration: ...
 
 
 _Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
@@ -139,7 +139,7 @@ class StepContext(msgspec.Struct, frozen=True):
 
     rollout_id: int
     kind: StepKind = StepKind.ROLLOUT
-    iteration: dict[str, Any] = {}  # what the IterationSource published for the step
+    iteration: Iteration = Iteration()  # what the IterationSource published for the step
     complete_after: int | None = None  # the step completes once this many groups are handed on
 
 
@@ -212,7 +212,7 @@ class StepStatus(msgspec.Struct):
 class UnfinishedGroup(msgspec.Struct):
     """A group a step cut short (``complete_after``): its task, its fetch index, and its samples as
     they were left. A sample that ended keeps its result; one that was cancelled is PENDING with
-    its episode record so far in its metadata (the turns it did, ``EpisodeKey.TURN_PLACEMENT``)."""
+    its episode record so far (``Sample.episode``: the turns it did)."""
 
     index: int
     task: Task
@@ -223,7 +223,7 @@ class RolloutResult(msgspec.Struct):
     rollout_id: int
     groups: list[list[Sample]]  # one group per task, in fetch order (with complete_after: the complete ones)
     metrics: dict[str, float] = {}
-    iteration: dict[str, Any] = {}  # what the IterationSource published for this step
+    iteration: Iteration = Iteration()  # what the IterationSource published for this step
     artifacts: dict[str, str] = {}  # files the step wrote or read, by kind (set by the host, e.g. the manager)
     unfinished: list[UnfinishedGroup] = []  # with complete_after: the groups cut short, in fetch order
 
@@ -232,7 +232,7 @@ class EvalResult(msgspec.Struct):
     rollout_id: int
     metrics: dict[str, float]
     samples: dict[str, list[Sample]]  # by dataset name
-    iteration: dict[str, Any] = {}
+    iteration: Iteration = Iteration()
     artifacts: dict[str, str] = {}
 
 
@@ -267,4 +267,4 @@ def check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) 
             if not callable(fn) or inspect.iscoroutinefunction(fn):
                 raise TypeError(f"iteration {type(iteration).__name__}.{method}: "
                                 f"{'missing' if fn is None else 'not a plain function'}; it must be "
-                                f"def {method}(self, rollout_id: int) -> dict (it is called, not awaited)")
+                                f"def {method}(self, rollout_id: int) -> Iteration (it is called, not awaited)")

@@ -1,4 +1,4 @@
-"""One batch's episodes (spec §4): created per batch, runs its groups once, discarded.
+"""One batch's episodes (docs/scheduler.md §4): created per batch, runs its groups once, discarded.
 
 Invariants it keeps:
 - at most ``spec.resource.concurrency`` samples run at once, and no more than the batch has
@@ -13,9 +13,9 @@ Invariants it keeps:
   or a cancelled worker, leaves the token to the batch's close. Without ``release`` every token is
   back in the local pool when ``run`` returns (the spec's hold-until-the-batch-ends);
 - one EpisodeContext spans both phases: what the agent kept in it is closed when the episode ends,
-  cancellation included, and its EpisodeRecord becomes the sample's episode metadata keys in
-  every outcome (a cancelled sample stays PENDING with the record of the turns it did, and the
-  agent's ``ResumePoint`` when it kept one);
+  cancellation included; its record is the sample's own ``Sample.episode`` in every outcome (a
+  cancelled sample stays PENDING with the record of the turns it did, and the agent's
+  ``ResumePoint`` when it kept one; a sample that ended keeps none);
 - a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
   ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact. That
   holds for whatever agent code raises (its own ``CancelledError``, ``SystemExit``,
@@ -37,18 +37,16 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-import msgspec
-
 from rayapp.core.agent import call_phase
 from rayapp.core.clock import loop_time
 from rayapp.core.contracts import StepContext
 from rayapp.core.convert import InputError, check, clip, show
 from rayapp.core.deadlines import Deadlines
 from rayapp.core.termination import AgentOutputError, AgentTimeout, classify_abort
-from rayapp.episode import EPISODE, AbortRecord, EpisodeContext, EpisodeKey, EpisodeTiming, Placement
+from rayapp.episode import EPISODE, EpisodeContext
+from rayapp.record import AbortRecord, EpisodePhase, EpisodeRecord, EpisodeTiming, Placement
 from rayapp.types import (
     AgentResult,
-    EpisodePhase,
     EvaluatorSpec,
     Sample,
     SamplingParams,
@@ -56,6 +54,7 @@ from rayapp.types import (
     StepKind,
     StoppingCriteria,
     Task,
+    TaskKey,
     Token,
 )
 
@@ -76,6 +75,22 @@ class TaskRun:
     samples: list[Sample]
     stopping: StoppingCriteria
     sampling: SamplingParams
+
+    @staticmethod
+    def samples_of(rollout_id: int, task: Task) -> list[Sample]:
+        """The samples a task runs: ``n_samples`` numbered from its eval copy's first or, for the rest of
+        a carried group (``Task.carried``), the ones it has left, by index, each with its resume point."""
+        meta, carried = {**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id}, task.carried
+        if carried is None:
+            first = task.metadata.get(TaskKey.EVAL_COPY, 0)
+            return [Sample(task.task_id, first + i, task.prompt, task.label, metadata=dict(meta))
+                    for i in range(task.config.n_samples)]
+        points = carried.points or [None] * len(carried.indices)
+        if not len(carried.indices) == len(points) == task.config.n_samples:
+            raise ValueError(f"task {task.task_id!r}: its carried run names {len(carried.indices)} samples and "
+                             f"{len(points)} resume points for n_samples={task.config.n_samples}")
+        return [Sample(task.task_id, i, task.prompt, task.label, metadata=dict(meta), episode=EpisodeRecord(start=p))
+                for i, p in zip(carried.indices, points, strict=True)]
 
 
 def _checked(result: Any) -> AgentResult:
@@ -160,7 +175,7 @@ class Evaluator:
         self.batch = batch  # the scheduler's label of the batch, recorded in each sample's timing
         self.admission = admission  # when the batch asked the pool and when it was granted (loop clock)
         self.rollout_id = step.rollout_id
-        self.iteration, self.step = dict(step.iteration), StepKind(step.kind)
+        self.iteration, self.step = step.iteration, StepKind(step.kind)
         self.release = release
         self._concurrency = max(1, spec.resource.concurrency)
         self._deadlines = Deadlines()  # every phase's time limit, on one loop timer
@@ -283,7 +298,8 @@ class Evaluator:
             raise
 
     async def _execute_sample(self, sample: Sample, group: TaskRun, token: Token | None) -> None:
-        ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step)
+        ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step,
+                             sample.episode)
         if token is not None:
             ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
         handler, phase, started = self.spec.handler, EpisodePhase.RUN, loop_time()
@@ -309,10 +325,8 @@ class Evaluator:
             timing.ended = loop_time()
             if not _step_cancelled():
                 self._abort(sample, ctx, e, phase, started)
-            else:  # the step went on without it (complete_after) or failed: how far it got stays
-                sample.metadata.update(ctx.record.to_metadata())
-                if ctx.record.resume is not None:  # where a resumable agent can go on from
-                    sample.metadata[EpisodeKey.RESUME.value] = msgspec.to_builtins(ctx.record.resume)
+            else:  # the step went on without it (complete_after) or failed: how far it got stays in
+                # its record, with where a resumable agent can go on from
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 raise asyncio.CancelledError from e  # an agent that turned the cancellation into another error
@@ -320,7 +334,7 @@ class Evaluator:
             timing.ended = loop_time()
         finally:
             EPISODE.reset(episode)
-        sample.metadata.update(ctx.record.to_metadata())
+        ctx.record.resume = None  # it ended: there is nothing to go on from
 
     def _abort(self, sample: Sample, ctx: EpisodeContext, e: BaseException, phase: EpisodePhase,
                started: float) -> None:

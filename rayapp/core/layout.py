@@ -1,4 +1,4 @@
-"""The cluster layout (spec §3): ``--env-cluster-layout`` read into ``{node: NodeSpec}``.
+"""The cluster layout (docs/scheduler.md §3): ``--env-cluster-layout`` read into ``{node: NodeSpec}``.
 
 The layout is inline JSON, a file path, or an already-parsed dict. A string is inline JSON when its
 first non-blank character is ``{``, ``[`` or ``"`` (so ``"[1,2]"`` is a wrong layout, never a file

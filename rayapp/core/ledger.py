@@ -1,4 +1,4 @@
-"""The placement-pool ledger (spec §3): exact, all-or-nothing placement of batches of tokens.
+"""The placement-pool ledger (docs/scheduler.md §3): exact, all-or-nothing placement of batches of tokens.
 
 A ledger holds, per node of a cluster layout, the free capacity of each GPU (1.0 each), the free CPU
 and the free memory. ``try_acquire_batch`` takes tokens one ``per_sample`` at a time, each from the

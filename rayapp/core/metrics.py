@@ -1,4 +1,4 @@
-"""Step metrics: eval accuracy and pass@k per dataset, failure-class counts (spec §5).
+"""Step metrics: eval accuracy and pass@k per dataset, failure-class counts (docs/scheduler.md §5).
 
 pass@k is the unbiased estimator of Chen et al. 2021 (the HumanEval paper): for a prompt with n
 samples of which c pass, ``1 - C(n-c, k) / C(n, k)``, averaged over prompts. Aborted samples stay
@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from math import comb
 
 from rayapp.core.termination import FailureClass, classify_termination, is_solved
-from rayapp.episode import EpisodeKey
 from rayapp.types import Sample
 
 
@@ -56,6 +55,6 @@ def eval_metrics(samples_by_dataset: dict[str, list[Sample]], n_copies: int) -> 
 def failure_summary(samples: Iterable[Sample]) -> dict[str, int]:
     """Count of samples per failure class (the eight of ``FailureClass``, zeros included)."""
     counts = Counter(
-        classify_termination(s.reward, s.metadata.get(EpisodeKey.TERMINATION_REASON)).value for s in samples
+        classify_termination(s.reward, s.episode.reason).value for s in samples
     )
     return {fc.value: counts.get(fc.value, 0) for fc in FailureClass}

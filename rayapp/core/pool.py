@@ -1,4 +1,4 @@
-"""The placement pool (spec §3): admission of batches of placement tokens, first come first served.
+"""The placement pool (docs/scheduler.md §3): admission of batches of placement tokens, first come first served.
 
 ``PlacementPool`` is the ``Ledger`` (``rayapp.core.ledger``: exact, all-or-nothing, best-fit
 placement, with its invariants) plus admission: ``acquire_batch`` waits for releases in FIFO order,

@@ -1,4 +1,4 @@
-"""The TaskScheduler: drives a rollout step (spec §1-§3). Plain asyncio, no Ray.
+"""The TaskScheduler: drives a rollout step (docs/scheduler.md §1-§3). Plain asyncio, no Ray.
 
 Every step makes the same four moves: fetch -> distribute -> batch -> run. A step's groups are
 indexed by their position in the fetch: results, the progress callback and a step log all speak of
@@ -53,6 +53,7 @@ from rayapp.core.landing import landed
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
+from rayapp.record import Iteration
 from rayapp.types import (
     Batch,
     BatchRequest,
@@ -153,7 +154,7 @@ class TaskScheduler:
         if on_task_done is not None:
             require_async(on_task_done, None, "execute_rollout's on_task_done", "async (task, samples) -> None")
         # Only the scheduler knows the rollout index: publish the iteration's state before fetching.
-        state = self.iteration.rollout_state(rollout_id) if self.iteration else {}
+        state = self.iteration.rollout_state(rollout_id) if self.iteration else Iteration()
         began = loop_time()
         fetched = fetch() if fetch is not None else self.data_source.get_tasks(self.config.rollout_batch_size)
         tasks, fetched_at = identified(rollout_id, list(await fetched)), loop_time()
@@ -189,7 +190,7 @@ class TaskScheduler:
         """Every (prompt x copy) sample, interleaved round-robin across datasets, in one run_all."""
         if not self.eval_datasets:
             raise ValueError("execute_eval needs eval_datasets")
-        state = self.iteration.eval_state(rollout_id) if self.iteration else {}
+        state = self.iteration.eval_state(rollout_id) if self.iteration else Iteration()
         began, per_dataset = loop_time(), []
         for name, tasks in self.eval_datasets.items():
             copies = []
@@ -227,12 +228,7 @@ class TaskScheduler:
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
-            first = task.metadata.get(TaskKey.EVAL_COPY, 0)
-            samples = [
-                Sample(task.task_id, first + i, task.prompt, task.label,
-                       metadata={**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id})
-                for i in range(task.config.n_samples)
-            ]
+            samples = TaskRun.samples_of(rollout_id, task)
             spec = self._resolve_spec_id(task.evaluator_id)
             key = (spec.evaluator_id, id(task.metadata.get(TaskKey.DATASET_CFG)))
             resolved = settings.get(key)

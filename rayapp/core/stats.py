@@ -5,7 +5,7 @@ keys ``{prefix}/{name}/{stat}``, one ``name`` per dataset (the sample's ``_eval_
 Per name: ``n_samples``; ``reward_{mean,std,min,max}`` of the ``score`` and
 ``response_length_{mean,std,min,max}``, both over the samples that did not abort (an aborted
 dummy's score 0 and length 1 say nothing of the policy); ``truncated_rate`` and ``abort_rate``
-over all of them; and from each sample's own ``_timing`` (``episode.EpisodeTiming``), the mean and
+over all of them; and from each sample's own timing (``Sample.episode.timing``), the mean and
 max of ``wait_s`` (its batch's admission wait), ``run_s``, ``verify_s`` and ``episode_s`` (start to
 end, teardown included). A statistic with no sample to take it from is left out, never faked as 0.
 ``step_times`` adds the step's own: ``time/step_s``, ``time/fetch_s`` and ``samples_per_s``.
@@ -18,7 +18,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from rayapp.core.clock import loop_time
-from rayapp.episode import EpisodeKey
 from rayapp.types import Sample, Status, TaskKey
 
 DEFAULT_NAME = "default"
@@ -49,16 +48,20 @@ def step_times(prefix: str, n_samples: int, began: float, fetched: float) -> dic
 
 
 def timings(sample: Sample) -> dict[str, float]:
-    """The durations ``sample``'s ``_timing`` gives: ``wait_s`` (its batch's admission), ``run_s``,
+    """The durations ``sample``'s timing gives: ``wait_s`` (its batch's admission), ``run_s``,
     ``verify_s`` and ``episode_s`` (start to end), those it has."""
-    t = sample.metadata.get(EpisodeKey.TIMING.value)
-    if not t:
+    t = sample.episode.timing
+    if t is None:
         return {}
-    out = {k: t[k] for k in ("run_s", "verify_s") if t.get(k) is not None}
-    if t.get("admitted") is not None and t.get("queued") is not None:
-        out["wait_s"] = t["admitted"] - t["queued"]
-    if t.get("ended") is not None:
-        out["episode_s"] = t["ended"] - t["started"]
+    out = {}
+    if t.run_s is not None:
+        out["run_s"] = t.run_s
+    if t.verify_s is not None:
+        out["verify_s"] = t.verify_s
+    if t.admitted is not None and t.queued is not None:
+        out["wait_s"] = t.admitted - t.queued
+    if t.ended is not None:
+        out["episode_s"] = t.ended - t.started
     return out
 
 
@@ -102,7 +105,7 @@ def observations(kind: str, samples: Iterable[Sample]) -> list[Observation]:
         tags = {"kind": kind, "dataset": name_of(s)}
         out.append(("samples_total", 1.0, {**tags, "status": str(s.status)}))
         if s.status is Status.ABORTED:
-            reason = str(s.metadata.get(EpisodeKey.TERMINATION_REASON.value) or "unknown")
+            reason = str(s.episode.reason or "unknown")
             out.append(("aborts_total", 1.0, {**tags, "reason": reason}))
         elif s.response_length:
             out.append(("response_tokens_total", float(s.response_length), tags))

@@ -1,4 +1,4 @@
-"""Why an episode ended (spec §4): abort classification and the eight failure classes.
+"""Why an episode ended (docs/scheduler.md §4): abort classification and the eight failure classes.
 
 ``classify_abort`` maps an exception raised inside an episode to one transport class. It reads the
 exception's type first (the exception types below, builtin timeouts and connection errors, and
@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import re
 
-from rayapp.types import AbortReason, TerminationReason
+from rayapp.record import AbortReason, TerminationReason
 
 __all__ = ["SOLVED_SCORE", "AbortReason", "AgentTimeout", "EngineConnectionError", "EpisodeError", "FailureClass",
            "SandboxError", "classify_abort", "classify_termination", "is_solved"]
@@ -135,7 +135,7 @@ def classify_termination(reward: dict[str, float] | float | None, reason: str | 
 
     Aborts win (their reason is a transport class); then a solved one is a success whatever
     limit ended the episode; then the limit that stopped it; else a wrong answer. ``reason`` is
-    what ``Sample.metadata`` carries: the enum's value or the enum itself."""
+    ``Sample.episode.reason`` (or its value, as the trainer's ``_termination_reason`` holds it)."""
     if reason in _ABORTS:
         return FailureClass(reason)
     if is_solved(reward):

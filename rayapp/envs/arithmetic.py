@@ -16,7 +16,8 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.episode import EpisodeContext
-from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Task, TaskConfig, TerminationReason
+from rayapp.record import TerminationReason
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Task, TaskConfig
 
 BOS, EOS, OFFSET = 1, 2, 3  # byte b is token b + OFFSET
 

@@ -15,6 +15,7 @@ a Python function or class: a C builtin (``os:system``) says nothing of its shap
 | verifier | ``evaluators[].verifier`` | ``verify(sample, result) -> dict[str, float]``, sync or async |
 | tool | ``evaluators[].tools[]`` | ``async tool(arguments: dict, sandbox) -> str``, named by its attribute |
 | data source | ``data.<n>.source`` | ``rows(cfg: DatasetConfig) -> Iterable[Task]`` |
+| batching strategy | ``scheduler.batching`` | ``strategy(tasks, specs) -> list[Batch]`` (or a shipped one by name) |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import threading
 from typing import Any
 
 from rayapp.core.agent import AgentHandler
+from rayapp.core.batching import STRATEGIES, BatchingStrategy
 from rayapp.envs.agents.tools import TOOLS, ToolFn
 from rayapp.envs.protocol import AgentFactory, Env, RowsFn
 
@@ -178,4 +180,17 @@ def load_rows(path: str) -> RowsFn:
     protocol = "rows(cfg: DatasetConfig) -> Iterable[Task]"
     check_signature(obj, 1, "data source", path, protocol)
     _check_plain(obj, "data source", path, protocol)
+    return obj
+
+
+def load_strategy(name: str) -> BatchingStrategy:
+    """A shipped batching strategy by name (``STRATEGIES``: fifo, longest_first, budget), or a plug-in by path."""
+    if not is_import_path(name):
+        if name not in STRATEGIES:
+            raise PluginError(f"batching strategy {name!r}: not one of {sorted(STRATEGIES)} nor an import path")
+        return STRATEGIES[name]
+    obj = import_object(name, "batching strategy")
+    protocol = "strategy(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]"
+    check_signature(obj, 2, "batching strategy", name, protocol)
+    _check_plain(obj, "batching strategy", name, protocol)
     return obj

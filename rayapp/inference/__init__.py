@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayapp.inference.backends import make_backend
 from rayapp.inference.client import (
     BACKENDS,
     DEFAULT_MAX_NEW_TOKENS,
@@ -15,7 +16,6 @@ from rayapp.inference.client import (
     GenerateOutput,
     GenerateRequest,
     InferenceBackend,
-    make_backend,
     validate_request,
 )
 

@@ -130,19 +130,6 @@ async def generate_abortable(engine: Any, req: GenerateRequest, *, abort_timeout
         raise GenerationCut(output) from None
 
 
-def make_backend(kind: Backend | str, **kwargs: Any) -> InferenceBackend:
-    """Build a backend by name: ``"hf"`` (transformers on CPU) or ``"sglang"`` (GPU clusters)."""
-    if kind == "hf":
-        from rayapp.inference.hf import HFBackend
-
-        return HFBackend(**kwargs)
-    if kind == "sglang":
-        from rayapp.inference.sglang import SGLangBackend
-
-        return SGLangBackend(**kwargs)
-    raise ValueError(f"unknown inference backend {kind!r}: expected one of {', '.join(map(repr, BACKENDS))}")
-
-
 def validate_request(req: GenerateRequest, vocab_size: int | None = None) -> GenerateRequest:
     """``req`` put through its type's bounds (one ``InputError`` naming the first bad field: a Struct
     built in code was never checked), and its token ids through ``vocab_size`` when a backend knows it."""

@@ -2,16 +2,18 @@
 
 ``ensure_tiny_model()`` returns a folder that ``transformers`` loads with ``local_files_only=True``:
 a 2-layer Llama-shaped ``LlamaForCausalLM`` (safetensors) and a byte-level BPE tokenizer (one token
-per digit) trained here on a corpus made by code (arithmetic Q&A, tool calls, English, the math
-environment's prompts), with bos/eos/pad, chat role markers and a Jinja chat template. Guarantees:
+per digit), with bos/eos/pad, chat role markers and a Jinja chat template. What it learns from comes
+from the caller (``TrainingData``: the corpus the tokenizer is trained on, the pretraining batches);
+the recipe's own is ``rayapp.training.tiny_recipe.TRAINING``, made by code from the environments'
+texts, so nothing here imports an environment. Guarantees:
 
-- nothing touches the network: the corpus, the tokenizer and the weights are all made by this module;
+- nothing touches the network: the tokenizer and the weights are made here, from data made by code;
 - the build is deterministic: fixed seeds, a fixed number of pretraining steps, one torch thread;
 - the build is atomic and idempotent: it is written into a temporary sibling folder and moved into
   place with ``os.replace`` under an exclusive ``flock``, so a second process (or thread) waits for
   the first and then reuses its result; a folder is only ever used once its manifest is in place.
 
-The short pretraining (``_pretrain_batches``) teaches the model the chat format, the ``The answer is
+The short pretraining (``tiny_recipe.pretrain_batches``) teaches the model the chat format, the ``The answer is
 N.`` reply, and the mechanics of the ``math`` environment's calculator (write the problem's expression
 into a call, copy the result into the answer) while it seldom chooses to call it: the model cannot do
 two-digit arithmetic itself, so its arithmetic accuracy starts near 0, and GRPO can raise it within
@@ -20,9 +22,11 @@ minutes on CPU by learning to call the tool (``recipes/train_grpo.py``, ``docs/t
 The build takes minutes on two cores, so its result ships with the package (``SHIPPED``, half a
 megabyte): ``ensure_tiny_model()`` returns that folder, and builds into the cache only where the
 shipped one is missing or of another recipe. The shipped build is checked against the code: its
-manifest records the recipe version, the digest of the training data (``training_digest``: a change
-to a prompt the corpus copies shows) and of the weights, which a test compares; ``make tiny-model``
-rebuilds it and ``make check-tiny-model`` rebuilds it aside and compares (``tiny_model_ship``).
+manifest records the recipe version, the digest of the training data (``data_digest``; the recipe's,
+made afresh, is ``tiny_recipe.training_digest()``: a change to a prompt the corpus copies shows) and
+of the weights, which a test compares; ``make tiny-model`` rebuilds it and ``make check-tiny-model``
+rebuilds it aside and compares (``rayapp.training.tiny_model_ship``). Without the shipped build,
+``ensure_tiny_model`` builds into the cache when its caller hands it the training data.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ import fcntl
 import hashlib
 import json
 import os
-import random
 import shutil
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MODEL_NAME = "tiny-llama-v1"
 RECIPE_VERSION = 2  # bump when anything below changes what gets built
@@ -48,11 +53,8 @@ WEIGHTS = "model.safetensors"
 SEED = 1234
 PRETRAIN_STEPS = 1200
 BATCH_SIZE = 32
-# The share of the first reply token's loss a calculator-call example carries: the model learns how
-# to call the tool and read its result, but calls it first in only about one math prompt in ten, so
-# that reinforcement learning has a choice to learn (see ``_chat_examples``).
-TOOL_FIRST_TOKEN_WEIGHT = 0.1
 
+Example = tuple[list[int], list[float]]  # token ids, and the loss weight of each next-token prediction
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKENS = [PAD, BOS, EOS, *(f"<|{role}|>" for role in ROLES)]  # ids 0..6: pad 0, bos 1, eos 2
@@ -100,13 +102,27 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RAYAPP_CACHE") or Path.home() / ".cache" / "rayapp").expanduser()
 
 
-def ensure_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
+@dataclass(frozen=True)
+class TrainingData:
+    """What the tiny model learns from, handed in by the caller: ``corpus()`` the lines its tokenizer
+    is trained on; ``batches(tokenizer, steps, batch_size)`` one pretraining batch per step, each
+    example token ids with the loss weight of each next-token prediction."""
+
+    corpus: Callable[[], list[str]]
+    batches: Callable[[Any, int, int], list[list[Example]]]
+
+
+def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, training: TrainingData | None = None) -> Path:
     """The tiny model's folder: the shipped build (``SHIPPED``) when it is this recipe's, else
-    ``<cache>/models/tiny-llama-v1``, built there first if missing."""
+    ``<cache>/models/tiny-llama-v1``, built there first from ``training`` if missing (without it, a
+    missing build is a FileNotFoundError saying how to make one)."""
     if is_complete(SHIPPED):
         return SHIPPED
-    dest = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return ensure_built(dest / "models" / MODEL_NAME, build_tiny_model)
+    dest = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "models" / MODEL_NAME
+    if training is None and not is_complete(dest):
+        raise FileNotFoundError(f"the tiny model is neither shipped ({SHIPPED}) nor built ({dest}): run "
+                                "`make tiny-model`, or pass rayapp.training.tiny_recipe.TRAINING to build it")
+    return ensure_built(dest, lambda folder: build_tiny_model(folder, training))
 
 
 # -- atomic, idempotent build ---------------------------------------------------------------------
@@ -160,50 +176,9 @@ def ensure_built(dest: Path, build: Callable[[Path], dict]) -> Path:
     return dest
 
 
-# -- corpus ---------------------------------------------------------------------------------------
-
-def arithmetic_pair(rng: random.Random) -> tuple[str, str]:
-    """A problem in the built-in task's format (``What is a op b?``) and its reply."""
-    a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
-    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return f"What is {a} {op} {b}?", f"The answer is {answer}."
-
-
-_ENGLISH = [
-    "Let me think step by step.", "I will use the calculator tool.", "Sure, here is the answer.",
-    "The tool returned {n}.", "First add the tens, then add the ones.", "Check the result once more.",
-    "You are a helpful assistant that solves arithmetic problems.", "Please answer with a number.",
-    "The sum of {a} and {b} is {s}.", "The difference between {a} and {b} is {d}.",
-    "Multiply {a} by {b} to get {p}.", "Read the file and count the lines.", "The command exited with code 0.",
-]
-
-
-def corpus_lines(n: int = 3000, seed: int = SEED) -> list[str]:
-    """Arithmetic Q&A, tool-call JSON, English sentences and the math environment's prompts, made by
-    code (no download)."""
-    from rayapp.envs.agents.tools import describe
-    from rayapp.envs.math import INSTRUCTION
-
-    rng = random.Random(seed)
-    lines = [describe(["calculator"]), INSTRUCTION] * 20
-    for i in range(n):
-        question, answer = arithmetic_pair(rng)
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
-        kind = i % 4
-        if kind == 0:
-            lines.append(f"{question} {answer}")
-        elif kind == 1:
-            expr = question.removeprefix("What is ").removesuffix("?")
-            lines.append(f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
-                         f' {{"name": "calculator", "result": "{a}"}}')
-        else:
-            lines.append(rng.choice(_ENGLISH).format(n=a, a=a, b=b, s=a + b, d=a - b, p=a * b))
-    return lines
-
-
 # -- tokenizer ------------------------------------------------------------------------------------
 
-def build_tokenizer(lines: list[str] | None = None):
+def build_tokenizer(lines: list[str]):
     """A byte-level BPE ``PreTrainedTokenizerFast`` (any text encodes; nothing maps to unk)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -217,7 +192,7 @@ def build_tokenizer(lines: list[str] | None = None):
         vocab_size=MODEL_CONFIG["vocab_size"], special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(lines if lines is not None else corpus_lines(), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=None,
         additional_special_tokens=SPECIAL_TOKENS[3:], chat_template=CHAT_TEMPLATE,
@@ -234,83 +209,11 @@ def load_tokenizer(path: str | os.PathLike):
 
 # -- model ----------------------------------------------------------------------------------------
 
-Example = tuple[list[int], list[float]]  # token ids, and the loss weight of each next-token prediction
-
-
-def _segments(tokenizer, parts: list[tuple[str, float, float]]) -> Example:
-    """Token ids of text parts, each with its loss weight (and that of its first token)."""
-    ids: list[int] = []
-    weights: list[float] = []
-    for text, weight, first in parts:
-        part = tokenizer.encode(text, add_special_tokens=False)
-        ids += part
-        weights += [first, *[weight] * (len(part) - 1)] if part else []
-    return ids, weights
-
-
-def _call(expr: str) -> str:
-    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
-
-
-def _pretrain_batches(tokenizer, steps: int, batch_size: int, rng: random.Random) -> list[list[Example]]:
-    """One batch per step, loss on the replies only, in three shapes that take turns (a batch holds
-    one shape, so short sequences are not padded to long ones):
-
-    - whole chats as the ``math`` env's calculator agent renders them (its system prompt and
-      instruction): arithmetic problems call the calculator with the problem's expression, read the
-      result and answer with it; word problems answer at once (``The answer is N.``, right only by
-      luck for the tiny model). Half the arithmetic problems answer at once too, and a call's first
-      token carries only ``TOOL_FIRST_TOKEN_WEIGHT`` of its loss: the model knows how to use the tool
-      but seldom chooses to, which leaves reinforcement learning a choice to learn;
-    - short drills of the call: the question and instruction without the system prompt, then the call
-      (its first token unweighted: whether to call is learnt from whole chats only);
-    - short drills of reading a result: a tool message, then ``The answer is N.``; and the bare
-      ``arithmetic`` env's chat (``What is a op b?`` -> ``The answer is N.``).
-    """
-    from rayapp.envs.agents.tools import describe, tool_result_message
-    from rayapp.envs.math import INSTRUCTION, generate_problems
-
-    system = [{"role": "system", "content": describe(["calculator"])}]
-    problems = iter(generate_problems((steps + 3) // 4 * batch_size, seed=SEED))
-
-    def chat(msgs: list[dict]) -> str:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-
-    def whole() -> Example:
-        task = next(problems)
-        prompt, answer = chat([*system, {"role": "user", "content": task.prompt}]), f"The answer is {task.label}."
-        if task.metadata["kind"] != "arithmetic" or rng.random() < 0.5:
-            return _segments(tokenizer, [(prompt, 0.0, 0.0), (answer + EOS, 1.0, 1.0)])
-        expr = task.metadata["question"].removeprefix("What is ").removesuffix("?")
-        result = tool_result_message("calculator", task.label)["content"]
-        return _segments(tokenizer, [(prompt, 0.0, 0.0), (_call(expr) + EOS, 1.0, TOOL_FIRST_TOKEN_WEIGHT),
-                                     (f"<|tool|>{result}{EOS}<|assistant|>", 0.0, 0.0), (answer + EOS, 1.0, 1.0)])
-
-    def call_drill() -> Example:
-        question, _ = arithmetic_pair(rng)
-        prompt = chat([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}])
-        return _segments(tokenizer, [(prompt, 0.0, 0.0), (_call(question[8:-1]) + EOS, 1.0, 0.0)])
-
-    def read_drill() -> Example:
-        question, answer = arithmetic_pair(rng)
-        if rng.random() < 0.3:
-            return _segments(tokenizer, [(chat([{"role": "user", "content": question}]), 0.0, 0.0),
-                                         (answer + EOS, 1.0, 1.0)])
-        value = answer.removeprefix("The answer is ").removesuffix(".")
-        result = tool_result_message("calculator", value)["content"]
-        return _segments(tokenizer, [(f"{BOS}<|tool|>{result}{EOS}<|assistant|>", 0.0, 0.0), (answer + EOS, 1.0, 1.0)])
-
-    shapes = [whole, call_drill, read_drill]
-    # Whole chats are long (the system prompt): one step in four, half a batch. Drills are short:
-    # twice the rows cost less than one batch of whole chats.
-    plan = [(whole, batch_size // 2) if step % 4 == 0 else (shapes[1 + step % 2], batch_size * 2)
-            for step in range(steps)]
-    return [[shape() for _ in range(rows)] for shape, rows in plan]
 
 
 def pretrain(model, tokenizer, batches: list[list[Example]], lr: float = 1e-2) -> list[float]:
     """A short, seeded run of next-token training on the assistant replies of arithmetic chats, one
-    step per batch (``_pretrain_batches``).
+    step per batch (``tiny_recipe.pretrain_batches``).
 
     Loss covers the reply and its eos only: the question's numbers are unpredictable, and the reply's
     format is what rollouts need. Returns the loss curve (recorded in the manifest)."""
@@ -348,8 +251,9 @@ def pretrain(model, tokenizer, batches: list[list[Example]], lr: float = 1e-2) -
     return losses
 
 
-def build_tiny_model(folder: Path, pretrain_steps: int = PRETRAIN_STEPS) -> dict:
-    """Write tokenizer + model into ``folder``; return the manifest. Deterministic for a given recipe."""
+def build_tiny_model(folder: Path, training: TrainingData, pretrain_steps: int = PRETRAIN_STEPS) -> dict:
+    """Write tokenizer + model, learnt from ``training``, into ``folder``; return the manifest.
+    Deterministic for a given recipe."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -357,12 +261,12 @@ def build_tiny_model(folder: Path, pretrain_steps: int = PRETRAIN_STEPS) -> dict
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: the same float reduction order, hence the same weights
     try:
-        tokenizer = build_tokenizer()
+        tokenizer = build_tokenizer(training.corpus())
         assert tokenizer.convert_tokens_to_ids([PAD, BOS, EOS]) == [0, 1, 2], "special token ids moved"
         torch.manual_seed(SEED)
         config = LlamaConfig(**MODEL_CONFIG)
         model = LlamaForCausalLM(config).to(torch.float32)
-        batches = _pretrain_batches(tokenizer, pretrain_steps, BATCH_SIZE, random.Random(SEED + 1))
+        batches = training.batches(tokenizer, pretrain_steps, BATCH_SIZE)
         losses = pretrain(model, tokenizer, batches) if batches else []
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         tokenizer.save_pretrained(folder)
@@ -374,17 +278,14 @@ def build_tiny_model(folder: Path, pretrain_steps: int = PRETRAIN_STEPS) -> dict
     return {
         "name": MODEL_NAME, "seed": SEED, "pretrain_steps": pretrain_steps, "params": n_params,
         "config": MODEL_CONFIG, "loss_first": losses[:1], "loss_last": losses[-5:],
-        "training_sha256": training_digest(tokenizer, batches), "weights_sha256": file_digest(folder / WEIGHTS),
+        "training_sha256": data_digest(tokenizer, batches), "weights_sha256": file_digest(folder / WEIGHTS),
         "build_seconds": round(time.perf_counter() - t0, 2),
     }
 
 
-def training_digest(tokenizer=None, batches: list[list[Example]] | None = None) -> str:
+def data_digest(tokenizer, batches: list[list[Example]]) -> str:
     """sha256 of what the build learns from: the tokenizer's vocabulary and merges and every pretraining
-    example (token ids and loss weights), by default the recipe's own, made afresh (seconds)."""
-    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-    if batches is None:
-        batches = _pretrain_batches(tokenizer, PRETRAIN_STEPS, BATCH_SIZE, random.Random(SEED + 1))
+    example (token ids and loss weights)."""
     h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
     for batch in batches:
         for ids, weights in batch:

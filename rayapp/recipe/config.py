@@ -18,12 +18,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from rayapp.core.batching import BatchingStrategy, load_strategy
+from rayapp.core.batching import BatchingStrategy
 from rayapp.core.cascade import CASCADE_FIELDS, CascadeError, dataset_override
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs.datasets.files import FieldMap
+from rayapp.envs.plugins import load_strategy
 from rayapp.recipe.limits import (
     MAX_CPUS,
     MAX_GPUS,
@@ -136,7 +137,7 @@ class EvaluatorConfig(_Strict):
         Resource())
     run_resource: Annotated[Resource, Meta(description="what one sample holds in its run phase; cpu and "
                                                        "memory_gb also limit its sandbox")] = Resource()
-    eval_resource: Annotated[Resource, Meta(description="what one sample holds in its eval phase (it holds the "
+    eval_resource: Annotated[Resource, Meta(description="what one sample holds in its verify phase (it holds the "
                                                         "larger of the two throughout)")] = Resource()
     batch_size: Annotated[Count | None, Meta(description="most tasks in one batch; unset: a step's tasks of one "
                                                        "type form one batch")] = None
@@ -146,7 +147,7 @@ class EvaluatorConfig(_Strict):
     default_sampling: Annotated[SamplingParams, Meta(
         description="sampling params of this evaluator: over scheduler.global_sampling, under a dataset's "
                     "dataset_cfg")] = SamplingParams()
-    eval_timeout_s: Annotated[Seconds, Meta(description="wall-clock limit of a sample's eval (verify) phase, "
+    eval_timeout_s: Annotated[Seconds, Meta(description="wall-clock limit of a sample's verify phase, "
                                                       "seconds; past it the sample aborts")] = 300.0
     sandbox: Annotated[SandboxConfig, Meta(description="where the agent's commands and tests run")] = (
         SandboxConfig())
@@ -215,7 +216,7 @@ class SchedulerSection(SchedulerConfig, forbid_unknown_fields=True, frozen=True,
 
 
 class FiltersConfig(_Strict):
-    """Survivorship filters on each rollout step (spec §5): rejection first, then finish-only on
+    """Survivorship filters on each rollout step (docs/scheduler.md §5): rejection first, then finish-only on
     the survivors; the abort cap only warns."""
 
     rejection: Annotated[RejectionFilter | None, Meta(description="drops groups without learning signal; unset: "
@@ -332,11 +333,11 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     # need not share: only load_recipe, on the user's side, reads it ahead.
     if is_inline(recipe.pool.cluster_layout):
         yield from _check_layout(recipe.pool)
-    # Sizes, folders, engine options and the strategy's shape (recipe/limits.py); a layout file is
+    # Sizes, folders and engine options (recipe/limits.py); a layout file is
     # load_recipe's to read, so only an inline one is fitted here.
     yield from check_limits(recipe, layout_of(recipe.pool) if is_inline(recipe.pool.cluster_layout) else None)
     try:
-        recipe.scheduler.strategy  # noqa: B018 -- resolved (and cached) now, so a bad path fails here
+        recipe.scheduler.strategy  # noqa: B018 -- resolved and checked (cached) now: a bad path fails here
     except ValueError as e:
         yield "$.scheduler.batching", str(e)
 

@@ -1,7 +1,6 @@
 """What a recipe asks for that could never run, refused before anything starts: sizes no cluster
-meets, folders that cannot be folders, engine options their backend does not take, a batching
-strategy of the wrong shape. Each problem is (JSON path, reason), first problem first, as
-``check_recipe`` reports them.
+meets, folders that cannot be folders, engine options their backend does not take. Each problem is
+(JSON path, reason), first problem first, as ``check_recipe`` reports them.
 
 - Sizes: every resource stays under ``MAX_GPUS`` / ``MAX_CPUS`` / ``MAX_MEMORY_GB`` (a typo, not a
   plan); an evaluator's budget admits at least one of its samples; a sample fits on some node of
@@ -32,7 +31,6 @@ import msgspec
 from rayapp.core.convert import InputError
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.units import budget_tokens
-from rayapp.envs.plugins import PluginError, check_signature, import_object, is_import_path
 from rayapp.training.dagger import FLAGS as DAGGER_FLAGS
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.types import NodeSpec, Resource
@@ -58,11 +56,10 @@ def check_limits(recipe: Any, layout: dict[str, NodeSpec] | None = None) -> Iter
         yield "$.data", "every rollout dataset has weight 0: no task could be drawn (give one a weight > 0)"
     for key in _FOLDERS:
         yield from _check_folder(f"$.scheduler.{key}", getattr(recipe.scheduler, key, None))
-    yield from _check_batching(recipe.scheduler.batching)
 
 
 def _sample(ev: Any) -> Resource:
-    """What one sample of ``ev`` holds throughout: the larger of its run and eval phases, per field."""
+    """What one sample of ``ev`` holds throughout: the larger of its run and verify phases, per field."""
     run, ev_ = ev.run_resource, ev.eval_resource
     return Resource(gpu=max(run.gpu, ev_.gpu), concurrency=max(run.concurrency, ev_.concurrency),
                     cpu=max(run.cpu, ev_.cpu), memory_gb=max(run.memory_gb, ev_.memory_gb))
@@ -153,15 +150,6 @@ def _server_args() -> tuple[str, ...]:
         return ()
     return tuple(f.name for f in dataclasses.fields(ServerArgs))
 
-
-def _check_batching(batching: str) -> Iterator[tuple[str, str]]:
-    if not is_import_path(batching):
-        return
-    try:
-        check_signature(import_object(batching, "batching strategy"), 2, "batching strategy", batching,
-                        "strategy(tasks: list[Task], specs: dict[str, EvaluatorSpec]) -> list[Batch]")
-    except PluginError as e:
-        yield "$.scheduler.batching", str(e)
 
 
 def check_dagger_section(section: Any) -> None:

@@ -1,11 +1,12 @@
-"""Eval artifacts (spec §5 "Eval outputs", ``--save-eval-details``), written crash-safe.
+"""Eval artifacts (docs/scheduler.md §5, ``--save-eval-details``), written crash-safe.
 
 Files under ``{root}/eval_details/``, one set per iteration ``id``:
 
 - ``{id}.jsonl``: one JSON object per sample: ``dataset, task_id, index, status, reward,
   termination_reason, failure_class, turns, prompt_tokens, response_tokens, remove_sample, abort,
-  response`` (``abort`` is the evaluator's ``_abort`` record, null for samples that did not abort).
-- ``{id}.placement.jsonl``: one object per model turn, from ``sample.metadata["_turn_placement"]``:
+  response`` (``abort`` is the episode's abort record without its reason, as the trainer's ``_abort``
+  holds it; null for samples that did not abort).
+- ``{id}.placement.jsonl``: one object per model turn, from the episode's turn records:
   ``dataset, task_id, index, turn, node, gpu_ids, engine`` plus what else the turn's record holds
   (``engine_s``: seconds the engine call took; ``actor`` in a DAgger roll-in); node and GPUs fall
   back to the sample's token when the turn did not name them.
@@ -46,7 +47,6 @@ import msgspec
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.metrics import failure_summary
 from rayapp.core.termination import classify_termination
-from rayapp.episode import EpisodeKey
 from rayapp.training.files import atomic_write
 from rayapp.training.timeline import write_timeline
 from rayapp.types import Sample, Task, TaskKey
@@ -151,24 +151,25 @@ def dataset_of(sample: Sample, default: str = "unknown") -> str:
 
 def sample_record(dataset: str, s: Sample) -> dict:
     """The ``{id}.jsonl`` line of one sample."""
-    m = s.metadata
-    reason = m.get(EpisodeKey.TERMINATION_REASON)
+    episode = s.episode
+    reason, abort = episode.reason, episode.abort
     return {
         "dataset": dataset, "task_id": s.task_id, "index": s.index, "status": str(s.status),
         "reward": s.reward, "termination_reason": reason,
         "failure_class": classify_termination(s.reward, reason).value,
-        "turns": m.get(EpisodeKey.TURNS, 0),
+        "turns": episode.turns or 0,
         "prompt_tokens": max(len(s.tokens) - s.response_length, 0), "response_tokens": s.response_length,
-        "remove_sample": s.remove_sample, "abort": m.get(EpisodeKey.ABORT), "response": s.response,
+        "remove_sample": s.remove_sample,
+        "abort": None if abort is None else {k: v for k, v in msgspec.to_builtins(abort).items() if k != "reason"},
+        "response": s.response,
     }
 
 
 def placement_records(dataset: str, s: Sample) -> list[dict]:
     """The ``{id}.placement.jsonl`` lines of one sample, one per recorded turn."""
-    token = s.metadata.get(EpisodeKey.PLACEMENT) or {}
+    token = msgspec.to_builtins(s.episode.placement) if s.episode.placement is not None else {}
     out = []
-    for i, turn in enumerate(s.metadata.get(EpisodeKey.TURN_PLACEMENT) or [], 1):
-        turn = turn if isinstance(turn, dict) else {"value": turn}
+    for i, turn in enumerate(msgspec.to_builtins(s.episode.turn_records), 1):
         rec = {"dataset": dataset, "task_id": s.task_id, "index": s.index, "turn": turn.get("turn", i),
                "node": turn.get("node", token.get("node")), "gpu_ids": turn.get("gpu_ids", token.get("gpu_ids")),
                "engine": turn.get("engine")}

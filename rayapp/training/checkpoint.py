@@ -1,4 +1,4 @@
-"""Mid-rollout checkpoints, and resuming a rollout step from one (spec §5 "Reuse & resume").
+"""Mid-rollout checkpoints, and resuming a rollout step from one (docs/scheduler.md §5).
 
 ``RolloutCheckpoint`` keeps a rollout's progress on disk, one folder per rollout::
 
@@ -49,6 +49,7 @@ from rayapp.core.contracts import (
 from rayapp.core.convert import InputError, decode
 from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.training.converters import stored_sample
 from rayapp.training.files import atomic_write, fsync_dir
 from rayapp.types import Sample, Task
 
@@ -208,7 +209,11 @@ class RolloutCheckpoint:
         marker = self.folder(rollout_id) / _DONE
         if not marker.exists():
             return None
-        return _read(marker, CheckpointFinished).carried
+        carried = _read(marker, CheckpointFinished).carried
+        for g in carried:
+            for s in g.samples:
+                stored_sample(s)  # one an earlier version wrote: its episode back from the metadata keys
+        return carried
 
     def resume(self, rollout_id: int) -> ResumeState | None:
         """The saved source state and finished groups of an unfinished ``rollout_id``; None when it
@@ -230,7 +235,7 @@ class RolloutCheckpoint:
             except InputError as e:
                 log.warning("resume: skipping %s, its group will be re-run: %s", p, e)
                 continue
-            groups[g.index] = g.samples
+            groups[g.index] = [stored_sample(s) for s in g.samples]  # one an earlier version wrote, too
         self._run[rollout_id], self._done[rollout_id] = state.run, set(groups)
         return ResumeState(rollout_id, state.source_state, dict(sorted(groups.items())))
 

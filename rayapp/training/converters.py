@@ -1,5 +1,11 @@
-"""A step's ``RolloutResult`` in the batch shapes trainers take: verl's ``DataProto`` and slime's
-``Sample`` dicts.
+"""The trainer's door: a step's result as trainers get it. Inside the project a sample's episode is one
+typed record (``Sample.episode``, ``rayapp.record``); here, and only here, it becomes the spec's
+metadata keys (``EpisodeKey``: ``_termination_reason``, ``_placement``, ...), with the names and
+meaning they always had. The step pipeline hands every result out through ``for_trainer`` (the
+manager's results, and what a step stores to serve again); saved trajectories are written with
+``trainer_sample``. ``stored_sample`` is the way back, for samples saved in the trainer's form or by
+an earlier version (trajectory files, rollout checkpoints). And the batch shapes trainers take:
+verl's ``DataProto`` and slime's ``Sample`` dicts.
 
 Guarantees:
 
@@ -17,6 +23,8 @@ Guarantees:
 - slime (``to_slime``): one dict per sample with the fields ``slime.utils.types.Sample.from_dict``
   reads; ``reward`` is the reward's ``reward_key`` entry (the whole dict when ``reward_key`` is None)
   and ``weight_versions`` the weights of each model turn (the turn records' ``weight_version``).
+- ``stored_sample(trainer_sample(s)) == s`` for a sample the evaluator made; a sample's metadata keys
+  other than ``EpisodeKey``'s are left as they are.
 - A sample whose token data does not line up (``loss_mask`` or ``rollout_log_probs`` not
   ``response_length`` long, a response longer than its tokens, a reward without ``reward_key``, a
   prompt or response past a fixed width) is one ``ValueError`` naming the group, task, sample and
@@ -26,11 +34,138 @@ Guarantees:
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Any, TypeVar
 
-from rayapp.core.contracts import RolloutResult
-from rayapp.episode import EpisodeKey
+import msgspec
+
+from rayapp.core.contracts import EvalResult, RolloutResult, UnfinishedGroup
+from rayapp.record import (
+    AbortRecord,
+    DaggerLabel,
+    EpisodePhase,
+    EpisodeRecord,
+    EpisodeTiming,
+    Placement,
+    ResumePoint,
+    TerminationReason,
+    TurnRecord,
+)
 from rayapp.types import Sample
+
+
+class EpisodeKey(enum.StrEnum):
+    """The ``Sample.metadata`` keys a trainer reads of an episode (the spec's; docs/trainers.md)."""
+
+    TURNS = "_turns"
+    TERMINATION_REASON = "_termination_reason"  # the abort reason when aborted, else the agent's
+    TERMINATION_REASON_AGENT = "_termination_reason_agent"  # the agent's, when an abort overrode it
+    PLACEMENT = "_placement"
+    TURN_PLACEMENT = "_turn_placement"
+    TURN_ACTOR = "_turn_actor"
+    DAGGER_LABELS = "_dagger_labels"
+    ABORT = "_abort"
+    RESUME = "_resume"  # a cut-short sample's ResumePoint (partial rollouts)
+    TIMING = "_timing"  # EpisodeTiming: its batch's admission wait, its phases' durations
+
+
+# Task metadata keys of versions before CarriedRun, read back from their checkpoints only.
+_OLD_RESUME_POINTS, _OLD_SAMPLE_INDICES = "_resume_points", "_partial_sample_indices"
+_EMPTY = EpisodeRecord()
+# An abort's phase as the spec names it for the trainer: the verify phase is its "eval" phase.
+_SPEC_PHASE = {EpisodePhase.RUN: "run", EpisodePhase.VERIFY: "eval"}
+_PHASE = {v: k for k, v in _SPEC_PHASE.items()}
+Result = TypeVar("Result", RolloutResult, EvalResult)
+
+
+def episode_metadata(record: EpisodeRecord) -> dict[str, Any]:
+    """The spec's metadata keys of ``record`` (``EpisodeKey``), plain data, set ones only."""
+    out: dict[str, Any] = {}
+    if record.placement is not None:
+        out[EpisodeKey.PLACEMENT.value] = msgspec.to_builtins(record.placement)
+    if record.turns is not None:
+        out[EpisodeKey.TURNS.value] = record.turns
+    if record.abort is not None:
+        out[EpisodeKey.TERMINATION_REASON.value] = str(record.abort.reason)
+        if record.termination_reason is not None:
+            out[EpisodeKey.TERMINATION_REASON_AGENT.value] = str(record.termination_reason)
+        abort = msgspec.to_builtins(record.abort)
+        del abort["reason"]  # carried by _termination_reason
+        abort["phase"] = _SPEC_PHASE[record.abort.phase]
+        out[EpisodeKey.ABORT.value] = abort
+    elif record.turns is not None or record.termination_reason is not None:  # the run phase is over
+        reason = record.termination_reason
+        out[EpisodeKey.TERMINATION_REASON.value] = None if reason is None else str(reason)
+    if record.turn_records:
+        out[EpisodeKey.TURN_PLACEMENT.value] = msgspec.to_builtins(record.turn_records)
+        actors = [str(t.actor) for t in record.turn_records if t.actor is not None]
+        if actors:
+            out[EpisodeKey.TURN_ACTOR.value] = actors
+    if record.dagger_labels:
+        out[EpisodeKey.DAGGER_LABELS.value] = msgspec.to_builtins(record.dagger_labels)
+    if record.resume is not None:
+        out[EpisodeKey.RESUME.value] = msgspec.to_builtins(record.resume)
+    if record.timing is not None:
+        out[EpisodeKey.TIMING.value] = msgspec.to_builtins(record.timing)
+    return out
+
+
+def trainer_metadata(s: Sample) -> dict[str, Any]:
+    """``s``'s metadata as the trainer reads it: its own keys and its episode's (``episode_metadata``)."""
+    return {**s.metadata, **episode_metadata(s.episode)} if s.episode != _EMPTY else dict(s.metadata)
+
+
+def trainer_sample(s: Sample) -> Sample:
+    """``s`` as the trainer gets it: a copy whose episode is in its metadata (its record left empty)."""
+    if s.episode == _EMPTY:
+        return s
+    return msgspec.structs.replace(s, metadata=trainer_metadata(s), episode=EpisodeRecord())
+
+
+def for_trainer(result: Result) -> Result:
+    """``result`` with every sample as the trainer gets it (``trainer_sample``); ``result`` is left as it is."""
+    if isinstance(result, EvalResult):
+        samples = {name: [trainer_sample(s) for s in ss] for name, ss in result.samples.items()}
+        return msgspec.structs.replace(result, samples=samples)
+    groups = [[trainer_sample(s) for s in g] for g in result.groups]
+    unfinished = [UnfinishedGroup(u.index, u.task, [trainer_sample(s) for s in u.samples]) for u in result.unfinished]
+    return msgspec.structs.replace(result, groups=groups, unfinished=unfinished)
+
+
+T = TypeVar("T")
+
+
+def _take(metadata: dict[str, Any], key: EpisodeKey, kind: type[T]) -> T | None:
+    value = metadata.pop(key.value, None)
+    return None if value is None else msgspec.convert(value, kind)
+
+
+def stored_sample(s: Sample) -> Sample:
+    """``s`` with its episode back in its record, in place, when it was saved in the trainer's form
+    (its metadata keys, which leave its metadata) or by an earlier version (a carried group's sample
+    renumbered in its step: its index in the group back); ``s`` as it is otherwise."""
+    m = s.metadata
+    indices = m.pop(_OLD_SAMPLE_INDICES, None)
+    if indices:
+        s.index = indices[s.index]
+    m.pop(_OLD_RESUME_POINTS, None)  # what a step was handed: no part of its result
+    if s.episode != _EMPTY or not any(k.value in m for k in EpisodeKey):
+        return s
+    reason = m.pop(EpisodeKey.TERMINATION_REASON.value, None)
+    agent = m.pop(EpisodeKey.TERMINATION_REASON_AGENT.value, None)
+    abort = m.pop(EpisodeKey.ABORT.value, None)
+    m.pop(EpisodeKey.TURN_ACTOR.value, None)  # the turn records' actors
+    s.episode = EpisodeRecord(
+        turns=m.pop(EpisodeKey.TURNS.value, None),
+        termination_reason=msgspec.convert(agent if abort is not None else reason, TerminationReason | None),
+        placement=_take(m, EpisodeKey.PLACEMENT, Placement),
+        turn_records=_take(m, EpisodeKey.TURN_PLACEMENT, list[TurnRecord]) or [],
+        dagger_labels=_take(m, EpisodeKey.DAGGER_LABELS, list[DaggerLabel]) or [],
+        abort=None if abort is None else msgspec.convert(
+            {**abort, "reason": reason, "phase": _PHASE.get(abort.get("phase"), abort.get("phase"))}, AbortRecord),
+        resume=_take(m, EpisodeKey.RESUME, ResumePoint),
+        timing=_take(m, EpisodeKey.TIMING, EpisodeTiming))
+    return s
 
 
 class _Row:
@@ -146,8 +281,8 @@ def to_verl(result: RolloutResult, **kwargs: Any) -> Any:
     return DataProto.from_dict(**verl_tensors(result, **kwargs))
 
 
-def _weight_versions(s: Sample) -> list[str]:
-    turns = s.metadata.get(EpisodeKey.TURN_PLACEMENT.value) or []
+def _weight_versions(metadata: dict[str, Any]) -> list[str]:
+    turns = metadata.get(EpisodeKey.TURN_PLACEMENT.value) or []
     return [str(t["weight_version"]) for t in turns if isinstance(t, dict) and t.get("weight_version")]
 
 
@@ -158,13 +293,14 @@ def to_slime(result: RolloutResult, *, reward_key: str | None = "score") -> list
     for g, group in enumerate(result.groups):
         for s in group:
             _check_tokens(g, s)
+            meta = trainer_metadata(s)
             out.append({
                 "group_index": g, "index": s.index, "prompt": s.prompt, "tokens": list(s.tokens),
                 "response": s.response, "response_length": s.response_length, "label": s.label,
                 "reward": _score(s.reward, reward_key, _where(g, s)) if reward_key else dict(s.reward),
                 "loss_mask": list(s.loss_mask), "rollout_log_probs": list(s.rollout_log_probs) or None,
-                "weight_versions": _weight_versions(s), "remove_sample": s.remove_sample,
-                "status": str(s.status.value), "metadata": dict(s.metadata),
+                "weight_versions": _weight_versions(meta), "remove_sample": s.remove_sample,
+                "status": str(s.status.value), "metadata": meta,
             })
     if not out:
         raise ValueError(f"rollout {result.rollout_id}: no samples to convert")

@@ -1,4 +1,4 @@
-"""The DAgger schedule and the per-iteration state the scheduler publishes (spec §5).
+"""The DAgger schedule and the per-iteration state the scheduler publishes (docs/scheduler.md §5).
 
 ``DAggerSchedule`` maps a rollout index to the mixing weight β (the probability that the teacher,
 not the student, acts at a turn) and to t_max (the roll-in tail length). Guarantees:
@@ -21,8 +21,9 @@ The decays, with t the iteration, T = decay_iters, d = beta_start - beta_end:
 T = 0 means the decay is already over: β = beta_end from iteration 0. ``decay_iters`` is read by
 linear and cosine only; ``gamma``/``step_gamma``/``step_size`` only by the kinds that name them.
 
-The scheduler alone knows the rollout index, so it publishes the state as ``STACX_*`` environment
-variables for code written against them (``publish``), and eval takes β away (``pop_beta_for_eval``).
+The scheduler alone knows the rollout index: ``DAggerIterations`` gives it the iteration's state as an
+``Iteration`` (agents read that typed value, ``EpisodeContext.iteration``) and tells its observers;
+the one that writes the spec's ``STACX_*`` environment variables is ``stacx_env.StacxEnv``.
 """
 
 from __future__ import annotations
@@ -30,18 +31,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import msgspec
 
-from rayapp.episode import EpisodeKey
-from rayapp.types import Actor
+from rayapp.record import Actor, Iteration
+from rayapp.types import StepKind
 
 BetaSchedule = Literal["linear", "cosine", "exponential", "step"]
 BETA_SCHEDULES: tuple[str, ...] = ("linear", "cosine", "exponential", "step")
 
-# Code-set per iteration by the scheduler: never set these by hand (spec §6).
+# Code-set per iteration by the scheduler: never set these by hand (docs/scheduler.md §6).
 ENV_ROLLOUT_ID = "STACX_ROLLOUT_ID"
 ENV_BETA = "STACX_DAGGER_BETA"
 ENV_T_MAX = "STACX_DAGGER_T_MAX"
@@ -78,27 +79,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_real(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-class IterationState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one iteration publishes: passed to agents explicitly (as ``DAggerIterations`` shows it
-    to them: t_max guarded like the environment) and returned with the rollout's results, so
-    trainer processes on other nodes see the same values the agents used."""
-
-    rollout_id: int
-    beta: float
-    t_max: int
-    t_max_step: int = 0
-
-    def to_env(self) -> dict[str, str]:
-        """The spec's STACX_* variables. ``repr`` of a float round-trips exactly, so a reader's
-        ``float(os.environ[...])`` is the β the schedule computed, bit for bit."""
-        env = {ENV_ROLLOUT_ID: str(self.rollout_id), ENV_BETA: repr(float(self.beta))}
-        # The t_max_step > 0 guard: with the ramp off, a statically set tail length must survive
-        # rather than be clobbered with the unused ramp's value.
-        if self.t_max_step > 0:
-            env[ENV_T_MAX] = str(self.t_max)
-        return env
 
 
 class DAggerSchedule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -173,9 +153,10 @@ class DAggerSchedule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         moved = min(self.t_max_step * t, abs(span))  # integers: the ramp lands on t_max_end exactly
         return self.t_max_start + (moved if span >= 0 else -moved)
 
-    def state(self, iteration: int) -> IterationState:
-        return IterationState(rollout_id=_check_iteration(iteration), beta=self.beta(iteration),
-                              t_max=self.t_max(iteration), t_max_step=self.t_max_step)
+    def state(self, iteration: int) -> Iteration:
+        """The schedule's values at ``iteration`` (before the t_max guard ``DAggerIterations`` applies)."""
+        return Iteration(rollout_id=_check_iteration(iteration), beta=self.beta(iteration),
+                         t_max=self.t_max(iteration), t_max_step=self.t_max_step)
 
     # -- construction from flags -------------------------------------------------------------
 
@@ -258,73 +239,61 @@ def add_dagger_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return g
 
 
-# -- the environment ---------------------------------------------------------------------------
+# -- the iteration ---------------------------------------------------------------------------
 
-def publish(state: IterationState, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Write the iteration's STACX_* variables into ``environ`` (default ``os.environ``) and return
-    what was written. STACX_DAGGER_T_MAX is left untouched when the ramp is off (``to_env``)."""
-    env = os.environ if environ is None else environ
-    values = state.to_env()
-    env.update(values)
-    return values
-
-
-def pop_beta_for_eval(environ: MutableMapping[str, str] | None = None) -> float:
-    """The spec's eval rule: remove STACX_DAGGER_BETA, so eval runs student-only at β=0, unless
-    STACX_DAGGER_EVAL_BETA is set (non-empty), which re-injects its value as STACX_DAGGER_BETA.
-    Returns the β eval should use.
-
-    Nothing is restored afterwards, on purpose: the next ``execute_rollout`` publishes its own
-    iteration's β before its fetch loop, so a stale training β never needs saving. A bad
-    STACX_DAGGER_EVAL_BETA raises before anything is changed."""
+def eval_beta(environ: Mapping[str, str] | None = None) -> float:
+    """The spec's eval rule: eval runs student-only at β=0, unless STACX_DAGGER_EVAL_BETA is set
+    (non-empty) to the β it should run at. A bad value is one ValueError naming the variable."""
     env = os.environ if environ is None else environ
     raw = env.get(ENV_EVAL_BETA, "").strip()
-    beta = 0.0
-    if raw:
-        try:
-            beta = float(raw)
-        except ValueError:
-            beta = math.nan  # reported below with the same message as an out-of-range value
-        if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"{ENV_EVAL_BETA}: must be a number in [0, 1], got {raw!r}")
-    env.pop(ENV_BETA, None)
-    if raw:
-        env[ENV_BETA] = repr(beta)
+    if not raw:
+        return 0.0
+    try:
+        beta = float(raw)
+    except ValueError:
+        beta = math.nan  # reported below with the same message as an out-of-range value
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"{ENV_EVAL_BETA}: must be a number in [0, 1], got {raw!r}")
     return beta
 
 
+class IterationObserver(Protocol):
+    """What is told each step's Iteration once it is known, before the step fetches anything."""
+
+    def published(self, kind: StepKind, iteration: Iteration) -> None: ...
+
+
 class DAggerIterations:
-    """The TaskScheduler's IterationSource for a DAgger schedule: ``execute_rollout`` publishes
-    the iteration's β / t_max (environment and the explicit state every agent gets) before its
-    fetch loop; ``execute_eval`` runs student-only unless STACX_DAGGER_EVAL_BETA re-injects β.
+    """The TaskScheduler's IterationSource for a DAgger schedule: each step's Iteration, the value
+    every agent of the step gets, told to ``observers`` (the environment's writer, ``StacxEnv``).
+    ``execute_eval`` runs student-only unless STACX_DAGGER_EVAL_BETA names a β (``eval_beta``).
+    ``environ`` (default ``os.environ``) is only read: the static STACX_DAGGER_T_MAX and
+    STACX_DAGGER_EVAL_BETA.
 
-    The t_max_step > 0 guard holds for agents too: the state they get has ``t_max`` only when it is
-    a tail length (> 0), absent meaning "no tail, every turn may be the teacher's" (the agents'
-    default). With the ramp on it is the ramp's value; with it off it is the statically set
-    STACX_DAGGER_T_MAX when that is set, else ``t_max_start``. So the unused ramp's 0 never reaches
-    an agent, as it never reaches the environment."""
+    The t_max_step > 0 guard holds for agents too: ``t_max`` is 0 ("no tail, every turn may be the
+    teacher's") unless it is a tail length. With the ramp on it is the ramp's value; with it off it
+    is the statically set STACX_DAGGER_T_MAX when that is set, else ``t_max_start``. So the unused
+    ramp's value never reaches an agent, as it never reaches the environment."""
 
-    def __init__(self, schedule: DAggerSchedule, environ: MutableMapping[str, str] | None = None):
-        self.schedule, self.environ = schedule, environ
+    def __init__(self, schedule: DAggerSchedule, environ: Mapping[str, str] | None = None,
+                 observers: Sequence[IterationObserver] = ()):
+        self.schedule, self.environ, self.observers = schedule, environ, list(observers)
 
-    def rollout_state(self, rollout_id: int) -> dict[str, Any]:
-        state = self.schedule.state(rollout_id)
-        agents = self._agents_view(state)  # read before publishing: a bad static value changes nothing
-        publish(state, self.environ)
-        return agents
+    def rollout_state(self, rollout_id: int) -> Iteration:
+        return self._published(StepKind.ROLLOUT, self._agents_view(self.schedule.state(rollout_id)))
 
-    def eval_state(self, rollout_id: int) -> dict[str, Any]:
-        agents = self._agents_view(self.schedule.state(rollout_id))
-        return {**agents, "beta": pop_beta_for_eval(self.environ)}
+    def eval_state(self, rollout_id: int) -> Iteration:
+        view = self._agents_view(self.schedule.state(rollout_id))
+        return self._published(StepKind.EVAL, msgspec.structs.replace(view, beta=eval_beta(self.environ)))
 
-    def _agents_view(self, state: IterationState) -> dict[str, Any]:
-        view = msgspec.to_builtins(state)
+    def _published(self, kind: StepKind, iteration: Iteration) -> Iteration:
+        for o in self.observers:
+            o.published(kind, iteration)
+        return iteration
+
+    def _agents_view(self, state: Iteration) -> Iteration:
         t_max = state.t_max if state.t_max_step > 0 else self._static_t_max(state.t_max)
-        if t_max > 0:
-            view["t_max"] = t_max
-        else:
-            del view["t_max"]
-        return view
+        return msgspec.structs.replace(state, t_max=max(t_max, 0))
 
     def _static_t_max(self, default: int) -> int:
         env = os.environ if self.environ is None else self.environ
@@ -342,20 +311,20 @@ class DAggerIterations:
 
 
 def roll_in_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
-    """Who acted in a step's DAgger roll-ins (the episodes' ``_turn_actor`` records), before any
+    """Who acted in a step's DAgger roll-ins (the actors of the episodes' turn records), before any
     filter: ``dagger/turns/teacher``, ``dagger/turns/student``, ``dagger/labels`` (teacher labels
     kept for student turns) and ``dagger/teacher_turn_share``. Empty for a step with no roll-ins."""
     turns = {actor.value: 0 for actor in Actor}
     labels, seen = 0, False
     for group in groups:
         for s in group:
-            actors = s.metadata.get(EpisodeKey.TURN_ACTOR)
-            if actors is None:
+            actors = [t.actor for t in s.episode.turn_records if t.actor is not None]
+            if not actors:
                 continue
             seen = True
             for actor in actors:
                 turns[actor] = turns.get(actor, 0) + 1
-            labels += len(s.metadata.get(EpisodeKey.DAGGER_LABELS, ()))
+            labels += len(s.episode.dagger_labels)
     if not seen:
         return {}
     total = sum(turns.values())

@@ -1,4 +1,4 @@
-"""Survivorship filters over a rollout step's groups (spec §5), and the aborted-share cap.
+"""Survivorship filters over a rollout step's groups (docs/scheduler.md §5), and the aborted-share cap.
 
 A step is ``list[list[Sample]]``: one group per prompt, GRPO style. Filters compose as a list and
 run in list order; the spec's order is rejection first, finish-only on the survivors::
@@ -33,8 +33,8 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.core.termination import is_solved
-from rayapp.episode import EpisodeKey
-from rayapp.types import Sample, Status, TerminationReason
+from rayapp.record import TerminationReason
+from rayapp.types import Sample, Status
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class RejectionFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Keeps samples that finished on their own: status COMPLETED, ``remove_sample`` unset, and a
-    termination reason (``metadata["_termination_reason"]``) in ``stop_reasons``.
+    termination reason (``Sample.episode.termination_reason``) in ``stop_reasons``.
 
     Per sample by default: a group shrinks to its finished samples, and disappears only when none
     is left. ``whole_group=True`` drops a group with any unfinished sample entirely, for trainers
@@ -154,7 +154,7 @@ class FinishOnlyFilter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return DropReason.TRUNCATED
         if sample.status is not Status.COMPLETED:
             return DropReason.PENDING
-        if sample.metadata.get(EpisodeKey.TERMINATION_REASON) not in self.stop_reasons:
+        if sample.episode.reason not in self.stop_reasons:
             return DropReason.NOT_STOPPED
         return None
 
@@ -279,7 +279,7 @@ def _check_abort_share(report: FilterReport, groups: Sequence[Sequence[Sample]],
     if report.abort_share <= cap.max_aborted_share:
         return
     report.abort_share_exceeded = True
-    causes = Counter(str(s.metadata.get(EpisodeKey.TERMINATION_REASON, "unknown")) for s in aborted)
+    causes = Counter(str(s.episode.reason or "unknown") for s in aborted)
     step = "rollout step" if rollout_id is None else f"rollout {rollout_id}"
     log.warning(
         "%s: %d of %d samples (%.1f%%) are aborted dummies, above the cap of %.1f%% (AbortCap.max_aborted_share); "

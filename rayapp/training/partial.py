@@ -16,17 +16,17 @@ small dataset hands the same task out twice in a step, and again each epoch. Eac
   staleness is always 0, which is what restart is for). Under ``policy: resume`` a carried group
   keeps the samples that ended (completed or aborted: their results stand, and their turns keep
   the weight versions that produced them, so their staleness shows), and the next step runs only
-  the others: the scheduler gets the group's task with ``n_samples`` the number still to run,
-  numbered 0..k-1, and ``SAMPLE_INDICES`` mapping them back (``group_index``). Each cut-short one
-  goes on from where it was cut (its ``ResumePoint``, handed to the agent in the task's
-  ``RESUME_POINTS``, by the new index: kept tokens, log-probs, mask and turn records as they are;
+  the others: the scheduler gets the group's task with ``n_samples`` the number still to run and
+  ``Task.carried`` naming them (``CarriedRun``: their indices in the group, which the samples it
+  makes keep). Each cut-short one goes on from where it was cut (its ``ResumePoint``, handed to the
+  agent as its record's ``start``: kept tokens, log-probs, mask and turn records as they are;
   a turn cut mid-generation was aborted at the engine and goes on from the tokens it had made,
   one cut in a tool call or a DAgger roll-in's turn is generated again); one cut before a point
   was kept, or whose agent cannot rebuild its state (``resumable`` false), starts afresh. The group is put
-  back together (its indices, its kept samples merged in, by index) before anything sees it: the
-  step's ``groups``, ``on_task_done``, what is carried again and the checkpoint's FINISHED record
-  (a step's own mid-way checkpoint holds what the scheduler ran, put back together the same way
-  when a rerun restores it). A carried group whose samples have all ended is complete as it is:
+  back together (its kept samples merged in, by index) before anything sees it: the step's
+  ``groups``, ``on_task_done``, what is carried again and the checkpoint's FINISHED record (a step's
+  own mid-way checkpoint holds what the scheduler ran, put back together the same way when a rerun
+  restores it). A carried group whose samples have all ended is complete as it is:
   it is returned first (up to ``rollout_batch_size`` of them: with that many, nothing runs and
   nothing new is fetched). A carried group restarts whole, whatever the policy, once its attempt is older than
   ``max_staleness`` steps (what it kept is dropped), so nothing returned is staler than that;
@@ -65,13 +65,11 @@ from rayapp.core.contracts import (
     require_async,
 )
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.episode import RESUME_POINTS, EpisodeKey
+from rayapp.record import CarriedRun, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
 from rayapp.types import Sample, Status, Task, TaskKey
 
 PartialPolicy = Literal["restart", "resume"]
-# task metadata: a carried group's samples still to run, by their index in the step -> their index in the group
-SAMPLE_INDICES = "_partial_sample_indices"
 
 
 class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -86,36 +84,25 @@ class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "generated, where its agent can) or restart (run afresh and whole, what it did is discarded)"))] = "resume"
 
 
-def _turns(sample: Sample) -> list[dict]:
-    return sample.metadata.get(EpisodeKey.TURN_PLACEMENT.value) or []
-
-
 def stamp_versions(samples: list[Sample], rollout_id: int) -> None:
     """Name the step's weights on every turn the engine left without a version (its resume point's
     records too), and drop the resume points the step was handed: they are no part of the result."""
     for s in samples:
-        s.metadata.pop(RESUME_POINTS, None)
-        point = s.metadata.get(EpisodeKey.RESUME.value) or {}
-        for t in [*_turns(s), *point.get("turn_records", [])]:
-            if not t.get("weight_version"):
-                t["weight_version"] = str(rollout_id)
+        episode = s.episode
+        episode.start = None
+        point_turns: list[TurnRecord] = episode.resume.turn_records if episode.resume is not None else []
+        for t in [*episode.turn_records, *point_turns]:
+            if not t.weight_version:
+                t.weight_version = str(rollout_id)
 
 
 def staleness(sample: Sample, rollout_id: int) -> int:
     """Steps between ``rollout_id`` and the oldest weights that produced a turn of ``sample``."""
     steps = []
-    for t in _turns(sample):
-        v = str(t.get("weight_version") or "")
+    for t in sample.episode.turn_records:
+        v = t.weight_version or ""
         steps.append(int(v) if v.lstrip("-").isdigit() else rollout_id)
     return max(0, rollout_id - min(steps)) if steps else 0
-
-
-def group_index(sample: Sample) -> int:
-    """``sample``'s index in its group. A carried group runs only its samples that have not ended,
-    numbered 0..k-1 in that step (``SAMPLE_INDICES`` maps them back); an agent that keys anything
-    to the sample (a trace, a seed) reads it here."""
-    indices = sample.metadata.get(SAMPLE_INDICES)
-    return indices[sample.index] if indices else sample.index
 
 
 def _ended(sample: Sample) -> bool:
@@ -123,33 +110,24 @@ def _ended(sample: Sample) -> bool:
 
 
 def _to_run(group: CarriedGroup) -> Task | None:
-    """The task a carried group runs as: only its samples that have not ended (renumbered, with
-    ``SAMPLE_INDICES``), each cut-short one handed its resume point (``RESUME_POINTS``, by its new
-    index); the group's own task when it keeps nothing; None when nothing is left to run."""
+    """The task a carried group runs as: only its samples that have not ended (``Task.carried``: their
+    indices, and each cut-short one's resume point); the group's own task when it keeps nothing;
+    None when nothing is left to run."""
     todo = sorted((s for s in group.samples if not _ended(s)), key=lambda s: s.index)
     if not group.samples or not todo:
         return None if group.samples else group.task
-    metadata = dict(group.task.metadata)
-    points = [s.metadata.get(EpisodeKey.RESUME.value) for s in todo]
-    if any(points):
-        metadata[RESUME_POINTS] = points
-    config = group.task.config
-    if len(todo) < config.n_samples:
-        metadata[SAMPLE_INDICES] = [s.index for s in todo]
-        config = msgspec.structs.replace(config, n_samples=len(todo))
-    if metadata == group.task.metadata:
+    points = [s.episode.resume for s in todo]
+    if len(todo) == group.task.config.n_samples and not any(points):
         return group.task
-    return msgspec.structs.replace(group.task, config=config, metadata=metadata)
+    config = msgspec.structs.replace(group.task.config, n_samples=len(todo))
+    carried = CarriedRun([s.index for s in todo], points if any(points) else [])
+    return msgspec.structs.replace(group.task, config=config, carried=carried)
 
 
 def _whole(group: CarriedGroup, samples: list[Sample]) -> list[Sample]:
-    """A carried group put back together from what its task ran (``samples``): their indices back
-    (in place; a sample already put back is left as it is) and the samples it kept merged in, by
-    index. A group whose samples are not exactly 0..n-1 is a bug here, and says so."""
-    for s in samples:
-        indices = s.metadata.pop(SAMPLE_INDICES, None)
-        if indices:
-            s.index = indices[s.index]
+    """A carried group put back together from what its task ran (``samples``, by their indices in the
+    group) and the samples it kept, by index. A group whose samples are not exactly 0..n-1 is a bug
+    here, and says so."""
     whole = sorted([*(s for s in group.samples if _ended(s)), *samples], key=lambda s: s.index)
     if [s.index for s in whole] != list(range(group.task.config.n_samples)):
         raise RuntimeError(f"task {group.task.task_id!r}: a carried group put back together has sample indices "

@@ -1,4 +1,4 @@
-"""One training step of a recipe, end to end, in the order the trainer's data depends on (spec §5):
+"""One training step of a recipe, end to end, in the order the trainer's data depends on (docs/scheduler.md §5):
 
 - rollout: a fresh run of the scheduler, or the saved trajectories the reuse policy points at
   (``reuse.py``); then the roll-in metrics, counted before any filter drops a sample (every roll-in
@@ -9,7 +9,9 @@
 - eval: a run whose finished groups stream into ``eval_details/``, then the complete files and the
   timeline; a failed eval closes its streamed files, and a later run of the same id rewrites them.
 
-Steps are idempotent (``step_results.py``): a repeated or concurrent request for a rollout or eval
+What a step returns is the trainer's door (``converters.for_trainer``): each sample's episode record
+is written there as the spec's metadata keys; observers, filters and artifacts see the typed record
+before it. Steps are idempotent (``step_results.py``): a repeated or concurrent request for a rollout or eval
 id gets that step's result, waiting for the one in flight, and never runs it twice at once; with a
 checkpoint folder the latest results also survive a restart. Ids outside 0 .. 2**31-1 are a
 ValueError before anything runs.
@@ -35,6 +37,7 @@ from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult, Rollout
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
+from rayapp.training.converters import for_trainer
 from rayapp.training.dagger import roll_in_metrics
 from rayapp.training.filters import AbortCap, Filter, FilterReport, apply_filters
 from rayapp.training.partial import PartialConfig, PartialRollouts
@@ -155,7 +158,7 @@ class StepRunner:
                 artifacts["train_summary"] = str(path)
                 if "reused" not in ran.artifacts:  # a reused step ran nothing now: no timeline of its own
                     artifacts |= await self._timeline("train", rollout_id, [s for g in ran.groups for s in g])
-            return msgspec.structs.replace(result, artifacts=artifacts)
+            return for_trainer(msgspec.structs.replace(result, artifacts=artifacts))
 
     def _observed(self, kind: str, then: OnTaskDone | None = None) -> OnTaskDone | None:
         """The step's group callback: ``then`` (streaming details), then the observers, whose
@@ -191,7 +194,7 @@ class StepRunner:
         return {k: str(p) for k, p in paths.items()}
 
     async def _run_or_reuse(self, rollout_id: int) -> RolloutResult:
-        """A fresh rollout, or the saved one the reuse policy (spec §5) points at."""
+        """A fresh rollout, or the saved one the reuse policy (docs/scheduler.md §5) points at."""
         if self.trajectory_dir is None:
             return await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"))
         ran: list[RolloutResult] = []
@@ -213,7 +216,7 @@ class StepRunner:
             if self.details is None:
                 result = await self.scheduler.execute_eval(rollout_id, self._observed("eval"))
                 self._step_ran("eval", rollout_id, [s for ss in result.samples.values() for s in ss], result.metrics)
-                return result
+                return for_trainer(result)
             # samples stream into eval_details/{id}.jsonl as they finish (an earlier run's files
             # removed first); the complete files and the summary replace them at the end
             await asyncio.to_thread(self.details.start_eval, rollout_id)
@@ -227,4 +230,4 @@ class StepRunner:
             paths = await asyncio.to_thread(self.details.write_eval, rollout_id, result)
             artifacts = {k: str(p) for k, p in paths.items()}
             artifacts |= await self._timeline("eval", rollout_id, [s for ss in result.samples.values() for s in ss])
-            return msgspec.structs.replace(result, artifacts=artifacts)
+            return for_trainer(msgspec.structs.replace(result, artifacts=artifacts))

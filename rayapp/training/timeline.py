@@ -1,8 +1,8 @@
 """A step's placement timeline: who held which node and GPU when, as a Chrome trace (open it in
 https://ui.perfetto.dev or ``chrome://tracing``) and as a PNG.
 
-Read from the samples alone (``_placement``, ``_timing``, status and abort record), so a step's
-result or its eval details file is enough. In the trace:
+Read from the samples alone (their episode's placement and timing, status and abort record). In the
+trace:
 
 - one process per node, one thread per GPU of it (``gpu 0``; ``cpu`` for tokens without GPUs),
   split into numbered lanes where samples share a GPU (fractional shares), so that events on one
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rayapp.episode import EpisodeKey
+from rayapp.record import EpisodeTiming
 from rayapp.training.files import atomic_write
 from rayapp.types import Sample, Status
 
@@ -41,38 +41,38 @@ def _lane_of(lanes: dict[tuple, list[float]], key: tuple, start: float, end: flo
     return len(ends) - 1
 
 
-def _spans(s: Sample) -> tuple[dict, list[tuple[str, float, float]]]:
-    """A sample's timing record and its phases as (name, start, end)."""
-    t = s.metadata.get(EpisodeKey.TIMING.value) or {}
-    if "started" not in t:
-        return t, []
-    start, spans = t["started"], []
-    for phase in ("run", "verify"):
-        took = t.get(f"{phase}_s")
+def _spans(s: Sample, t: EpisodeTiming | None) -> list[tuple[str, float, float]]:
+    """A sample's phases as (name, start, end), from its timing ``t``."""
+    if t is None:
+        return []
+    start, spans = t.started, []
+    for phase, took in (("run", t.run_s), ("verify", t.verify_s)):
         if took is None:
             break
         spans.append((phase, start, start + took))
         start += took
-    end = t.get("ended")
+    end = t.ended
     if end is not None and end > start and s.status in (Status.ABORTED, Status.PENDING):
         spans.append(("run" if not spans else "verify", start, end))  # the phase it was in when it ended
-    return t, spans
+    return spans
 
 
 def timeline_rows(samples: Iterable[Sample]) -> list[dict]:
     """One row per bar: ``{node, lane, name, phase, start, end, status, reason, abort}`` (lane:
     ``gpu 0/1``; ``abort``: the bar an aborted sample ended in)."""
     rows, lanes, batches = [], {}, {}
-    for s in sorted(samples, key=lambda s: (s.metadata.get(EpisodeKey.TIMING.value) or {}).get("started", 0.0)):
-        t, spans = _spans(s)
-        name, reason = f"{s.task_id}#{s.index}", s.metadata.get(EpisodeKey.TERMINATION_REASON.value)
-        if t.get("queued") is not None and t.get("admitted") is not None:
-            batches.setdefault((t.get("batch"), t["queued"], t["admitted"]), []).append(name)
+    for s in sorted(samples, key=lambda s: s.episode.timing.started if s.episode.timing is not None else 0.0):
+        t = s.episode.timing
+        spans = _spans(s, t)
+        reason = s.episode.reason
+        name, reason = f"{s.task_id}#{s.index}", None if reason is None else str(reason)
+        if t is not None and t.queued is not None and t.admitted is not None:
+            batches.setdefault((t.batch, t.queued, t.admitted), []).append(name)
         if not spans:
             continue
-        place = s.metadata.get(EpisodeKey.PLACEMENT.value) or {}
-        node = place.get("node") or "ungated"
-        gpu = f"gpu {','.join(map(str, place['gpu_ids']))}" if place.get("gpu_ids") else "cpu"
+        place = s.episode.placement
+        node = (place.node if place is not None else None) or "ungated"
+        gpu = f"gpu {','.join(map(str, place.gpu_ids))}" if place is not None and place.gpu_ids else "cpu"
         i = _lane_of(lanes, (node, gpu), spans[0][1], spans[-1][2])
         for phase, start, end in spans:
             rows.append({"node": node, "lane": f"{gpu}/{i}", "name": name, "phase": phase, "start": start,

@@ -1,10 +1,13 @@
-"""Saved trajectories: the trainer's data (spec §5 "Reuse & resume"; the reuse policy that chooses
+"""Saved trajectories: the trainer's data (docs/scheduler.md §5; the reuse policy that chooses
 between fresh and saved is ``reuse.py``, mid-rollout checkpoints are ``checkpoint.py``).
 
 A trajectory file is ``torch.save`` of plain data, read with ``torch.load(weights_only=True)``::
 
     {"format": "rayapp.trajectories", "version": 1, "rollout_id": int | None,
      "groups": [[sample, ...], ...]}   # one dict per Sample, keyed by field name
+
+as the trainer gets a sample: its episode record is in its metadata, as the spec's keys
+(``converters.trainer_sample``), and comes back into ``Sample.episode`` when a file is loaded.
 
 ``tokens`` and ``loss_mask`` are 1-D int tensors (the smallest of int8..int64 that holds them),
 ``rollout_log_probs`` float64; other values are None, bool, int, float, str, list, tuple, dict or
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 
 from rayapp.core.convert import InputError, convert
+from rayapp.training.converters import stored_sample, trainer_sample
 from rayapp.training.files import atomic_write
 from rayapp.types import Sample
 
@@ -44,6 +48,7 @@ FORMAT, VERSION = "rayapp.trajectories", 1
 _INT_FIELDS, _ARRAYS = ("tokens", "loss_mask"), ("tokens", "loss_mask", "rollout_log_probs")
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 _SCALARS = (type(None), bool, int, float, str)  # not bytes: b"" pickles as GLOBAL bytes, refused
+_FIELDS = tuple(f for f in Sample.__struct_fields__ if f != "episode")  # the episode is in the metadata
 
 
 class TrajectoryError(ValueError):
@@ -133,8 +138,8 @@ def _sample_from_fields(d: dict, where: str) -> Sample:
 def _sample_to_plain(s: Any, where: str) -> dict:
     if not isinstance(s, Sample):
         raise TypeError(f"{where}: expected a Sample, got {type(s).__name__}")
-    out = {}
-    for name in Sample.__struct_fields__:
+    s, out = trainer_sample(s), {}  # the trainer's data: its episode as the spec's metadata keys
+    for name in _FIELDS:
         v = getattr(s, name)
         if name in _ARRAYS:
             out[name] = _array(v, name in _INT_FIELDS, f"{where}.{name}")
@@ -152,7 +157,7 @@ def _sample_from_plain(d: Any, where: str) -> Sample:
     s = _sample_from_fields(_plain({k: x for k, x in d.items() if k not in arrays}, (where,)), where)
     for k, v in arrays.items():
         setattr(s, k, v)
-    return s
+    return stored_sample(s)
 
 
 def samples_to_plain(groups: list[list[Sample]], rollout_id: int | None = None) -> dict:

@@ -64,9 +64,10 @@ def test_the_driver_runs_three_dagger_iterations(app):
         rid, groups = load_trajectories(app["run"] / "trajectories" / f"trajectory_sft_samples_iter_{it:03d}.pt")
         assert rid == it and len(groups) == 4
         ran = [s for g in groups for s in g if s.status is not Status.ABORTED]
-        assert ran and all(check(s.metadata["_turn_actor"]) for s in ran), [s.metadata["_turn_actor"] for s in ran]
+        actors = [[str(t.actor) for t in s.episode.turn_records] for s in ran]  # read back into the record
+        assert ran and all(check(a) for a in actors), actors
         if it == 2:
-            assert all(len(s.metadata["_dagger_labels"]) == len(s.metadata["_turn_actor"]) for s in ran)
+            assert all(len(s.episode.dagger_labels) == len(a) for s, a in zip(ran, actors, strict=True))
 
 
 def kill_mid_rollout(ray, handle, rid, folder, checkpoints):

@@ -113,10 +113,10 @@ def test_a_node_removed_mid_run_aborts_its_samples_and_the_step_returns_them_all
     samples = [s for g in result.groups for s in g]
     assert len(samples) == 4
     aborted = [s for s in samples if s.status is Status.ABORTED]
-    assert aborted and all(s.metadata["_placement"]["node"] == "node-b" for s in aborted)
-    assert all(s.metadata["_termination_reason"] == "infra_sandbox" for s in aborted)
+    assert aborted and all(s.episode.placement.node == "node-b" for s in aborted)
+    assert all(s.episode.reason == "infra_sandbox" for s in aborted)
     assert all(s.remove_sample and s.loss_mask == [0] for s in aborted)
-    assert all(s.status is Status.COMPLETED for s in samples if s.metadata["_placement"]["node"] == "node-a")
+    assert all(s.status is Status.COMPLETED for s in samples if s.episode.placement.node == "node-a")
     placement = ray.get(pool.placement.remote(), timeout=60)
     assert placement["lost_nodes"] == ["node-b"] and placement["groups"]["node-a"]["state"] == "CREATED"
     # node-b is cordoned: out of the free view, its tokens all back, nothing else changed
@@ -130,7 +130,7 @@ def test_a_node_removed_mid_run_aborts_its_samples_and_the_step_returns_them_all
                                SchedulerConfig(rollout_batch_size=4, progress=False))
     after = [s for g in asyncio.run(asyncio.wait_for(sched_next.execute_rollout(1), 120)).groups for s in g]
     assert len(after) == 4
-    assert all(s.status is Status.COMPLETED and s.metadata["_placement"]["node"] == "node-a" for s in after)
+    assert all(s.status is Status.COMPLETED and s.episode.placement.node == "node-a" for s in after)
     assert {ledger_node for ledger_node, _, _ in seen} == {"node-a"}
     assert ray.get(pool.snapshot.remote(), timeout=60) == cordoned
     ray.kill(pool)

@@ -1,1 +1,1 @@
-"""Agents: the handlers an EvaluatorSpec binds (spec §4)."""
+"""Agents: the handlers an EvaluatorSpec binds (docs/scheduler.md §4)."""

@@ -25,7 +25,7 @@ import msgspec
 from rayapp.core.agent import AgentHandler
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
-from rayapp.episode import RESUME_POINTS, EpisodeContext, ResumePoint
+from rayapp.episode import EpisodeContext
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
     FinishReason,
@@ -34,7 +34,8 @@ from rayapp.inference.client import (
     GenerationCut,
     generate_abortable,
 )
-from rayapp.types import AgentResult, Sample, TerminationReason, Token
+from rayapp.record import ResumePoint, TerminationReason
+from rayapp.types import AgentResult, Sample, Token
 
 Verifier = Callable[[Sample, AgentResult], dict[str, float] | Awaitable[dict[str, float]]]
 # executor(token, fn, *args) runs fn(*args) where the token's resources are reserved
@@ -82,12 +83,9 @@ class ChatAgent(AgentHandler):
         return self._tokenizer
 
     def resume_point(self, sample: Sample) -> ResumePoint | None:
-        """Where ``sample`` goes on from (``RESUME_POINTS``, set by partial rollouts), taken out of
-        its metadata; None when it starts afresh or this agent cannot resume (``resumable``)."""
-        points = sample.metadata.pop(RESUME_POINTS, None)
-        if not self.resumable or not points or sample.index >= len(points) or points[sample.index] is None:
-            return None
-        return msgspec.convert(points[sample.index], ResumePoint)
+        """Where ``sample`` goes on from (its record's ``start``, set by partial rollouts); None when
+        it starts afresh or this agent cannot resume (``resumable``)."""
+        return sample.episode.start if self.resumable else None
 
     def messages(self, sample: Sample) -> list[dict[str, Any]]:
         if isinstance(sample.prompt, list):

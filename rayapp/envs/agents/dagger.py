@@ -6,9 +6,9 @@ probability β, else the student; after them the student acts alone. The acting 
 the trajectory. Training targets are the teacher's: its tokens carry loss 1 where it acted; where
 the student acted, its tokens carry loss 0 and the teacher's label for that same state (asked of
 the teacher with the same context) is kept in the episode record's ``dagger_labels`` (the trainer's
-``metadata["_dagger_labels"]``, for its SFT batch). Each turn record names who acted (its
-``actor``; ``metadata["_turn_actor"]``). β and t_max come from ``ctx.iteration`` (the scheduler's
-published state); without one β is 0 (student only). In an eval step (``StepKind.EVAL``) no labels
+``_dagger_labels``, for its SFT batch). Each turn record names who acted (its ``actor``; the
+trainer's ``_turn_actor``). β and t_max come from ``ctx.iteration`` (the scheduler's published
+``Iteration``); without one β is 0 (student only). In an eval step (``StepKind.EVAL``) no labels
 are asked for. A roll-in cut short resumes like any ToolAgent (partial rollouts), its kept labels
 with it.
 """
@@ -21,9 +21,10 @@ from typing import Any
 from rayapp.core.clock import loop_time
 from rayapp.envs.agents.chat import Engine
 from rayapp.envs.agents.multiturn import ToolAgent
-from rayapp.episode import DaggerLabel, EpisodeContext
+from rayapp.episode import EpisodeContext
 from rayapp.inference.client import GenerateOutput, GenerateRequest
-from rayapp.types import Actor, Sample, StepKind
+from rayapp.record import Actor, DaggerLabel
+from rayapp.types import Sample, StepKind
 
 
 class DAggerRollIn:
@@ -35,8 +36,7 @@ class DAggerRollIn:
     seed: int = 0
 
     def _teacher_acts(self, turn: int, sample: Sample, ctx: EpisodeContext) -> bool:
-        beta = float(ctx.iteration.get("beta", 0.0))
-        t_max = int(ctx.iteration.get("t_max", 0))
+        beta, t_max = ctx.iteration.beta, ctx.iteration.t_max
         if t_max > 0 and turn > t_max:
             return False
         # seeded per (iteration, sample, turn): the same roll-in replays identically

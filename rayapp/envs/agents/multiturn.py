@@ -14,8 +14,8 @@ Token data it guarantees, whatever happens in the episode:
 Resume (partial rollouts): after each complete turn (its observation included) the agent keeps a
 ``ResumePoint`` in the episode record: the token data so far, the turn records, the sandbox tool
 calls made, and the DAgger labels asked so far (a roll-in's). A turn cut short mid-generation adds
-the tokens the engine had made to it (``ChatAgent.generate``). A sample handed one (``RESUME_POINTS``
-in its metadata) keeps those tokens, log-probs, mask, turns and labels as they are, rebuilds its
+the tokens the engine had made to it (``ChatAgent.generate``). A sample handed one (its record's
+``start``) keeps those tokens, log-probs, mask, turns and labels as they are, rebuilds its
 sandbox by replaying the calls in a fresh one, and goes on with the turn that was cut short: from
 its kept tokens, or generated again when none were kept (a DAgger roll-in's turn always is: its
 label is the teacher's answer to the turn's whole state).
@@ -44,9 +44,10 @@ from rayapp.envs.agents.tools import (
     tool_result_message,
     with_tool_stops,
 )
-from rayapp.episode import EpisodeContext, ResumePoint, ToolReplay
+from rayapp.episode import EpisodeContext
 from rayapp.inference.client import FinishReason, GenerateOutput
-from rayapp.types import AgentResult, Sample, TerminationReason
+from rayapp.record import ResumePoint, TerminationReason, ToolReplay
+from rayapp.types import AgentResult, Sample
 
 # sandbox_factory(sample, ctx) -> an open Sandbox (closed after the run phase, or with keep_sandbox
 # when the episode context closes)

@@ -1,4 +1,4 @@
-"""MultiDataSource: weighted draws over several datasets, resumable exactly (spec §2).
+"""MultiDataSource: weighted draws over several datasets, resumable exactly (docs/scheduler.md §2).
 
 Guarantees:
 

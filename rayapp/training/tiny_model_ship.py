@@ -1,5 +1,5 @@
 """The tiny model's shipped build (``rayapp.inference.tiny_model.SHIPPED``), kept equal to what its
-recipe builds: ``write`` rebuilds it in place (``make tiny-model``, after a change to the recipe),
+recipe (``tiny_recipe``) builds: ``write`` rebuilds it in place (``make tiny-model``, after a change to the recipe),
 ``check`` rebuilds it aside and says how the two differ (``make check-tiny-model``)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from rayapp.inference.tiny_model import (
     ensure_built,
     is_complete,
 )
+from rayapp.training.tiny_recipe import TRAINING
 
 
 def compare_builds(shipped: Path, fresh: Path) -> list[str]:
@@ -50,11 +51,11 @@ def compare_builds(shipped: Path, fresh: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """``write``: build the recipe into ``SHIPPED`` (``make tiny-model``); ``check``: build it aside
     and compare with ``SHIPPED`` (``make check-tiny-model``)."""
-    parser = argparse.ArgumentParser(prog="python -m rayapp.inference.tiny_model_ship", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rayapp.training.tiny_model_ship", description=main.__doc__)
     parser.add_argument("action", choices=["write", "check"])
     action = parser.parse_args(argv).action
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = ensure_built(Path(tmp) / MODEL_NAME, build_tiny_model)
+        fresh = ensure_built(Path(tmp) / MODEL_NAME, lambda folder: build_tiny_model(folder, TRAINING))
         print(f"built in {json.loads((fresh / MANIFEST).read_text())['build_seconds']} s", flush=True)
         if action == "write":
             shutil.rmtree(SHIPPED, ignore_errors=True)

@@ -23,42 +23,36 @@ def test_serve_run_without_gpus_gets_a_clear_error_before_anything_deploys(monke
     check_live_gpus(parse_recipe(LOCAL), None)  # no cluster to read yet: nothing to say
 
 
-def test_the_demo_finds_and_stops_exactly_its_own_cluster_processes(tmp_path, monkeypatch):
+def _by_command_line(folder):
+    pad = "p" * 300  # the folder sits far past any terminal width in the command line
+    return [pad, f"--temp-dir={folder}/s"], None
+
+
+def _by_environment(folder):
+    """As Ray's client server (``python -m ray.util.client.server --address=...``): no folder in its
+    command line, only the environment ``start_head`` gave the cluster."""
+    import os
+
+    from rayapp.cli.local import CLUSTER_ENV
+
+    return [], {**os.environ, CLUSTER_ENV: str(folder)}
+
+
+@pytest.mark.parametrize("names_its_cluster", [_by_command_line, _by_environment])
+def test_the_demo_finds_and_stops_exactly_its_own_cluster_processes(tmp_path, monkeypatch, names_its_cluster):
     import subprocess
     import sys
 
     from rayapp.cli import ray_processes, stop_cluster
 
     mine, other = tmp_path / "rayapp-x-12", tmp_path / "rayapp-x-123"
-    pad = "p" * 300  # the folder sits far past any terminal width in the command line
-    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", pad, f"--temp-dir={d}/s"])
-             for d in (mine, other)]
+    procs = []
+    for folder in (mine, other):
+        args, env = names_its_cluster(folder)
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args], env=env))
     monkeypatch.setenv("COLUMNS", "40")  # as pytest sets it: ps must still see whole command lines
     try:
         assert ray_processes(mine) == [procs[0].pid]  # not the one whose folder only starts the same
-        assert stop_cluster(mine, grace_s=5) == []
-        assert procs[0].wait(timeout=10) is not None and procs[1].poll() is None
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
-def test_the_stop_finds_a_cluster_process_whose_command_line_names_no_folder(tmp_path):
-    """Ray's client server (``python -m ray.util.client.server --address=...``) names no session folder:
-    the stop finds it by the environment ``start_head`` gave the cluster, not by another cluster's."""
-    import os
-    import subprocess
-    import sys
-
-    from rayapp.cli import ray_processes, stop_cluster
-    from rayapp.cli.local import CLUSTER_ENV
-
-    mine, other = tmp_path / "rayapp-x-12", tmp_path / "rayapp-x-123"
-    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                              env={**os.environ, CLUSTER_ENV: str(d)}) for d in (mine, other)]
-    try:
-        assert ray_processes(mine) == [procs[0].pid]
         assert stop_cluster(mine, grace_s=5) == []
         assert procs[0].wait(timeout=10) is not None and procs[1].poll() is None
     finally:

@@ -211,7 +211,7 @@ def test_update_weights_from_disk_changes_outputs_and_back(backend, model_dir, g
 
 def test_bad_checkpoints_raise_and_change_nothing(backend, model_dir, greedy, prompt, tmp_path):
     version = run(backend.health())["weight_version"]
-    with pytest.raises(ValueError, match="no safetensors weights"):
+    with pytest.raises(ValueError, match=r"missing' refused: .*No such file"):
         run(backend.update_weights_from_disk(str(tmp_path / "missing")))
     weights = load_file(str(model_dir / "model.safetensors"))
     name = next(iter(weights))

@@ -186,9 +186,10 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
         with pytest.raises(EngineConnectionError, match="overloaded"):
             await backend.generate(GenerateRequest([1]))
 
-        monkeypatch.setattr(backend, "_weights_request", lambda path: {"model_path": path})
+        monkeypatch.setattr(backend, "_weights_request", lambda path, version: {"model_path": path})
         assert await backend.update_weights_from_disk("/ckpt/1") == {
             "ok": True, "path": "/ckpt/1", "version": 1, "message": "Succeeded to update model weights."}
+        assert (await backend.update_weights_from_disk("/ckpt/1", 1))["version"] == 1  # as the manager names it
         engine.tokenizer_manager.update_result = (False, "shape mismatch")
         with pytest.raises(ValueError, match="shape mismatch"):
             await backend.update_weights_from_disk("/ckpt/2")

@@ -57,7 +57,8 @@ def build_app(args: dict[str, Any]) -> Application:
         if e.placement_group_bundles:  # a multi-GPU engine reserves its GPUs as one group
             options |= {"placement_group_bundles": e.placement_group_bundles,
                         "placement_group_strategy": e.placement_group_strategy}
-        engines[name] = serve.deployment(InferenceEngine, **options).bind(e.backend, **e.options)
+        engines[name] = serve.deployment(InferenceEngine, **options).bind(
+            e.backend, weight_roots=e.weight_roots, checkpoint_dir=cfg.scheduler.checkpoint_dir, **e.options)
     pool = None
     if cfg.pool.gate:
         p = cfg.pool

@@ -6,6 +6,13 @@ timeout, cancels a request it stops waiting for (Serve routes the cancellation t
 that runs it), and turns transport failures into ``EngineConnectionError`` so an episode that
 loses its engine aborts as ``infra_conn``. Aborts and weight updates are broadcast to every
 replica, not sent through the router to one of them.
+
+A weight update is checked here, for every backend, before the backend sees the path: it must lie
+inside the engine's ``weight_roots`` and name only regular files (``rayapp.inference.weight_paths``).
+Each replica remembers the path and version it last loaded; asked for them again it loads nothing,
+so the manager can send its record to every replica before each step and only a replacement loads
+(``rayapp.training.weight_sync``). A model turn on other weights than that record makes the client
+restore the engine and ask once more.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from rayapp.inference.backends import make_backend
 from rayapp.inference.client import GenerateOutput, GenerateRequest
 from rayapp.inference.tiny_model import default_cache_dir
 from rayapp.inference.tokenizer_files import cache_tokenizer_files, read_tokenizer_files
+from rayapp.inference.weight_paths import checkpoint_files, default_weight_roots
+from rayapp.training.weight_sync import StaleWeights, WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +38,14 @@ log = logging.getLogger(__name__)
 class InferenceEngine:
     """A Serve deployment class: ``serve.deployment(InferenceEngine)`` in the app builder."""
 
-    def __init__(self, backend: str = "hf", **backend_kwargs: Any):
+    def __init__(self, backend: str = "hf", weight_roots: list[str] | None = None, checkpoint_dir: str | None = None,
+                 **backend_kwargs: Any):
         self.kind = backend
         self.backend = make_backend(backend, **backend_kwargs)
+        self.weight_roots = list(weight_roots) if weight_roots is not None else default_weight_roots(
+            self.backend.info().get("model_path"), checkpoint_dir)
+        self._applied: dict[str, Any] | None = None  # {"path", "version"} this replica last loaded
+        self._loading = asyncio.Lock()
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         return await self.backend.generate(req)
@@ -48,8 +62,22 @@ class InferenceEngine:
         if not status.get("ok", False):
             raise RuntimeError(f"{self.kind} engine unhealthy: {status}")
 
-    async def update_weights_from_disk(self, path: str) -> dict:
-        return await self.backend.update_weights_from_disk(path)
+    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
+        """Load the checkpoint at ``path`` as ``version`` (None: the backend's next), unless this replica
+        serves exactly that already. A path outside ``weight_roots``, or naming anything but regular
+        files, raises WeightPathError before anything is read: the replica keeps its weights."""
+        async with self._loading:
+            if version is not None and self._applied == {"path": path, "version": version}:
+                return {"ok": True, "path": path, "version": version, "loaded": False}
+            await asyncio.to_thread(checkpoint_files, path, self.weight_roots)
+            reply = await (self.backend.update_weights_from_disk(path) if version is None
+                           else self.backend.update_weights_from_disk(path, version))
+            self._applied = {"path": path, "version": reply["version"]}
+            return reply
+
+    def applied_weights(self) -> dict[str, Any] | None:
+        """The path and version this replica last loaded (None: the model it started from)."""
+        return self._applied
 
     def info(self) -> dict:
         return self.backend.info()
@@ -75,6 +103,7 @@ class EngineClient:
     def __init__(self, handle: Any, name: str = "engine", timeout_s: float = 300.0, observe: Observe | None = None):
         self.handle, self.name, self.timeout_s, self.observe = handle, name, timeout_s, observe
         self._info: dict | None = None
+        self.weights: WeightSync | None = None  # the manager's record: turns on other weights are retried
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         bound, started, error = timeout_s or self.timeout_s, time.monotonic(), None
@@ -93,7 +122,15 @@ class EngineClient:
         return EngineConnectionError(f"engine {self.name} unreachable: {error}")
 
     async def generate(self, req: GenerateRequest, timeout_s: float | None = None) -> GenerateOutput:
-        return await self._call("generate", req, timeout_s=timeout_s)
+        out = await self._call("generate", req, timeout_s=timeout_s)
+        if self.weights is not None and self.weights.lagging(self.name, out.weight_version):
+            # a replica that replaced a lost one since the step began: onto the applied weights, then again
+            await self.weights.restore(self.name)
+            out = await self._call("generate", req, timeout_s=timeout_s)
+            if self.weights.lagging(self.name, out.weight_version):
+                raise StaleWeights(f"engine {self.name} answered on weights version {out.weight_version!r}, "
+                                   f"not {self.weights.applied[self.name].version} (applied last), after a restore")
+        return out
 
     async def info(self) -> dict:
         """The engine's info, its ``tokenizer_path`` a folder on this node holding the engine's own
@@ -123,6 +160,9 @@ class EngineClient:
     async def abort(self, request_id: str | None = None) -> int:
         return sum(await self.broadcast("abort", request_id, timeout_s=30))
 
-    async def update_weights_from_disk(self, path: str) -> list[dict]:
-        return await self.broadcast("update_weights_from_disk", path, timeout_s=600)
+    async def update_weights_from_disk(self, path: str, version: int | None = None) -> list[dict]:
+        return await self.broadcast("update_weights_from_disk", path, version, timeout_s=600)
+
+    async def applied_weights(self) -> list[dict | None]:
+        return await self.broadcast("applied_weights", timeout_s=30)
 

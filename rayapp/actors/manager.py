@@ -30,6 +30,7 @@ from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
 from rayapp.training.step_jobs import StepConflict, StepJobs
+from rayapp.training.weight_sync import WeightSync
 
 # A step id in the path, read as text: FastAPI's int would take "+5", " 1" and "1.0" (parse_step_id
 # answers 422 for anything but the canonical spelling, before anything runs). A default, not an
@@ -67,6 +68,9 @@ class SchedulerRolloutManager:
         self.steps = build_step_runner(self.cfg, self.engines, self.pool_client, executor=run_in_bundle,
                                        open_sandbox=open_sandbox, release_previous=release)
         self.steps.observers.append(self.metrics)
+        self.weights = WeightSync(self.engines)  # what every replica must serve (a replacement too)
+        for client in self.engines.values():
+            client.weights = self.weights
         self.jobs = StepJobs()
         self._gauges: asyncio.Task | None = None
         # A configured token that cannot be used stops the replica here, naming the variable.
@@ -83,11 +87,18 @@ class SchedulerRolloutManager:
         """Rollout step ``rollout_id``: run once; a repeated or concurrent call gets the same result
         (``rayapp.training.step_results``)."""
         self._watch()
+        await self._restore_weights()
         return await self.steps.rollout(rollout_id)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         self._watch()
+        await self._restore_weights()
         return await self.steps.evaluate(rollout_id)
+
+    async def _restore_weights(self) -> None:
+        """Every replica on the weights applied last, before a step (a replacement comes back on them)."""
+        async with self.steps.between_steps():
+            await self.weights.restore()
 
     async def update_weights_from_disk(self, engine: str, path: str) -> list[dict]:
         """The trainer's new weights, loaded by every replica of one engine (between steps)."""
@@ -96,7 +107,7 @@ class SchedulerRolloutManager:
         if engine not in self.engines:
             raise ValueError(f"unknown engine {engine!r}; this app has {sorted(self.engines)}")
         async with self.steps.between_steps():
-            return await self.engines[engine].update_weights_from_disk(path)
+            return await self.weights.update(engine, path)
 
     async def _where_proxy_listens(self) -> str | None:
         """The host of Serve's HTTP proxy (``http_options.host``), asked once; None while unknown."""

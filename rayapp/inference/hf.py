@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import os
 import random
 import uuid
@@ -30,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: th
 
 import torch
 
+from rayapp.core.regular_file import open_regular
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
     FinishReason,
@@ -39,7 +39,9 @@ from rayapp.inference.client import (
 )
 from rayapp.inference.sampling import sample_next
 from rayapp.inference.tiny_model import ensure_tiny_model, load_tokenizer, quiet_progress
+from rayapp.inference.weight_paths import checkpoint_files
 
+MAX_WEIGHT_FILE_BYTES = 1 << 40  # read whole into memory: the hf backend serves small models
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -225,16 +227,17 @@ class HFBackend:
             "weight_version": self._version, "weights_path": self._weights_path, "updating": self._gate.writer,
         }
 
-    async def update_weights_from_disk(self, path: str) -> dict[str, Any]:
-        """Load safetensors weights (a model folder, a sharded index, or one file) into the live model.
-        A checkpoint that does not fit the served model raises ValueError and changes nothing."""
+    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+        """Load safetensors weights (a model folder, a sharded index, or one file) into the live model,
+        named ``version`` (default: one past the current). A checkpoint that does not fit the served
+        model raises ValueError and changes nothing."""
         if self._closed:
             raise RuntimeError("the hf backend is shut down")
-        weights = await asyncio.to_thread(self._read_weights, Path(path).expanduser())
+        weights = await asyncio.to_thread(self._read_weights, str(Path(path).expanduser()))
         await self._gate.acquire_write()
         try:
             version = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._copy_weights, weights, str(path))
+                self._executor, self._copy_weights, weights, str(path), version)
         finally:
             self._gate.release_write()
         return {"ok": True, "path": str(path), "version": version}
@@ -332,25 +335,18 @@ class HFBackend:
 
     # -- weights ----------------------------------------------------------------------------------
 
-    def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
-        """Read and check a checkpoint against the served model (off the worker thread)."""
-        from safetensors.torch import load_file
+    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """Read and check a checkpoint against the served model (off the worker thread). The files are
+        those ``checkpoint_files`` lists inside the checkpoint itself (the engine deployment has
+        confined ``path`` to the recipe's roots), each opened non-blocking as a regular file."""
+        from safetensors.torch import load
 
-        if path.is_file() and path.suffix == ".safetensors":
-            files = [path]
-        elif (path / "model.safetensors.index.json").is_file():
-            index = json.loads((path / "model.safetensors.index.json").read_text())
-            files = [path / f for f in sorted(set(index["weight_map"].values()))]
-        elif path.is_dir():
-            files = sorted(path.glob("*.safetensors"))
-        else:
-            files = []
-        if not files:
-            raise ValueError(f"no safetensors weights at {str(path)!r} (a model folder, an index or a "
-                             ".safetensors file; pickled .bin checkpoints are refused)")
+        here = path if os.path.isdir(path) else os.path.dirname(path)
         weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            weights.update(load_file(str(f)))
+        for f in checkpoint_files(path, [here]):
+            handle, _ = open_regular(f, MAX_WEIGHT_FILE_BYTES)
+            with handle:
+                weights.update(load(handle.read()))
         live = self.model.state_dict()
         groups: dict[int, list[str]] = {}  # tied parameters share storage: one of a group suffices
         for name, tensor in live.items():
@@ -367,11 +363,11 @@ class HFBackend:
             raise ValueError(f"weights at {str(path)!r} do not fit the served model: " + "; ".join(problems[:8]))
         return weights
 
-    def _copy_weights(self, weights: dict[str, torch.Tensor], path: str) -> int:
+    def _copy_weights(self, weights: dict[str, torch.Tensor], path: str, version: int | None) -> int:
         """On the worker, so the version moves with the weights even if the caller was cancelled."""
         live = self.model.state_dict()  # tensors share storage with the parameters
         with torch.no_grad():
             for name, tensor in weights.items():
                 live[name].copy_(tensor)
-        self._version, self._weights_path = self._version + 1, path
+        self._version, self._weights_path = self._version + 1 if version is None else version, path
         return self._version

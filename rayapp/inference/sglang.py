@@ -204,23 +204,25 @@ class SGLangBackend:
         return {"ok": ok, "backend": self.name, "model": self.model_path, "in_flight": len(self._in_flight),
                 "weight_version": self._version, "server_status": str(getattr(tm, "server_status", ""))}
 
-    def _weights_request(self, path: str) -> Any:
+    def _weights_request(self, path: str, version: int) -> Any:
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         try:  # the version shows up in every answer's meta_info afterwards
-            return UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(self._version + 1))
+            return UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version))
         except TypeError:  # sglang before weight_version
             return UpdateWeightFromDiskReqInput(model_path=path)
 
-    async def update_weights_from_disk(self, path: str) -> dict[str, Any]:
-        """Load the trainer's checkpoint in place (sglang waits for in-flight requests, then loads,
-        and rolls back on failure). Raises ValueError when sglang refuses it."""
-        result = await asyncio.wait_for(self._tm.update_weights_from_disk(self._weights_request(path), None),
+    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+        """Load the trainer's checkpoint in place as ``version`` (default: one past the current; sglang
+        waits for in-flight requests, then loads, and rolls back on failure). Raises ValueError when
+        sglang refuses it."""
+        version = self._version + 1 if version is None else version
+        result = await asyncio.wait_for(self._tm.update_weights_from_disk(self._weights_request(path, version), None),
                                         self.request_timeout_s)
         success, message = result[0], result[1]
         if not success:
             raise ValueError(f"sglang could not load weights from {path!r}: {message}")
-        self._version += 1
+        self._version = version
         return {"ok": True, "path": path, "version": self._version, "message": message}
 
     async def flush_cache(self) -> bool:

@@ -82,6 +82,10 @@ class EngineConfig(_Strict):
     request_timeout_s: Annotated[Seconds, Meta(description="seconds an agent waits for one generate call; then the "
                                                          "call is cancelled and the sample aborts")] = 300.0
     options: Annotated[dict[str, Any], Meta(description="keyword arguments of the backend (model_path, ...)")] = {}
+    weight_roots: Annotated[list[str] | None, Meta(
+        description="absolute folders update_weights_from_disk may read from: a checkpoint and every file it names "
+                    "must resolve inside one ([]: no updates); unset: the model folder's parent and "
+                    "scheduler.checkpoint_dir")] = None
     placement_group_bundles: Annotated[list[dict[str, Amount]] | None, Meta(
         description="bundles each replica reserves as one placement group, for engines spanning several GPUs "
                     "(tensor parallel)")] = None

@@ -9,6 +9,7 @@ meets, folders that cannot be folders, engine options their backend does not tak
 - Folders (``scheduler.save_eval_details``, ``trajectory_dir``, ``checkpoint_dir``): not empty, not
   under ``/proc``, ``/sys`` or ``/dev``, and, where the path exists on this machine, a writable
   directory under no file. A path that does not exist here is left to the manager's machine.
+- Engine weight roots: absolute paths (a relative one would depend on where each replica runs).
 - Engine options: the hf backend takes ``HF_OPTIONS`` and reads a local model folder (it never
   downloads: a ``model_path`` without ``config.json`` here fails); sglang takes ``SGLANG_OPTIONS``
   and hands the rest to sglang's ``ServerArgs``, checked against it where sglang is installed.
@@ -136,6 +137,9 @@ def _check_engines(engines: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f"did you mean {close[0]!r}?" if close else f"{len(known)} known, e.g. {', '.join(known[:8])}"
                 yield at, f"unknown {e.backend} option {key!r} ({hint})"
+        for i, root in enumerate(e.weight_roots or ()):
+            if not root or "\0" in root or not Path(root).is_absolute():
+                yield f"$.engines.{name}.weight_roots[{i}]", f"expected an absolute folder path, got {root!r}"
         model = e.options.get("model_path")
         if e.backend == "hf" and model is not None and not (Path(str(model)).expanduser() / "config.json").is_file():
             yield f"{at}.model_path", (f"{str(model)!r} is not a local model folder (no config.json); the hf "

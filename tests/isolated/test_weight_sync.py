@@ -4,6 +4,7 @@ from the new weights (their log-probs are the checkpoint's). Runs in its own pyt
 starts its own Ray cluster)."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def handle(tmp_path_factory, model_dir):
     args = cfg["applications"][0]["args"]
     args["data"]["math"] |= {"n_prompts": 8, "n_samples_per_prompt": 2}
     args["scheduler"]["rollout_batch_size"] = 3
+    args["engines"]["student"]["weight_roots"] = [str(tmp_path_factory.getbasetemp())]  # the tests' checkpoints
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
     with local_app(recipe, Path(f"/tmp/rayapp-sync-{os.getpid()}"), tmp / "serve.log", timeout_s=600) as (address, _):
@@ -69,3 +71,21 @@ def test_every_replica_loads_the_checkpoint_and_later_samples_record_and_use_it(
 
     with pytest.raises(Exception, match="unknown engine"):
         handle.update_weights_from_disk.remote("teacher", str(folder)).result(timeout_s=60)
+    with pytest.raises(Exception, match="outside the engine's weight_roots"):  # refused by name, nothing changed
+        handle.update_weights_from_disk.remote("student", str(model_dir)).result(timeout_s=60)
+
+    # Issue 19 point 5: a replica killed after the update comes back on the updated weights.
+    import ray
+
+    def replicas() -> list[str]:
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith("SERVE_REPLICA::") and "#engine-student#" in a["name"])
+
+    before = replicas()
+    ray.kill(ray.get_actor(before[0], namespace="serve"))
+    deadline = time.monotonic() + 120
+    while not (len(now := replicas()) == 2 and before[0] not in now) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(now) == 2 and before[0] not in now, now
+    third = handle.generate.remote(2).result(timeout_s=600)
+    assert versions(third) == {"1"}  # every turn on the updated weights, the replacement's too

@@ -34,13 +34,18 @@ class AgentHandler(Protocol):
         """The verifier: the reward dict, with at least ``"score"``."""
 
 
-async def call_phase(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``: awaited when a coroutine function, else in a worker thread (a blocking function
-    must not stall the loop, or no phase clock could stop it)."""
+def phase_caller(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """How to call ``fn`` as a phase, decided once per function (it is on every sample's path): a
+    coroutine function as it is, else in a worker thread (a blocking function must not stall the
+    loop, or no phase clock could stop it), awaiting what it returns when that is awaitable."""
     if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    value = await asyncio.to_thread(fn, *args)
-    return await value if inspect.isawaitable(value) else value
+        return fn
+
+    async def in_thread(*args: Any) -> Any:
+        value = await asyncio.to_thread(fn, *args)
+        return await value if inspect.isawaitable(value) else value
+
+    return in_thread
 
 
 class FunctionAgent(AgentHandler):
@@ -53,9 +58,10 @@ class FunctionAgent(AgentHandler):
         verify_fn: Callable[[Sample, AgentResult], dict[str, float] | Awaitable[dict[str, float]]],
     ):
         self.run_fn, self.verify_fn = run_fn, verify_fn
+        self._run, self._verify = phase_caller(run_fn), phase_caller(verify_fn)
 
     async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
-        return await call_phase(self.run_fn, sample, ctx)
+        return await self._run(sample, ctx)
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
-        return await call_phase(self.verify_fn, sample, result)
+        return await self._verify(sample, result)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-from rayapp.core.agent import call_phase
+from rayapp.core.agent import phase_caller
 from rayapp.core.clock import loop_time
 from rayapp.core.contracts import StepContext
 from rayapp.core.convert import InputError, check, clip, show
@@ -172,6 +172,7 @@ class Evaluator:
         batches; the rest is this batch's: its grant, the pool's early release, its label and when
         it was admitted."""
         self.spec = spec
+        self._run_phase, self._verify_phase = phase_caller(spec.handler.run), phase_caller(spec.handler.evaluate)
         self.batch = batch  # the scheduler's label of the batch, recorded in each sample's timing
         self.admission = admission  # when the batch asked the pool and when it was granted (loop clock)
         self.rollout_id = step.rollout_id
@@ -302,20 +303,20 @@ class Evaluator:
                              sample.episode)
         if token is not None:
             ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
-        handler, phase, started = self.spec.handler, EpisodePhase.RUN, loop_time()
+        phase, started = EpisodePhase.RUN, loop_time()
         timing = ctx.record.timing = EpisodeTiming(started, self.batch, *(self.admission or ()))
         episode = EPISODE.set(f"{self.step.value}{self.rollout_id}/{sample.task_id}#{sample.index}")
         try:
             async with ctx:  # closes what the agent kept between the phases, whatever happens
                 limit = group.stopping.timeout_s
-                run = call_phase(handler.run, sample, ctx)
+                run = self._run_phase(sample, ctx)
                 result = _checked(await run if limit is None else await self._bounded(run, limit, phase))
                 ctx.record.turns = result.turns
                 ctx.record.termination_reason = result.termination_reason
                 if result.metadata:
                     sample.metadata.update(result.metadata)
                 phase, timing.run_s = EpisodePhase.VERIFY, loop_time() - started
-                verify = call_phase(handler.evaluate, sample, result, ctx)
+                verify = self._verify_phase(sample, result, ctx)
                 reward = await self._bounded(verify, self.spec.eval_timeout_s, phase)
                 timing.verify_s = loop_time() - started - timing.run_s
             _populate_token_data(sample, result)

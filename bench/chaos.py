@@ -1,7 +1,7 @@
 """Chaos run: rollout steps against the Ray app's parts while faults are injected at seeded random
 moments, then a table of what came back.
 
-    python bench/chaos.py            # ~4 minutes on 2 cores: 8 faults, at least 12 steps
+    python bench/chaos.py            # ~4 minutes on 2 cores: 9 faults, at least 12 steps
     python bench/chaos.py --smoke    # one engine kill, at least 2 steps (~30 s with the cluster's start)
     python bench/chaos.py --faults disk --steps 4   # only the faults named
 
@@ -11,7 +11,7 @@ manager replica hosting the TaskScheduler behind ``StepResults``, engine replica
 placement groups, sandbox hosts in the samples' bundles, ``run_in_bundle`` work, and every kill
 (``ray.kill`` of a replica or sandbox host, ``Cluster.remove_node``). Faked: the agent (it sleeps a
 random time in its sandbox and its bundle, then calls the engine) and the engine (it sleeps and
-answers token ids), so the run measures the shell's fault handling, not a model.
+answers token ids; ``bench/chaos_weights.py``), so the run measures the shell's fault handling, not a model.
 
 The driver asks for steps 0..N-1 in order and retries a step whose call failed (a killed manager, a
 pool that is restarting): a step id is idempotent. Per completed step, *lost* is a requested sample
@@ -24,6 +24,10 @@ with a nonce of its run) differ from what the driver received first.
 ENOSPC, faked in the replica's process: the bench needs no privileges) until a step's result failed
 to be written; then the manager replica is killed, as in a restart. No step handed out may be lost to
 it, and a repeat of its id must return the samples the driver received.
+
+*engine killed after a weight update*: the manager applies new weights, then an engine replica is
+killed; its replacement starts on the old ones. *Stale-weight samples* counts the samples of steps
+begun after an update whose turn came from other weights than that update's (``chaos_weights``).
 """
 
 from __future__ import annotations
@@ -45,28 +49,30 @@ from dataclasses import dataclass, field
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 only on one machine
 
 import chaos_disk  # bench/, beside this file
+import chaos_weights
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
 from rayapp.actors.app import HEAD, POOL_MAX_ONGOING
+from rayapp.actors.engine import EngineClient
 from rayapp.actors.nodes import NODE_LABEL
 from rayapp.actors.pool import GROUP_PREFIX, PlacementPoolService, run_in_bundle
 from rayapp.actors.pool_client import PoolClient
-from rayapp.actors.remote import bounded
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.cli.local import process_auth_token
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
-from rayapp.core.termination import EngineConnectionError
 from rayapp.envs.sandboxes import SandboxLimits
+from rayapp.inference.client import GenerateRequest
 from rayapp.training.step_results import StepResults
-from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
+from rayapp.training.weight_sync import WeightSync
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, SamplingParams, Status, Task, TaskConfig
 
 APP = "rayapp-chaos"
 NODES = ("node-a", "node-b")
 LAYOUT = '{"node-a": {"gpus": [0, 1], "cpu": 4, "memory_gb": 2}, "node-b": {"gpus": [0, 1], "cpu": 4, "memory_gb": 2}}'
-KINDS = ("engine", "sandbox", "pool", "manager", "node", "disk")
+KINDS = ("engine", "sandbox", "pool", "manager", "node", "disk", "weights")
 MASK = re.compile(r"[0-9a-f]{12,}|\d+")  # ids and numbers, so that like aborts count together
 LIMITS = SandboxLimits(wall_seconds=30, cpu_seconds=10)
 SANDBOX_WAIT_S = 20.0  # how long one kill request waits in the manager replica for a live sandbox host
@@ -82,14 +88,6 @@ def nap(seconds: float) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-class FakeEngine:
-    """An engine replica that answers after a short think: the kill, not the model, is under test."""
-
-    async def generate(self, n: int) -> list[int]:
-        await asyncio.sleep(0.05)
-        return list(range(1, n + 1))
-
-
 def make_spec(engine) -> EvaluatorSpec:
     async def run(sample, ctx):
         rng = random.Random(f"{sample.task_id}#{sample.index}")
@@ -102,11 +100,10 @@ def make_spec(engine) -> EvaluatorSpec:
                 SANDBOXES.discard(sandbox.actor)
                 await sandbox.close()
         await run_in_bundle(ctx.token, nap, rng.uniform(0.2, 1.0), timeout_s=60)
-        ids = await bounded(engine.generate.remote(3), 30,
-                            lost=lambda e: EngineConnectionError(f"engine replica lost: {e}"))
-        # a nonce per run of a sample: a step run twice is told apart from one served again
-        return AgentResult(tokens=[0, *ids], response_length=len(ids), response=f"ok {random.getrandbits(32):08x}",
-                           rollout_log_probs=[-0.1] * len(ids), loss_mask=[1] * len(ids))
+        out = await engine.generate(GenerateRequest([0], SamplingParams(max_new_tokens=3)))
+        ids = out.output_ids
+        return AgentResult(tokens=[0, *ids], response_length=len(ids), response=chaos_weights.response(out),
+                           rollout_log_probs=out.logprobs, loss_mask=[1] * len(ids))
 
     agent = FunctionAgent(run, lambda s, r: {"score": 1.0})
     return EvaluatorSpec("chaos", agent, resource=Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1),
@@ -130,7 +127,9 @@ class ChaosManager:
 
     def __init__(self, pool, engine, batch_size: int, n_samples: int, results_dir: str | None = None):
         self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30, packed=True)  # as the app's manager
-        self.spec, self.batch_size, self.n_samples = make_spec(engine), batch_size, n_samples
+        self.engine = EngineClient(engine, "engine", timeout_s=30)  # as the app's: turns on stale weights retried
+        self.weights = self.engine.weights = WeightSync({"engine": self.engine})
+        self.spec, self.batch_size, self.n_samples = make_spec(self.engine), batch_size, n_samples
         self.steps = StepResults(results_dir, keep=1000)  # on disk, as the app's with a checkpoint_dir
         self.results_dir = results_dir
         self.freed_previous: asyncio.Task | None = None
@@ -139,7 +138,12 @@ class ChaosManager:
         if self.freed_previous is None:
             self.freed_previous = asyncio.ensure_future(self.pool.release_owner())
         await asyncio.shield(self.freed_previous)
+        await self.weights.restore()  # as the app's manager, before each step: a replacement on the record
         return await self.steps.once("rollout", rollout_id, self._run)
+
+    async def update_weights(self, path: str) -> int:
+        await self.weights.update("engine", path)
+        return self.weights.applied["engine"].version
 
     async def _run(self, rollout_id: int):
         config = SchedulerConfig(rollout_batch_size=self.batch_size, progress=False, acquire_timeout_s=60)
@@ -168,6 +172,8 @@ class Run:
     faults: list[tuple[str, float]] = field(default_factory=list)  # (kind, monotonic time) of each kill
     done: dict[int, float] = field(default_factory=dict)  # step id -> completion time
     took: dict[int, float] = field(default_factory=dict)  # step id -> seconds from its first call
+    began: dict[int, float] = field(default_factory=dict)  # step id -> its first call's time
+    updates: list[tuple[float, int]] = field(default_factory=list)  # (time, version) of each weight update
     planned: int = 0
     requested_steps: int = 0
     aborts: Counter = field(default_factory=Counter)  # (node, error with its numbers masked)
@@ -181,13 +187,15 @@ def replica(deployment: str):
     return ray.get_actor(sorted(names)[0], namespace="serve") if names else None
 
 
-def inject(kind: str, cluster: Cluster, nodes: dict, manager) -> float | None:
+def inject(kind: str, cluster: Cluster, nodes: dict, manager, run: Run) -> float | None:
     """One real kill of ``kind``: its time (monotonic), or None when there was nothing of that kind to
     kill just then."""
     if kind == "sandbox":  # the manager replica waits for a live host, up to SANDBOX_WAIT_S
         return manager.kill_a_sandbox.remote(SANDBOX_WAIT_S).result(timeout_s=SANDBOX_WAIT_S + 30)
     if kind == "disk":
         return chaos_disk.disk_full(manager, lambda: replica("ChaosManager"), SANDBOX_WAIT_S)
+    if kind == "weights":
+        return chaos_weights.update_then_kill(manager, lambda: replica("engine"), run.updates)
     if kind == "node":  # a worker node dies; a fresh one with the same label joins for the next pool
         # All nodes share 127.0.0.1, so the driver may be attached to a worker's raylet: spare that one.
         mine = ray._private.worker.global_worker.node._raylet_socket_name
@@ -219,7 +227,7 @@ def chaos(plan: list[tuple[float, str]], t0: float, run: Run, stop: threading.Ev
         give_up = time.monotonic() + INJECT_WITHIN_S
         while time.monotonic() < give_up:  # what to kill may not exist at this very moment (or the
             try:                           # manager asked to kill a sandbox is itself restarting)
-                killed = inject(kind, cluster, nodes, manager)
+                killed = inject(kind, cluster, nodes, manager, run)
                 if killed is not None:
                     run.faults.append((kind, killed))
                     break
@@ -236,7 +244,7 @@ def drive(manager, min_steps: int, faults_over: threading.Event, run: Run, step_
     """Steps 0, 1, ... until ``min_steps`` ran and every planned fault was injected."""
     rid = 0
     while rid < min_steps or not faults_over.is_set():
-        began = time.monotonic()
+        began = run.began[rid] = time.monotonic()
         for _ in range(attempts):
             try:
                 run.results[rid] = manager.generate.remote(rid).result(timeout_s=step_timeout_s)
@@ -260,11 +268,12 @@ def start(args) -> tuple[Cluster, dict, object, object]:
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.cloudpickle.register_pickle_by_value(chaos_disk)
+    ray.cloudpickle.register_pickle_by_value(chaos_weights)
     serve.start(proxy_location="Disabled")
     pool = serve.deployment(PlacementPoolService, name="PlacementPoolService", max_ongoing_requests=POOL_MAX_ONGOING,
                             ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
     pool = pool.bind(LAYOUT, None, None, 20.0)
-    engine = serve.deployment(FakeEngine, name="engine", num_replicas=2,
+    engine = serve.deployment(chaos_weights.FakeEngine, name="engine", num_replicas=2,
                               ray_actor_options={"num_cpus": 0}).bind()
     manager = serve.deployment(ChaosManager, name="ChaosManager", max_ongoing_requests=1000,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
@@ -335,6 +344,8 @@ def table(run: Run, args, snap_ok: bool, held: int, groups: list[str], wall_s: f
         ("aborted by class", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none"),
         ("lost", str(lost)),
         ("duplicated", str(duplicated)),
+        ("stale-weight samples", f"{chaos_weights.stale_samples(run.results, run.began, run.updates)} "
+                                 f"(weight updates: {len(run.updates)})"),
         ("leaked placement groups", f"{len(groups)} {groups or ''}".strip()),
         ("leaked tokens", f"{held} (snapshot {'equals' if snap_ok else 'differs from'} the initial one"
                           + (f", {', '.join(cordoned)} cordoned)" if cordoned else ")")),
@@ -390,9 +401,8 @@ def main() -> int:
         print(f"| {k:<{width}} | {v} |")
     for (node, error), n in run.aborts.most_common(6):
         print(f"  aborted on {node} x{n}: {error}")
-    bad = {k: v for k, v in rows if k in ("lost", "duplicated") and v != "0"} | ({"repeats": differ} if differ else {})
-    bad |= {k: v for k, v in rows if k in ("leaked placement groups", "leaked tokens") and not v.startswith("0 ")
-            and v != "0"}
+    must_be_0 = ("lost", "duplicated", "stale-weight samples", "leaked placement groups", "leaked tokens")
+    bad = [k for k, v in rows if k in must_be_0 and v.split()[0] != "0"] + (["repeats"] if differ else [])
     return 1 if bad or len(run.results) < run.requested_steps else 0
 
 

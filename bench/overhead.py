@@ -8,11 +8,14 @@ measured in the same run, best of ``--rounds``, and the ratio printed. The no-op
 (>= 30k samples/s, <= 3x the gather). Its samples never wait on the loop, so the Evaluator's first
 worker runs them all and starts no task per sample; a second row with an agent that waits on the
 loop once per episode, as every real one does, shows the step with one task per sample (its
-concurrency here is the whole batch). Figures only; nothing here asserts on time
-(``tests/test_bench_smoke.py`` runs ``--smoke``, seconds long, to see that it runs).
+concurrency here is the whole batch). The run sweeps the shapes users run, groups of 1 to 16 in
+small and large batches, and prints the worst shape last: the target holds only if it holds there.
+Figures only; nothing here asserts on time (``tests/test_bench_smoke.py`` runs ``--smoke``, seconds
+long, to see that it runs).
 
-Run from the repo root: ``.venv/bin/python bench/overhead.py [--samples N] [--group G] [--batch B]
-[--rounds R]``; ``--profile`` prints the scheduler run's top functions (cProfile) instead.
+Run from the repo root: ``.venv/bin/python bench/overhead.py [--samples N] [--groups G ...]
+[--batch-samples B ...] [--rounds R]``; ``--profile`` prints the top functions (cProfile) of one
+scheduler run (the first group and batch size) instead.
 """
 
 from __future__ import annotations
@@ -111,29 +114,37 @@ def measure(agent: FunctionAgent, n_tasks: int, group: int, batch_tasks: int, ro
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--samples", type=int, default=65536)
-    ap.add_argument("--group", type=int, default=8, help="samples per task")
-    ap.add_argument("--batch", type=int, default=512, help="tasks per batch")
+    ap.add_argument("--samples", type=int, default=65536, help="samples per run")
+    ap.add_argument("--groups", type=int, nargs="+", default=[1, 4, 8, 16], help="samples per task")
+    ap.add_argument("--batch-samples", type=int, nargs="+", default=[64, 4096], help="samples per batch")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="a seconds-long run (tests)")
     ap.add_argument("--profile", action="store_true", help="cProfile the scheduler run")
     args = ap.parse_args()
     if args.smoke:
-        args.samples, args.batch, args.rounds = 2048, 64, 1
-    n_tasks = max(1, args.samples // args.group)
+        args.samples, args.groups, args.batch_samples, args.rounds = 2048, [1, 16], [64], 1
     if args.profile:
-        sched = make_scheduler(AGENTS["no-op"], n_tasks, args.group, args.batch)
+        group, batch = args.groups[0], args.batch_samples[0]
+        sched = make_scheduler(AGENTS["no-op"], max(1, args.samples // group), group, max(1, batch // group))
         prof = cProfile.Profile()
         prof.runcall(asyncio.run, scheduled(sched))
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    n = n_tasks * args.group
-    print(f"{n} samples in groups of {args.group}, {args.batch} tasks per batch, best of {args.rounds}")
-    print(f"{'agent':14}{'TaskScheduler/s':>17}{'bare gather/s':>15}{'ratio':>8}")
+    print(f"{args.samples} samples a run, best of {args.rounds}; ratio: bare asyncio.gather samples/s over the "
+          "TaskScheduler's")
+    print(f"{'agent':13}{'group':>6}{'batch':>7}{'TaskScheduler/s':>17}{'bare gather/s':>15}{'ratio':>8}")
+    worst: dict[str, tuple[float, str]] = {}
     for name, agent in AGENTS.items():
-        sched_rate, bare_rate = measure(agent, n_tasks, args.group, args.batch, args.rounds)
-        print(f"{name:14}{sched_rate:>17,.0f}{bare_rate:>15,.0f}{bare_rate / sched_rate:>7.2f}x")
-    print("ratio: bare asyncio.gather samples/s over the TaskScheduler's")
+        for group in args.groups:
+            for batch in args.batch_samples:
+                n_tasks, batch_tasks = max(1, args.samples // group), max(1, batch // group)
+                sched_rate, bare_rate = measure(agent, n_tasks, group, batch_tasks, args.rounds)
+                print(f"{name:13}{group:>6}{batch_tasks * group:>7}{sched_rate:>17,.0f}{bare_rate:>15,.0f}"
+                      f"{bare_rate / sched_rate:>7.2f}x", flush=True)
+                shape = f"groups of {group}, {batch_tasks * group} samples a batch"
+                worst[name] = min(worst.get(name, (sched_rate, shape)), (sched_rate, shape))
+    for name, (rate, shape) in worst.items():
+        print(f"worst for {name}: {rate:,.0f} samples/s ({shape})")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""bench/overhead.py runs (``--smoke``: seconds) and prints both rates and their ratio. Speed is the
+"""bench/overhead.py runs (``--smoke``: seconds) and prints both rates and their ratio per shape. Speed is the
 benchmark's business; nothing here asserts on it."""
 
 import os
@@ -10,9 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_overhead_benchmark_runs_in_smoke_mode_and_prints_the_ratio():
+def test_the_overhead_benchmark_runs_in_smoke_mode_and_prints_each_shape_and_the_worst():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead.py"), "--smoke"], capture_output=True,
                          text=True, timeout=120, env=env, check=True).stdout
     for agent in ("no-op", "yields once"):
-        assert re.search(rf"^{agent}\s+[\d,]+\s+[\d,]+\s+\d+\.\d\dx$", out, re.M), out
+        for group in (1, 16):  # the smallest and the largest group
+            assert re.search(rf"^{agent}\s+{group}\s+64\s+[\d,]+\s+[\d,]+\s+\d+\.\d\dx$", out, re.M), out
+        assert re.search(rf"^worst for {agent}: [\d,]+ samples/s \(groups of \d+, 64 samples a batch\)$", out, re.M), out

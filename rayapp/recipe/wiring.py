@@ -43,7 +43,12 @@ def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine],
                      verify=load_verifier(ev.verifier) if ev.verifier else None,
                      tools=load_tools(ev.tools) if ev.tools is not None else None)
     factory = load_agent_factory(ev.agent) if ev.agent else None
-    agent = get_env(ev.env).build_agent(deps, dagger=ev.teacher is not None, factory=factory)
+    try:
+        agent = get_env(ev.env).build_agent(deps, dagger=ev.teacher is not None, factory=factory)
+    except Exception as e:  # the factory's own error (a wrong constructor call), named by its field
+        field, what = (f"{at}.agent", f"agent {ev.agent!r}") if factory else (f"{at}.env", f"env {ev.env!r}'s agent")
+        raise RecipeError(ARGS_SOURCE, field, f"{what}: building it with AgentDeps failed: "
+                                              f"{type(e).__name__}: {e}") from None
     if factory is not None:  # what a plug-in made is known only now, with the engines at hand
         try:
             check_agent(agent, ev.agent)
@@ -62,6 +67,37 @@ def build_evaluator_specs(cfg: RecipeConfig, engines: Mapping[str, Engine], *, e
     teacher) over the named engines, sandboxes limited by its run_resource."""
     return [_evaluator_spec(f"$.evaluators[{i}]", ev, engines, executor, open_sandbox)
             for i, ev in enumerate(cfg.evaluators)]
+
+
+class _NoEngine:
+    """What ``check_agents`` hands a factory for an engine: building an agent must not call one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def generate(self, req: Any, timeout_s: float | None = None) -> Any:
+        raise RuntimeError(f"engine {self.name!r} called while the agent was only being built")
+
+    async def info(self) -> dict:
+        raise RuntimeError(f"engine {self.name!r} called while the agent was only being built")
+
+
+async def _no_work(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("an executor or sandbox used while the agent was only being built")
+
+
+def check_agents(cfg: RecipeConfig) -> list[tuple[str, str]]:
+    """Every evaluator's agent built as the manager will build it (its factory called with its
+    AgentDeps, engines that must not be called yet), so a wrong factory fails here as
+    (JSON path, reason) instead of at the deployment."""
+    problems = []
+    engines = {name: _NoEngine(name) for name in cfg.engines}
+    for i, ev in enumerate(cfg.evaluators):
+        try:
+            _evaluator_spec(f"$.evaluators[{i}]", ev, engines, _no_work, _no_work)
+        except RecipeError as e:
+            problems.append((e.path or f"$.evaluators[{i}]", e.reason))
+    return problems
 
 
 def build_data_source(cfg: RecipeConfig) -> MultiDataSource:

@@ -163,8 +163,8 @@ class DatasetConfig(_Strict):
     env: Annotated[str, Meta(description="env whose rows this dataset holds (a built-in name or an import path); "
                                          "with path or source, the env the rows are meant for")] = "arithmetic"
     path: Annotated[str | None, Meta(description="a JSONL (.jsonl, .jsonl.gz) or Parquet file of rows, read by the "
-                                                 "manager at its start (relative: to its working directory); "
-                                                 "unset: the env's rows")] = None
+                                                 "manager at its start (relative: to the recipe file's folder "
+                                                 "under rayapp validate and run); unset: the env's rows")] = None
     fields: Annotated[FieldMap, Meta(description="which column of path holds the prompt, label, task type, task "
                                                  "id and metadata")] = FieldMap()
     source: Annotated[str | None, Meta(description="import path to rows(cfg) -> Iterable[Task], the dataset's rows "
@@ -267,11 +267,25 @@ def read_recipe_file(path: str | os.PathLike) -> Any:
         raise RecipeError(path, e.path, e.reason) from None
 
 
-def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
-    """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
-    mapping, as (args, RecipeConfig), its layout file and dataset files read too (relative to the
-    working directory); any failure is one RecipeError naming ``path``."""
+def with_dataset_paths_from(args: Any, base: str | os.PathLike) -> Any:
+    """``args`` with each relative ``data.<name>.path`` and ``eval.<name>.path`` made absolute against
+    ``base`` (the recipe file's folder); anything else as it is."""
+    if not isinstance(args, dict):
+        return args
+    out = dict(args)
+    for where in ("data", "eval"):
+        if isinstance(args.get(where), dict):
+            out[where] = {name: {**d, "path": os.path.join(base, d["path"])}
+                          if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])
+                          else d for name, d in args[where].items()}
+    return out
+
+
+def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:
+    """The file ``path`` read, its relative dataset paths resolved against its folder: (the document,
+    the recipe's args in it, their JSON path)."""
     doc = read_recipe_file(path)
+    base = os.path.dirname(os.path.abspath(path))
     args, root = doc, "$"
     serve_keys = sorted(set(doc) & SERVE_KEYS) if isinstance(doc, dict) else []
     if serve_keys and "applications" not in doc:
@@ -284,7 +298,18 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
                  None)
         if i is None:
             raise RecipeError(path, "$.applications", f"no application with import_path {APP_IMPORT_PATH}")
-        args, root = apps[i].get("args"), f"$.applications[{i}].args"
+        args, root = with_dataset_paths_from(apps[i].get("args"), base), f"$.applications[{i}].args"
+        doc = {**doc, "applications": [*apps[:i], {**apps[i], "args": args}, *apps[i + 1:]]}
+    else:
+        doc = args = with_dataset_paths_from(args, base)
+    return doc, args, root
+
+
+def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
+    """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
+    mapping, as (args, RecipeConfig), its layout file (relative to the working directory) and dataset
+    files (relative to the recipe file's folder) read too; any failure is one RecipeError naming ``path``."""
+    _, args, root = recipe_document(path)
     if not isinstance(args, dict):
         raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
     try:

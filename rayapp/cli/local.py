@@ -117,8 +117,8 @@ def deploy_error(message: str) -> str:
 def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subprocess.Popen, log: Path) -> None:
     code = ("import json, ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
             "log_to_driver=False); s = serve.status().applications.get(sys.argv[2]); "
-            "print(json.dumps([str(s.status), '\\n'.join([s.message, *(d.message for d in s.deployments.values())])]"
-            " if s else ['MISSING', '']))")
+            "print(json.dumps([str(getattr(s.status, 'value', s.status)), "
+            "'\\n'.join([s.message, *(d.message for d in s.deployments.values())])] if s else ['MISSING', '']))")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if serve_proc.poll() is not None:

@@ -180,12 +180,13 @@ def test_a_relative_dataset_path_resolves_against_the_recipe_files_folder_and_an
     write_jsonl(folder / "w.jsonl", [ROWS[0]])
     fields = {"prompt": "question", "label": "answer", "task_id": "id", "metadata": ["level"]}
     args = {"engines": {"student": {}}, "evaluators": [{"evaluator_id": "arithmetic"}],
-            "data": {"words": {"path": "w.jsonl", "fields": fields}}}
+            "data": {"words": {"path": "w.jsonl", "fields": fields}}, "scheduler": {"trajectory_dir": "runs/t"}}
     path = folder / "r.yaml"
     path.write_text(yaml.safe_dump(args))
     monkeypatch.chdir(tmp_path)  # not the recipe's folder
     args_out, cfg = load_recipe("exp/r.yaml")
     assert cfg.data["words"].path == args_out["data"]["words"]["path"] == str(folder / "w.jsonl")
+    assert cfg.scheduler.trajectory_dir == str(folder / "runs" / "t")
     args["data"]["words"]["path"] = "missing.jsonl"
     path.write_text(yaml.safe_dump(args))
     with pytest.raises(RecipeError, match=r"\$\.data\.words\.path: dataset 'words' \('" + re.escape(str(folder))

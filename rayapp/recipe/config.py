@@ -267,22 +267,31 @@ def read_recipe_file(path: str | os.PathLike) -> Any:
         raise RecipeError(path, e.path, e.reason) from None
 
 
-def with_dataset_paths_from(args: Any, base: str | os.PathLike) -> Any:
-    """``args`` with each relative ``data.<name>.path`` and ``eval.<name>.path`` made absolute against
-    ``base`` (the recipe file's folder); anything else as it is."""
+SCHEDULER_FOLDERS = ("save_eval_details", "trajectory_dir", "checkpoint_dir")
+
+
+def with_paths_from(args: Any, base: str | os.PathLike) -> Any:
+    """``args`` with each relative ``data.<name>.path``, ``eval.<name>.path`` and scheduler folder
+    (``SCHEDULER_FOLDERS``) made absolute against ``base`` (the recipe file's folder); anything else
+    as it is (a layout file stays relative to where the pool runs: docs/cluster.md)."""
     if not isinstance(args, dict):
         return args
+
+    def absolute(value: Any) -> Any:
+        return os.path.join(base, value) if isinstance(value, str) and value and not os.path.isabs(value) else value
+
     out = dict(args)
     for where in ("data", "eval"):
         if isinstance(args.get(where), dict):
-            out[where] = {name: {**d, "path": os.path.join(base, d["path"])}
-                          if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])
-                          else d for name, d in args[where].items()}
+            out[where] = {name: {**d, "path": absolute(d["path"])} if isinstance(d, dict) and "path" in d else d
+                          for name, d in args[where].items()}
+    if isinstance(args.get("scheduler"), dict):
+        out["scheduler"] = {k: absolute(v) if k in SCHEDULER_FOLDERS else v for k, v in args["scheduler"].items()}
     return out
 
 
 def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:
-    """The file ``path`` read, its relative dataset paths resolved against its folder: (the document,
+    """The file ``path`` read, its relative dataset paths and folders resolved against its folder: (the document,
     the recipe's args in it, their JSON path)."""
     doc = read_recipe_file(path)
     base = os.path.dirname(os.path.abspath(path))
@@ -298,17 +307,18 @@ def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:
                  None)
         if i is None:
             raise RecipeError(path, "$.applications", f"no application with import_path {APP_IMPORT_PATH}")
-        args, root = with_dataset_paths_from(apps[i].get("args"), base), f"$.applications[{i}].args"
+        args, root = with_paths_from(apps[i].get("args"), base), f"$.applications[{i}].args"
         doc = {**doc, "applications": [*apps[:i], {**apps[i], "args": args}, *apps[i + 1:]]}
     else:
-        doc = args = with_dataset_paths_from(args, base)
+        doc = args = with_paths_from(args, base)
     return doc, args, root
 
 
 def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
     """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
     mapping, as (args, RecipeConfig), its layout file (relative to the working directory) and dataset
-    files (relative to the recipe file's folder) read too; any failure is one RecipeError naming ``path``."""
+    files (relative to the recipe file's folder, as its folders are) read too; any failure is one
+    RecipeError naming ``path``."""
     _, args, root = recipe_document(path)
     if not isinstance(args, dict):
         raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")

@@ -262,3 +262,17 @@ def test_a_failed_deployment_is_told_by_its_exceptions_own_line():
                                      "agent 'my_agents:make': building it with AgentDeps failed: TypeError: "
                                      "ChatAgent.__init__() missing 1")
     assert deploy_error("The deployments ['Manager'] are UNHEALTHY.") == "The deployments ['Manager'] are UNHEALTHY."
+
+
+def test_validate_makes_a_source_plug_ins_rows_and_names_the_field_when_they_fail(tmp_path, monkeypatch):
+    from rayapp.cli.check import problems
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "my_rows.py").write_text("def rows(cfg):\n    return [{'prompt': p} for p in cfg.prompts]\n")
+    doc = yaml.safe_load(GOOD.read_text())
+    doc["applications"][0]["args"]["data"]["mine"] = {"env": "arithmetic", "source": "my_rows:rows"}
+    recipe = tmp_path / "source-recipe.yaml"
+    recipe.write_text(yaml.safe_dump(doc))
+    assert problems(recipe) == [
+        f'recipe "{recipe}": $.applications[0].args.data.mine.source: data source \'my_rows:rows\': its rows '
+        "failed: AttributeError: 'DatasetConfig' object has no attribute 'prompts'"]

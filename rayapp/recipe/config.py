@@ -327,10 +327,10 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
         # a layout file and dataset files too, from here
         layout_file = recipe.pool.cluster_layout is not None and not is_inline(recipe.pool.cluster_layout)
         fit = check_limits(recipe, layout_of(recipe.pool)) if layout_file else iter(())
-        from rayapp.recipe.wiring import check_agents  # the wiring builds on this module
+        from rayapp.recipe.wiring import check_builds  # the wiring builds on this module
 
         problem = next(itertools.chain(_check_layout(recipe.pool), fit, check_dataset_files(recipe),
-                                       check_agents(recipe)), None)
+                                       check_builds(recipe)), None)
         if problem is not None:
             raise RecipeError(path, *problem)
     except RecipeError as e:  # the path inside the file, not inside the args

@@ -277,8 +277,9 @@ def with_paths_from(args: Any, base: str | os.PathLike) -> Any:
     if not isinstance(args, dict):
         return args
 
-    def absolute(value: Any) -> Any:
-        return os.path.join(base, value) if isinstance(value, str) and value and not os.path.isabs(value) else value
+    def absolute(value: Any) -> Any:  # a blank one stays blank, for its check to refuse
+        return os.path.join(base, value) if isinstance(value, str) and value.strip() and not os.path.isabs(value) \
+            else value
 
     out = dict(args)
     for where in ("data", "eval"):

@@ -35,6 +35,7 @@ from rayapp.recipe.limits import (
     check_limits,
     layout_of,
 )
+from rayapp.recipe.paths import with_paths_from
 from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
 from rayapp.recipe.yaml_doc import YamlError, read_yaml
 from rayapp.training.dagger import DAggerSchedule
@@ -265,30 +266,6 @@ def read_recipe_file(path: str | os.PathLike) -> Any:
         raise RecipeError(path, None, f"cannot read file: {e.strerror or e}") from None
     except YamlError as e:
         raise RecipeError(path, e.path, e.reason) from None
-
-
-SCHEDULER_FOLDERS = ("save_eval_details", "trajectory_dir", "checkpoint_dir")
-
-
-def with_paths_from(args: Any, base: str | os.PathLike) -> Any:
-    """``args`` with each relative ``data.<name>.path``, ``eval.<name>.path`` and scheduler folder
-    (``SCHEDULER_FOLDERS``) made absolute against ``base`` (the recipe file's folder); anything else
-    as it is (a layout file stays relative to where the pool runs: docs/cluster.md)."""
-    if not isinstance(args, dict):
-        return args
-
-    def absolute(value: Any) -> Any:  # a blank one stays blank, for its check to refuse
-        return os.path.join(base, value) if isinstance(value, str) and value.strip() and not os.path.isabs(value) \
-            else value
-
-    out = dict(args)
-    for where in ("data", "eval"):
-        if isinstance(args.get(where), dict):
-            out[where] = {name: {**d, "path": absolute(d["path"])} if isinstance(d, dict) and "path" in d else d
-                          for name, d in args[where].items()}
-    if isinstance(args.get("scheduler"), dict):
-        out["scheduler"] = {k: absolute(v) if k in SCHEDULER_FOLDERS else v for k, v in args["scheduler"].items()}
-    return out
 
 
 def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:

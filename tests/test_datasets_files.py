@@ -3,6 +3,7 @@ the file, the line (row) and the column, at load time; the dataset's cascade ove
 
 import gzip
 import json
+import re
 
 import pytest
 
@@ -166,3 +167,28 @@ def test_validating_a_recipe_file_reads_its_dataset_files_ahead(tmp_path):
                             f'$.level: missing required field')
     data.write_text(json.dumps(ROWS[0]) + "\n")
     assert load_recipe(path)[1].eval["words"].path == str(data)
+
+
+def test_a_relative_dataset_path_resolves_against_the_recipe_files_folder_and_an_error_names_it(tmp_path,
+                                                                                                monkeypatch):
+    import yaml
+
+    from rayapp.recipe import load_recipe
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    write_jsonl(folder / "w.jsonl", [ROWS[0]])
+    fields = {"prompt": "question", "label": "answer", "task_id": "id", "metadata": ["level"]}
+    args = {"engines": {"student": {}}, "evaluators": [{"evaluator_id": "arithmetic"}],
+            "data": {"words": {"path": "w.jsonl", "fields": fields}}, "scheduler": {"trajectory_dir": "runs/t"}}
+    path = folder / "r.yaml"
+    path.write_text(yaml.safe_dump(args))
+    monkeypatch.chdir(tmp_path)  # not the recipe's folder
+    args_out, cfg = load_recipe("exp/r.yaml")
+    assert cfg.data["words"].path == args_out["data"]["words"]["path"] == str(folder / "w.jsonl")
+    assert cfg.scheduler.trajectory_dir == str(folder / "runs" / "t")
+    args["data"]["words"]["path"] = "missing.jsonl"
+    path.write_text(yaml.safe_dump(args))
+    with pytest.raises(RecipeError, match=r"\$\.data\.words\.path: dataset 'words' \('" + re.escape(str(folder))
+                       + r"/missing\.jsonl'\)"):
+        load_recipe("exp/r.yaml")

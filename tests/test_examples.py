@@ -37,7 +37,7 @@ class WordEngine:
 @pytest.fixture
 def wordplay(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLE))  # as PYTHONPATH=examples/wordplay would
-    monkeypatch.chdir(ROOT)  # the recipe's data path is relative to the repository root
+    monkeypatch.chdir(ROOT / "recipes")  # the recipe's data path resolves against its folder, not here
     return load_recipe(EXAMPLE / "rollout.yaml")[1]
 
 

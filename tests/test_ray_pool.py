@@ -163,24 +163,25 @@ def test_a_layout_ray_cannot_hold_fails_at_start_with_nothing_left(ray_session):
     assert live_groups(ray) == {}
 
 
-def test_a_restarted_service_removes_what_its_predecessor_left_and_makes_its_own(ray_session):
+def test_a_restarted_service_removes_what_its_dead_predecessor_left_and_makes_its_own(ray_session):
     ray = ray_session
     from rayapp.actors.pool import PlacementPoolService
 
     service = ray.remote(PlacementPoolService).options(num_cpus=0)
     old = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
     budget = Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1)
-    # the old service still holds a batch when the new one starts
+    # the old service held a batch when it was killed; Ray ties its groups to the job, so they stay
     stale = ray.get(old.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="held")), timeout=30)
+    old_name = ray.get(old.__ray_call__.remote(lambda self: self.groups.names["127.0.0.1"]), timeout=30)
     # a group left by the one-group-per-batch design (it cannot fit: the node group holds every GPU)
     stray = ray.util.placement_group([{"GPU": 1}], name="rayapp/rollout0/b0/math/1")
     (old_id,) = [i for i, (name, _) in live_groups(ray).items() if name == GROUP]
+    ray.kill(old)
     new = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
     try:
         tokens = ray.get(new.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="fresh")), timeout=30)
         (new_id,) = [i for i, (name, state) in live_groups(ray).items() if name == GROUP and state == "CREATED"]
         assert new_id != old_id and live_groups(ray) == {new_id: (GROUP, "CREATED")}
-        old_name = ray.get(old.__ray_call__.remote(lambda self: self.groups.names["127.0.0.1"]), timeout=30)
         assert {t.placement_group for t in tokens} != {old_name}  # the new service's own group
         # the old service's samples cannot run in the new group unaccounted: a lost bundle, infra_sandbox
         from rayapp.actors.pool import run_in_bundle
@@ -193,8 +194,32 @@ def test_a_restarted_service_removes_what_its_predecessor_left_and_makes_its_own
         assert all(t.placement_group == GROUP for t in tokens)
         ray.get(new.release_batch.remote(tokens), timeout=30)
     finally:
-        ray.kill(old)
         ray.kill(new)
+
+
+def test_a_second_service_refuses_to_start_beside_a_live_one_and_leaves_its_groups_alone(ray_session):
+    """Two applications on one cluster: the second pool service names the first and starts nothing;
+    the first's groups stay, and its next batch runs in its bundle."""
+    ray = ray_session
+    from rayapp.actors.pool import PlacementPoolService, run_in_bundle
+
+    service = ray.remote(PlacementPoolService)
+    first = service.options(num_cpus=0, name="first-pool").remote(LAYOUT, pg_ready_timeout_s=10.0)
+    try:
+        ray.get(first.snapshot.remote(), timeout=30)
+        before = live_groups(ray)
+        second = service.options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=0.5)
+        with pytest.raises(ray.exceptions.RayActorError,
+                           match=r"another pool service is running on this Ray cluster: actor first-pool .* holds"
+                                 r" \['rayapp/node/127\.0\.0\.1@"):
+            ray.get(second.snapshot.remote(), timeout=60)
+        assert live_groups(ray) == before
+        budget = Resource(gpu=1, concurrency=4, cpu=2, memory_gb=1)
+        tokens = ray.get(first.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="next")), timeout=30)
+        assert asyncio.run(run_in_bundle(tokens[0], sum, [1, 2], timeout_s=30)) == 3
+        ray.get(first.release_batch.remote(tokens), timeout=30)
+    finally:
+        ray.kill(first)
 
 
 def test_a_restarted_owner_frees_what_its_predecessor_held(ray_session, pool):

@@ -219,6 +219,60 @@ def test_rayapp_run_hands_the_driver_its_options_and_returns_its_exit_status(tmp
     monkeypatch.chdir(tmp_path)
     code, out, _ = _main(capsys, "run", "local", "--timeout", "60", "--", "--rollouts", "2", "--timeout", "5")
     assert code == 3 and "local/rollout.yaml: OK" in out and "driver done" in out
-    assert seen["recipe"].samefile(GOOD) and seen["cwd"] == tmp_path and seen["address"] is None
+    # the recipe deployed as validated: its dataset paths absolute against its folder
+    from rayapp.recipe.config import recipe_document
+
+    assert yaml.safe_load(seen["recipe"].read_text()) == recipe_document(GOOD)[0]
+    assert seen["cwd"] == tmp_path and seen["address"] is None
     assert seen["driver"][1:] == [str(run_module.DRIVER), "--address=127.0.0.1:6379", "--timeout", "60.0",
                                   "--rollouts", "2", "--timeout", "5"]
+
+
+def _with_agent(tmp_path, body):
+    """The local recipe with its first evaluator's agent a plug-in in ``tmp_path`` (on sys.path)."""
+    (tmp_path / "my_agents.py").write_text("from rayapp.envs.agents.chat import ChatAgent\n\n\n" + body)
+    doc = yaml.safe_load(GOOD.read_text())
+    doc["applications"][0]["args"]["evaluators"][0]["agent"] = "my_agents:make"
+    path = tmp_path / "agent-recipe.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_validate_builds_each_agent_factory_and_names_the_field_of_one_that_fails(tmp_path, monkeypatch):
+    from rayapp.cli.check import problems
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = _with_agent(tmp_path, "def make(deps):\n    return ChatAgent(deps.engine)\n")
+    assert problems(recipe) == [
+        f'recipe "{recipe}": $.applications[0].args.evaluators[0].agent: agent \'my_agents:make\': building it '
+        "with AgentDeps failed: TypeError: ChatAgent.__init__() missing 1 required positional argument: 'verify'"]
+    monkeypatch.delitem(sys.modules, "my_agents")
+    recipe = _with_agent(tmp_path, "def make(deps):\n    return ChatAgent(deps.engine, deps.verify)\n")
+    assert problems(recipe) == []
+
+
+def test_a_failed_deployment_is_told_by_its_exceptions_own_line():
+    from rayapp.cli.local import deploy_error
+
+    message = ("Deploying app 'rayapp' failed with exception:\nTraceback (most recent call last):\n"
+               '  File "wiring.py", line 48, in _evaluator_spec\n    raise RecipeError(...)\n'
+               '\x1b[36mrayapp.recipe.config.RecipeError\x1b[39m: recipe "<args>": $.evaluators[0].agent: agent '
+               "'my_agents:make': building it with AgentDeps failed: TypeError: ChatAgent.__init__() missing 1")
+    assert deploy_error(message) == ('rayapp.recipe.config.RecipeError: recipe "<args>": $.evaluators[0].agent: '
+                                     "agent 'my_agents:make': building it with AgentDeps failed: TypeError: "
+                                     "ChatAgent.__init__() missing 1")
+    assert deploy_error("The deployments ['Manager'] are UNHEALTHY.") == "The deployments ['Manager'] are UNHEALTHY."
+
+
+def test_validate_makes_a_source_plug_ins_rows_and_names_the_field_when_they_fail(tmp_path, monkeypatch):
+    from rayapp.cli.check import problems
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "my_rows.py").write_text("def rows(cfg):\n    return [{'prompt': p} for p in cfg.prompts]\n")
+    doc = yaml.safe_load(GOOD.read_text())
+    doc["applications"][0]["args"]["data"]["mine"] = {"env": "arithmetic", "source": "my_rows:rows"}
+    recipe = tmp_path / "source-recipe.yaml"
+    recipe.write_text(yaml.safe_dump(doc))
+    assert problems(recipe) == [
+        f'recipe "{recipe}": $.applications[0].args.data.mine.source: data source \'my_rows:rows\': its rows '
+        "failed: AttributeError: 'DatasetConfig' object has no attribute 'prompts'"]

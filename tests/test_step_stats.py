@@ -72,3 +72,25 @@ def test_statistics_leave_out_what_no_sample_has():
     assert stats == {"eval/default/n_samples": 1.0, "eval/default/truncated_rate": 0.0,
                      "eval/default/abort_rate": 1.0}
     assert sample_statistics("eval", []) == {}
+
+
+def test_every_counter_series_a_sample_can_increment_exists_at_zero():
+    """What ``observations`` counts of samples of every status and abort reason, for the recipe's
+    datasets, is among the series an exporter makes at 0 at start."""
+    from conftest import ended
+
+    from rayapp.core.stats import observations, zero_observations
+    from rayapp.record import AbortReason
+
+    def sample(name, status, reason=None):
+        return Sample("t", 0, "p", metadata={"_dataset_name": name}, status=status, response_length=3,
+                      episode=ended(reason))
+
+    samples = [sample(n, st) for n in ("a", "b") for st in (Status.COMPLETED, Status.TRUNCATED)]
+    samples += [sample(n, Status.ABORTED, r) for n in ("a", "b") for r in AbortReason]
+    zero = {(name, tuple(sorted(tags.items()))) for name, value, tags in zero_observations({"rollout": ["a", "b"]})}
+    assert all(v == 0 for _, v, _ in zero_observations({"rollout": ["a", "b"]}))
+    counted = {(name, tuple(sorted(tags.items()))) for name, _, tags in observations("rollout", samples)
+               if name.endswith("_total")}
+    assert counted and counted <= zero, counted - zero
+    assert len(zero) == 2 * (3 + len(AbortReason) + 1)

@@ -100,6 +100,8 @@ Observe = Callable[[str, str, float, BaseException | None], None]
 class EngineClient:
     """What an agent holds: calls one engine deployment through its handle, every call bounded."""
 
+    METHODS = ("generate", "info", "tokenizer_files", "health")  # the engine calls it makes (metrics tags)
+
     def __init__(self, handle: Any, name: str = "engine", timeout_s: float = 300.0, observe: Observe | None = None):
         self.handle, self.name, self.timeout_s, self.observe = handle, name, timeout_s, observe
         self._info: dict | None = None

@@ -59,6 +59,7 @@ class SchedulerRolloutManager:
         follow_serve_logging()
         self.cfg = apply_env(parse_recipe(recipe), os.environ)
         self.metrics = RayappMetrics()
+        self.metrics.zero({"rollout": self.cfg.data, "eval": self.cfg.eval}, engines, EngineClient.METHODS)
         self.pool_client = PoolClient(pool, owner, packed=True) if pool is not None else None
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s,
                                            observe=self.metrics.engine_call)

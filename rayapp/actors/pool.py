@@ -4,9 +4,10 @@ The core pool decides (all-or-nothing, best-fit, FIFO, docs/scheduler.md §3). R
 placement group, and making one per batch costs a Ray round trip plus, now and then, a ~1 s wait for
 resources a removed group gives back; so the service reserves the whole layout once, at start-up,
 all-or-nothing, and the ledger sub-allocates it. Each layout node gets one group, named
-``rayapp/node/<node>@<incarnation>`` (the service's own, so a token of a previous service never
-resolves to this one's group: its work fails as a lost bundle instead of running unaccounted here)
-and pinned to its Ray node with a ``ray.io/node-id`` bundle label selector:
+``rayapp/node/<node>@<incarnation>_<owner>`` (the service's own, so a token of a previous service never
+resolves to this one's group: its work fails as a lost bundle instead of running unaccounted here;
+the owner is the service's process, ``rayapp.actors.pool_owners``) and pinned to its Ray node with a
+``ray.io/node-id`` bundle label selector:
 
 * bundle ``p`` for each of the node's GPUs, ``{"GPU": 1}``: the layout's GPU at position ``p``;
 * a last bundle with the node's CPU and memory, ``{"CPU", "memory"}``.
@@ -33,11 +34,12 @@ every ``state_poll_s`` seconds (a background task it owns; before admitting, onl
 whole period late) and cordons a node whose group is not CREATED: no new token goes there, it leaves
 ``capacity_for`` (a batch that can no longer fit fails at once), and it is uncordoned if its group is
 CREATED again. Only the samples that held tokens there when it died abort; ``placement()`` lists such
-nodes under ``lost_nodes`` and ``cordoned``. At start-up the service removes every group named with the
-``rayapp/`` prefix (a previous service's, also those of the one-group-per-batch
-design), then makes its own. Ray removes a group when the actor that made it dies (the chaos run
-sees a killed replica's groups gone at once), so the samples in flight then lose their bundles
-(``infra_sandbox``); a service stopped in order removes its own.
+nodes under ``lost_nodes`` and ``cordoned``. At start-up the service removes every ``rayapp/`` group
+whose owner is gone (a killed service's, also those of the one-group-per-batch design), then makes
+its own; while another live service holds groups on the cluster it refuses to start (``PoolInUse``,
+naming that service): two pools would hand out the same GPUs. Ray removes a group when the detached
+actor that made it dies (the chaos run sees a killed replica's groups gone at once), so the samples in
+flight then lose their bundles (``infra_sandbox``); a service stopped in order removes its own.
 
 Layout node names resolve to Ray nodes as ``rayapp.actors.nodes`` says; with no layout, the pool
 reads one off what the live cluster leaves free (``layout_from_cluster``).
@@ -48,22 +50,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 import uuid
 from typing import Any
 
 import msgspec
 import ray
-
-# No public API serves here: ray.available_resources() is the cluster's total and ray.nodes() each
-# node's totals, and the per-node view of what is free now is a DeveloperAPI that Ray exports only
-# from ray._private.state (Ray 2.60's own ray.util.tpu imports it from there too).
-from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayapp.actors.bundle_watch import watched
 from rayapp.actors.nodes import layout_from_cluster, resolve_nodes
+from rayapp.actors.pool_owners import GROUP_PREFIX, free_per_node, owner_tag, remove_leftovers
 from rayapp.actors.pool_wire import pack, unpack_request, unpack_tokens
 from rayapp.actors.remote import bounded
 from rayapp.core.layout import parse_cluster_layout
@@ -76,7 +73,6 @@ from rayapp.types import BatchRequest, NodeSpec, Resource, Token
 log = logging.getLogger(__name__)
 
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it; bundles are pinned with it
-GROUP_PREFIX = "rayapp/"  # every group the pool makes is named rayapp/node/<layout node>@<incarnation>
 MIN_BUNDLE_CPU = 0.001  # Ray refuses an empty bundle; a node offering no CPU or memory still gets one
 RAY_STEP = 10_000  # Ray counts resources in steps of 1e-4
 STATE_POLL_S = 2.0  # how often the service reads its groups' states (a lost node is cordoned within this)
@@ -110,40 +106,6 @@ def _gpu(share: float) -> float:
     return max(1, math.floor(min(share, 1.0) * RAY_STEP)) / RAY_STEP
 
 
-def remove_leftovers() -> list[str]:
-    """Remove every live group named with the rayapp prefix (a previous service's); their names."""
-    gone = []
-    for pg_id, info in ray.util.placement_group_table().items():
-        if info.get("name", "").startswith(GROUP_PREFIX) and info.get("state") != "REMOVED":
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
-            gone.append(info["name"])
-    if gone:
-        log.warning("removed %d placement groups a previous pool service left: %s", len(gone), gone)
-    return gone
-
-
-def free_per_node(settle_s: float = 5.0) -> dict[str, dict[str, float]]:
-    """Ray's available resources per node id once a previous service's groups are gone: they are
-    removed here (``remove_leftovers``), and Ray's view is read again until it shows their bundles
-    back (``settle_s`` at most), so they count as free and nothing else does."""
-    owed: dict[str, dict[str, float]] = {}
-    for info in ray.util.placement_group_table().values():
-        if info.get("name", "").startswith(GROUP_PREFIX) and info.get("state") == "CREATED":
-            for index, bundle in info.get("bundles", {}).items():
-                node = owed.setdefault(info.get("bundles_to_node_id", {}).get(index, ""), {})
-                for k, v in bundle.items():
-                    node[k] = node.get(k, 0) + v
-    before = available_resources_per_node()
-    remove_leftovers()
-    deadline = time.monotonic() + settle_s
-    while True:
-        now = available_resources_per_node()
-        if all(now.get(n, {}).get(k, 0) >= before.get(n, {}).get(k, 0) + v - 1e-6
-               for n, need in owed.items() if n for k, v in need.items()) or time.monotonic() > deadline:
-            return now
-        time.sleep(0.1)
-
-
 class NodeGroups:
     """The core pool's reservation hook on Ray: one long-lived group per layout node, made all or
     nothing by ``start``; ``reserve`` maps each token to its bundle (its first GPU's, or the node's
@@ -151,15 +113,16 @@ class NodeGroups:
 
     def __init__(self, layout: dict[str, NodeSpec], node_ids: dict[str, str]):
         self.layout, self.node_ids = layout, node_ids
-        incarnation = uuid.uuid4().hex[:8]
+        incarnation = f"{uuid.uuid4().hex[:8]}_{owner_tag()}"
         self.names = {node: f"{GROUP_PREFIX}node/{node}@{incarnation}" for node in layout}
         self._gpu_pos = {node: {g: p for p, g in enumerate(spec.gpus)} for node, spec in layout.items()}
         self.groups: dict[str, PlacementGroup] = {}
 
     def start(self, timeout_s: float) -> None:
-        """Remove leftovers, then reserve every node's group; unless all are ready within
-        ``timeout_s``, remove them and raise PlacementError naming the nodes Ray could not place."""
-        remove_leftovers()
+        """Remove what services that are gone left (PoolInUse while a live one holds groups after
+        ``timeout_s``), then reserve every node's group; unless all are ready within ``timeout_s``,
+        remove them and raise PlacementError naming the nodes Ray could not place."""
+        remove_leftovers(timeout_s)
         for node, spec in self.layout.items():
             bundles = node_bundles(spec)
             self.groups[node] = placement_group(
@@ -266,7 +229,7 @@ class PlacementPoolService:
         nodes = ray.nodes()
         layout = parse_cluster_layout(cluster_layout, num_cpus or 0.0, memory_gb or 0.0)
         if layout is None:  # only what the engine replicas started before the pool leave free
-            layout = layout_from_cluster(nodes, num_cpus, memory_gb, free_per_node())
+            layout = layout_from_cluster(nodes, num_cpus, memory_gb, free_per_node(wait_s=pg_ready_timeout_s))
         self.layout = layout
         self.node_ids = resolve_nodes(list(layout), nodes)
         self.groups = NodeGroups(layout, self.node_ids)

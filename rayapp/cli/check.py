@@ -1,7 +1,8 @@
 """``rayapp validate`` and ``rayapp schema``: a recipe checked offline, before any cluster starts.
 
 A recipe file is a Ray Serve config whose rayapp application's ``args`` are the recipe. ``validate``
-checks both halves: the recipe, through the door the app builder uses (``load_recipe``), and the
+checks both halves: the recipe, through the door the app builder uses (``load_recipe``: its
+plug-ins' agents built and source rows made as the manager will, ``recipe.wiring.check_builds``), and the
 file as Serve reads it (``ray.serve.schema.ServeDeploySchema``: proxy location, HTTP options,
 deployments' overrides). Importing that schema starts no Ray. Every problem is printed as
 ``recipe "<file>": $.json.path: reason``.

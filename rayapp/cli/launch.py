@@ -23,6 +23,7 @@ import yaml
 
 from rayapp.cli.check import validate
 from rayapp.cli.local import LOCAL_ENV, ROOT, free_port, local_app
+from rayapp.recipe.config import recipe_document
 
 HERE = Path(__file__).resolve().parent
 RECIPES = HERE / "recipes"  # the checkout's recipes/ (a link there), shipped as package data
@@ -52,7 +53,10 @@ def _run_app(recipe: Path, args: argparse.Namespace, driver_args: list[str], cwd
     serve_log = temp_dir.parent / f"{temp_dir.name}-serve.log"
     dashboard_port = free_port()
     t0 = time.monotonic()
-    with local_app(recipe.resolve(), temp_dir, serve_log, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
+    # Deployed with its dataset paths made absolute against its folder, as validate read them.
+    deployed = temp_dir.parent / f"{temp_dir.name}-recipe.yaml"
+    deployed.write_text(yaml.safe_dump(recipe_document(recipe)[0], sort_keys=False))
+    with local_app(deployed, temp_dir, serve_log, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
                    dashboard_port=dashboard_port, timeout_s=args.timeout, cwd=cwd,
                    address=getattr(args, "address", None)) as (address, _):
         where = (f"ray head at {address} with {args.num_gpus} logical GPUs; dashboard http://127.0.0.1:{dashboard_port}"

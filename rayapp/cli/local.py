@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -103,20 +104,35 @@ def start_head(num_gpus: int, num_cpus: int, temp_dir: Path, dashboard_port: int
     return f"127.0.0.1:{port}"
 
 
+def deploy_error(message: str) -> str:
+    """The exception's own line in Serve's status messages of a failed application and its
+    deployments (a traceback's last line: ``RecipeError: recipe "<args>": $.evaluators[0].agent:
+    ...``); the messages' last line when they hold no traceback."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in message.splitlines()]
+    lines = [line for line in lines if line]
+    errors = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:", line)]
+    return (errors or lines or ["(no message)"])[-1]
+
+
 def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subprocess.Popen, log: Path) -> None:
-    code = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
+    code = ("import json, ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
             "log_to_driver=False); s = serve.status().applications.get(sys.argv[2]); "
-            "print(s.status if s else 'MISSING')")
+            "print(json.dumps([str(getattr(s.status, 'value', s.status)), "
+            "'\\n'.join([s.message, *(d.message for d in s.deployments.values())])] if s else ['MISSING', '']))")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if serve_proc.poll() is not None:
             raise RuntimeError(f"serve run exited with {serve_proc.returncode}; see {log}")
         out = subprocess.run([sys.executable, "-c", code, address, app], capture_output=True, text=True,
                              timeout=120).stdout.strip()
-        if out.endswith("RUNNING"):
+        try:
+            status, message = json.loads(out.splitlines()[-1]) if out else ("", "")
+        except ValueError:  # not the line printed above: ask again
+            status, message = "", ""
+        if status.endswith("RUNNING"):
             return
-        if out.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
-            raise RuntimeError(f"application {app} is {out}; see {log}")
+        if status.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
+            raise RuntimeError(f"application {app} is {status}: {deploy_error(message)}\n(full log: {log})")
         time.sleep(2)
     raise TimeoutError(f"application {app} not RUNNING within {timeout_s}s; see {log}")
 

@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from rayapp.core.clock import loop_time
+from rayapp.record import AbortReason
 from rayapp.types import Sample, Status, TaskKey
 
 DEFAULT_NAME = "default"
@@ -115,4 +116,21 @@ def observations(kind: str, samples: Iterable[Sample]) -> list[Observation]:
         for phase in ("run", "verify"):
             if f"{phase}_s" in t:
                 out.append(("episode_phase_seconds", t[f"{phase}_s"], {**tags, "phase": phase}))
+    return out
+
+
+FINAL_STATUSES = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED)
+
+
+def zero_observations(datasets: dict[str, Iterable[str]]) -> list[Observation]:
+    """The counters' series ``observations`` can increment, at 0, for ``datasets`` (dataset names by
+    step kind): an exporter makes them exist from the start, so a dashboard reads 0, not "no data",
+    until the first sample, abort or token is counted."""
+    out: list[Observation] = []
+    for kind, names in datasets.items():
+        for name in names:
+            tags = {"kind": kind, "dataset": name}
+            out += [("samples_total", 0.0, {**tags, "status": str(s)}) for s in FINAL_STATUSES]
+            out += [("aborts_total", 0.0, {**tags, "reason": str(r)}) for r in AbortReason]
+            out.append(("response_tokens_total", 0.0, tags))
     return out

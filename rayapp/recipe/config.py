@@ -35,6 +35,7 @@ from rayapp.recipe.limits import (
     check_limits,
     layout_of,
 )
+from rayapp.recipe.paths import with_paths_from
 from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
 from rayapp.recipe.yaml_doc import YamlError, read_yaml
 from rayapp.training.dagger import DAggerSchedule
@@ -163,8 +164,8 @@ class DatasetConfig(_Strict):
     env: Annotated[str, Meta(description="env whose rows this dataset holds (a built-in name or an import path); "
                                          "with path or source, the env the rows are meant for")] = "arithmetic"
     path: Annotated[str | None, Meta(description="a JSONL (.jsonl, .jsonl.gz) or Parquet file of rows, read by the "
-                                                 "manager at its start (relative: to its working directory); "
-                                                 "unset: the env's rows")] = None
+                                                 "manager at its start (relative: to the recipe file's folder "
+                                                 "under rayapp validate and run); unset: the env's rows")] = None
     fields: Annotated[FieldMap, Meta(description="which column of path holds the prompt, label, task type, task "
                                                  "id and metadata")] = FieldMap()
     source: Annotated[str | None, Meta(description="import path to rows(cfg) -> Iterable[Task], the dataset's rows "
@@ -267,11 +268,11 @@ def read_recipe_file(path: str | os.PathLike) -> Any:
         raise RecipeError(path, e.path, e.reason) from None
 
 
-def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
-    """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
-    mapping, as (args, RecipeConfig), its layout file and dataset files read too (relative to the
-    working directory); any failure is one RecipeError naming ``path``."""
+def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:
+    """The file ``path`` read, its relative dataset paths and folders resolved against its folder: (the document,
+    the recipe's args in it, their JSON path)."""
     doc = read_recipe_file(path)
+    base = os.path.dirname(os.path.abspath(path))
     args, root = doc, "$"
     serve_keys = sorted(set(doc) & SERVE_KEYS) if isinstance(doc, dict) else []
     if serve_keys and "applications" not in doc:
@@ -284,7 +285,19 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
                  None)
         if i is None:
             raise RecipeError(path, "$.applications", f"no application with import_path {APP_IMPORT_PATH}")
-        args, root = apps[i].get("args"), f"$.applications[{i}].args"
+        args, root = with_paths_from(apps[i].get("args"), base), f"$.applications[{i}].args"
+        doc = {**doc, "applications": [*apps[:i], {**apps[i], "args": args}, *apps[i + 1:]]}
+    else:
+        doc = args = with_paths_from(args, base)
+    return doc, args, root
+
+
+def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
+    """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
+    mapping, as (args, RecipeConfig), its layout file (relative to the working directory) and dataset
+    files (relative to the recipe file's folder, as its folders are) read too; any failure is one
+    RecipeError naming ``path``."""
+    _, args, root = recipe_document(path)
     if not isinstance(args, dict):
         raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
     try:
@@ -292,7 +305,10 @@ def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
         # a layout file and dataset files too, from here
         layout_file = recipe.pool.cluster_layout is not None and not is_inline(recipe.pool.cluster_layout)
         fit = check_limits(recipe, layout_of(recipe.pool)) if layout_file else iter(())
-        problem = next(itertools.chain(_check_layout(recipe.pool), fit, check_dataset_files(recipe)), None)
+        from rayapp.recipe.wiring import check_builds  # the wiring builds on this module
+
+        problem = next(itertools.chain(_check_layout(recipe.pool), fit, check_dataset_files(recipe),
+                                       check_builds(recipe)), None)
         if problem is not None:
             raise RecipeError(path, *problem)
     except RecipeError as e:  # the path inside the file, not inside the args

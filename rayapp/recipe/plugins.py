@@ -81,8 +81,9 @@ def check_dataset_env(at: str, d: Any) -> Iterator[tuple[str, str]]:
 
 
 def check_dataset_files(recipe: Any) -> Iterator[tuple[str, str]]:
-    """Every dataset file read as the manager will read it (relative paths from this working
-    directory), so a bad row shows before a cluster starts."""
+    """Every dataset file read as the manager will read it (``load_recipe`` made relative paths
+    absolute against the recipe file's folder), so a bad row or a missing file shows, with the path
+    tried, before a cluster starts."""
     for where in ("data", "eval"):
         for name, d in sorted(getattr(recipe, where).items()):
             if d.path is not None:

@@ -14,14 +14,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from rayapp.core.contracts import Pool
+from rayapp.core.convert import InputError
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs.agents.chat import Engine, Executor
-from rayapp.envs.datasets.source import MultiDataSource, eval_tasks
+from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource, eval_tasks
 from rayapp.envs.plugins import PluginError, check_agent, load_agent_factory, load_tools, load_verifier
 from rayapp.envs.protocol import AgentDeps
 from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
-from rayapp.recipe.config import ARGS_SOURCE, EvaluatorConfig, RecipeConfig, RecipeError
+from rayapp.recipe.config import ARGS_SOURCE, DatasetConfig, EvaluatorConfig, RecipeConfig, RecipeError
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.dagger import DAggerIterations
@@ -43,7 +44,12 @@ def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine],
                      verify=load_verifier(ev.verifier) if ev.verifier else None,
                      tools=load_tools(ev.tools) if ev.tools is not None else None)
     factory = load_agent_factory(ev.agent) if ev.agent else None
-    agent = get_env(ev.env).build_agent(deps, dagger=ev.teacher is not None, factory=factory)
+    try:
+        agent = get_env(ev.env).build_agent(deps, dagger=ev.teacher is not None, factory=factory)
+    except Exception as e:  # the factory's own error (a wrong constructor call), named by its field
+        field, what = (f"{at}.agent", f"agent {ev.agent!r}") if factory else (f"{at}.env", f"env {ev.env!r}'s agent")
+        raise RecipeError(ARGS_SOURCE, field, f"{what}: building it with AgentDeps failed: "
+                                              f"{type(e).__name__}: {e}") from None
     if factory is not None:  # what a plug-in made is known only now, with the engines at hand
         try:
             check_agent(agent, ev.agent)
@@ -64,15 +70,66 @@ def build_evaluator_specs(cfg: RecipeConfig, engines: Mapping[str, Engine], *, e
             for i, ev in enumerate(cfg.evaluators)]
 
 
+class _NoEngine:
+    """What ``check_agents`` hands a factory for an engine: building an agent must not call one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def generate(self, req: Any, timeout_s: float | None = None) -> Any:
+        raise RuntimeError(f"engine {self.name!r} called while the agent was only being built")
+
+    async def info(self) -> dict:
+        raise RuntimeError(f"engine {self.name!r} called while the agent was only being built")
+
+
+async def _no_work(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("an executor or sandbox used while the agent was only being built")
+
+
+def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
+    """Every evaluator's agent built as the manager will build it (its factory called with its
+    AgentDeps, engines that must not be called yet) and every source plug-in's rows made, so a wrong
+    factory or source fails here as (JSON path, reason) instead of at the deployment."""
+    problems = []
+    engines = {name: _NoEngine(name) for name in cfg.engines}
+    for i, ev in enumerate(cfg.evaluators):
+        try:
+            _evaluator_spec(f"$.evaluators[{i}]", ev, engines, _no_work, _no_work)
+        except RecipeError as e:
+            problems.append((e.path or f"$.evaluators[{i}]", e.reason))
+    for where in ("data", "eval"):
+        for name, d in sorted(getattr(cfg, where).items()):
+            if d.source is not None:
+                try:
+                    _dataset(where, name, d)
+                except RecipeError as e:
+                    problems.append((e.path or f"$.{where}.{name}", e.reason))
+    return problems
+
+
+def _dataset(where: str, name: str, d: DatasetConfig) -> DatasetSpec:
+    """``make_dataset``, a source plug-in's own error (its rows failed) named by its field."""
+    try:
+        return make_dataset(d, name)
+    except InputError:  # a file's bad row, a path that does not resolve: said with its place already
+        raise
+    except Exception as e:
+        if d.source is None:
+            raise
+        raise RecipeError(ARGS_SOURCE, f"$.{where}.{name}.source", f"data source {d.source!r}: its rows failed: "
+                                                                    f"{type(e).__name__}: {e}") from None
+
+
 def build_data_source(cfg: RecipeConfig) -> MultiDataSource:
     """The rollout datasets in name order: Serve hands a config's args over with their keys sorted,
     so any other order would make the stream depend on how the recipe reached the process."""
-    return MultiDataSource([make_dataset(d, name) for name, d in sorted(cfg.data.items())], seed=cfg.scheduler.seed)
+    return MultiDataSource([_dataset("data", name, d) for name, d in sorted(cfg.data.items())], seed=cfg.scheduler.seed)
 
 
 def build_eval_sets(cfg: RecipeConfig) -> dict[str, list[Task]]:
     """Each eval dataset's first ``n_prompts`` rows, by name."""
-    return {name: eval_tasks(make_dataset(d, name), d.n_prompts) for name, d in sorted(cfg.eval.items())}
+    return {name: eval_tasks(_dataset("eval", name, d), d.n_prompts) for name, d in sorted(cfg.eval.items())}
 
 
 def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,

@@ -45,8 +45,8 @@ def app(tmp_path_factory):
     http_port = free_port()
     cfg["http_options"]["port"] = http_port
     args = cfg["applications"][0]["args"]
-    for section in ("data", "eval"):  # the head's working directory is this process's: make the path absolute
-        args[section]["words"]["path"] = str(ROOT / args[section]["words"]["path"])
+    for section in ("data", "eval"):  # plain serve run hands the args over as they are: make the path absolute
+        args[section]["words"]["path"] = str(EXAMPLE / args[section]["words"]["path"])
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
     temp_dir = Path(f"/tmp/rayapp-wordplay-{os.getpid()}")

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dagger demo-core demo-train test lint bench clean tiny-model check-tiny-model
+.PHONY: demo demo-dagger demo-core demo-train test test-sglang lint bench clean tiny-model check-tiny-model
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -63,3 +63,15 @@ bench: $(STAMP) $(VENV)/.bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+
+# The real-engine lane: SGLang on CPU in its own venv (.venv-sglang) layered on .venv by a .pth file,
+# installed --no-deps from a pinned list, with the sgl_kernel/torchvision stand-ins (tests/sglang_stub).
+SG_VENV ?= .venv-sglang
+$(SG_VENV)/.installed: tests/sglang_engine/requirements-cpu.txt | $(STAMP)
+	test -x $(SG_VENV)/bin/python || $(BIN)/python -m venv --without-pip $(SG_VENV)
+	$(BIN)/python -c 'import site; print(site.getsitepackages()[0])' > "$$($(SG_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/rayapp-main-venv.pth"
+	$(BIN)/python -m pip --python $(SG_VENV)/bin/python install -q --no-deps -r tests/sglang_engine/requirements-cpu.txt
+	touch $@
+
+test-sglang: $(SG_VENV)/.installed
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR):$(CURDIR)/tests/sglang_stub $(SG_VENV)/bin/python -m pytest tests/sglang_engine -q

@@ -135,7 +135,7 @@ def test_a_cancelled_caller_gets_a_cut_with_the_tokens_made(backend, run):
 def test_a_request_over_its_time_is_aborted_and_the_engine_serves_on(backend, run):
     backend.request_timeout_s = 0.5
     try:
-        with pytest.raises(TimeoutError, match="took over 0.5s; aborted"):
+        with pytest.raises(TimeoutError, match=r"took over 0\.5s; aborted"):
             run(backend.generate(long_request()))
     finally:
         backend.request_timeout_s = 600.0
@@ -147,6 +147,71 @@ def test_flush_cache_and_abort_with_nothing_in_flight(backend, run):
     assert run(backend.flush_cache()) is True
     assert run(backend.abort()) == 0
     assert run(backend.abort("no-such-request")) == 0
+
+
+# The defects of issue 20, each shown on the real engine (they run before any weight update).
+
+def test_weights_before_any_update_are_version_0_and_their_staleness_counts(backend, run):
+    """Defect 2: SGLang names the weights it started with "default"; the partial-rollout code read that
+    as the current step, so a turn made before any update looked fresh however old it was."""
+    out = run(backend.generate(GenerateRequest(PROMPT, GREEDY)))
+    assert out.weight_version == "0" == str(run(backend.health())["weight_version"])
+    carried = Sample("t", 0, "p", episode=EpisodeRecord(turn_records=[TurnRecord(1, "policy",
+                                                                                 weight_version=out.weight_version)]))
+    assert staleness(carried, 3) == 3
+
+
+def test_a_prompt_past_the_engines_input_limit_ends_as_length(backend, run):
+    """Defect 1: SGLang refuses a prompt of ``max_req_input_len`` tokens or more (its own report, here
+    min(context - 1, KV pool - 1) - 5 = 1018) with a ValueError; the backend let prompts up to the
+    context through. Now such a turn ends as LENGTH with nothing generated, as the hf engine's does when
+    the prompt fills its context, and the one just inside the limit still runs."""
+    engine_limit = backend._tm.max_req_input_len
+    assert engine_limit < backend._tm.context_len - 1
+    over = run(backend.generate(GenerateRequest([5] * engine_limit, GREEDY)))
+    assert (over.finish_reason, over.output_ids, over.prompt_len) == (FinishReason.LENGTH, [], engine_limit)
+    inside = run(backend.generate(GenerateRequest([5] * (engine_limit - 1), GREEDY, ignore_eos=True)))
+    assert inside.finish_reason == FinishReason.LENGTH and 1 <= len(inside.output_ids) <= 8
+    assert backend.info()["max_prompt_len"] == engine_limit - 1
+
+
+def test_a_seed_is_refused_where_the_engine_would_ignore_it(backend, run):
+    """Defect 3: SGLang uses ``sampling_seed`` only when started with enable_deterministic_inference;
+    without it a seeded request was silently unseeded. Now it is refused, naming the field and the
+    switch; greedy requests (a seed changes nothing there) and unseeded ones run."""
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7)
+    with pytest.raises(ValueError, match=r"seed.*enable_deterministic_inference"):
+        run(backend.generate(GenerateRequest(PROMPT, seeded)))
+    greedy = run(backend.generate(GenerateRequest(PROMPT, SamplingParams(temperature=0, max_new_tokens=8, seed=7))))
+    assert greedy.output_ids == run(backend.generate(GenerateRequest(PROMPT, GREEDY))).output_ids
+    assert run(backend.health())["in_flight"] == 0
+
+
+def test_health_reports_the_running_engine_up(backend, run):
+    """Defect 4: health read SGLang's ``server_status``, which only its HTTP server moves on from
+    Starting: an in-process engine that was serving reported Starting forever."""
+    health = run(backend.health())
+    assert health["ok"] is True and health["server_status"] == "Up"
+
+
+def test_aborting_one_request_leaves_one_whose_id_it_prefixes(backend, run):
+    """Defect 5: SGLang aborts every request whose id *starts with* the one named; ids the caller chose
+    ("job", "job-2") made aborting one abort both. The ids the engine sees are now all of one length,
+    so none is a prefix of another."""
+    async def main():
+        first = asyncio.ensure_future(backend.generate(long_request("job")))
+        second = asyncio.ensure_future(backend.generate(long_request("job-2")))
+        await in_flight(backend, 2)
+        assert await backend.abort("job") == 1
+        aborted = await asyncio.wait_for(first, 30)
+        await asyncio.sleep(0.5)
+        still_running = not second.done()
+        await backend.abort("job-2")
+        return aborted, still_running, await asyncio.wait_for(second, 30)
+
+    aborted, still_running, second = run(main())
+    assert aborted.request_id == "job" and aborted.finish_reason == FinishReason.ABORT
+    assert still_running and second.request_id == "job-2" and len(second.output_ids) > len(aborted.output_ids)
 
 
 def test_weights_from_disk_change_the_answers_and_name_the_version(backend, run, tmp_path):

@@ -1,5 +1,5 @@
 """TEST FIXTURE: stand-ins for the two packages SGLang imports that cannot be installed beside the CPU
-torch wheel here (see tests/sglang_stub/README.md):
+torch wheel here (tests/sglang_stub/README.md says why and where they are used):
 
 - ``sgl_kernel``: SGLang's compiled kernels; the package index has no CPU build of it;
 - ``torchvision``: the index's build links ``libtorch_cuda.so``, which the CPU torch wheel lacks, so

@@ -38,15 +38,6 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    yield loop
-    loop.close()
-    asyncio.set_event_loop(None)
-
-
-@pytest.fixture(scope="module")
 def backend(loop):
     b = SGLangBackend(str(ensure_tiny_model()), device="cpu", max_total_tokens=KV_TOKENS, log_level="error")
     yield b

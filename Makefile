@@ -76,4 +76,4 @@ $(SG_VENV)/.installed: tests/sglang_engine/requirements-cpu.txt | $(STAMP)
 	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR)/tests/sglang_stub $(SG_VENV)/bin/python -c 'import sglang, xgrammar' && touch $@
 
 test-sglang: $(SG_VENV)/.installed
-	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR):$(CURDIR)/tests/sglang_stub $(SG_VENV)/bin/python -m pytest tests/sglang_engine -q -p no:cacheprovider
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR):$(CURDIR)/tests/sglang_stub $(SG_VENV)/bin/python -m pytest tests/sglang_engine -p no:cacheprovider

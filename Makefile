@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dagger demo-core demo-train test lint bench clean tiny-model check-tiny-model
+.PHONY: demo demo-dagger demo-core demo-train test test-sglang lint bench clean tiny-model check-tiny-model
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,9 +35,10 @@ demo-core: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check rayapp tests bench recipes
 
-# Tests that start their own Ray cluster run each in a pytest process of its own.
+# Tests that start their own Ray cluster run each in a pytest process of its own; the SGLang lane is
+# `make test-sglang`.
 test: lint
-	$(BIN)/python -m pytest --ignore=tests/isolated
+	$(BIN)/python -m pytest --ignore=tests/isolated --ignore=tests/sglang_engine
 	for f in tests/isolated/test_*.py; do $(BIN)/python -m pytest $$f || exit 1; done
 
 # The tiny model ships built (rayapp/inference/tiny-llama-v1); these rebuild it (minutes): `tiny-model` in
@@ -63,4 +64,17 @@ bench: $(STAMP) $(VENV)/.bench
 	$(BIN)/python bench/chaos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) $(SG_VENV) .pytest_cache .hypothesis .ruff_cache
+
+# The real-engine lane (docs/testing.md): SGLang's CPU engine in its own venv (.venv-sglang), layered on
+# .venv by a .pth file and installed --no-deps from a pinned list (no CUDA stack is pulled), with the
+# sgl_kernel/torchvision stand-ins of tests/sglang_stub. Out of `make test`: it installs about 1.2 GB.
+SG_VENV ?= .venv-sglang
+$(SG_VENV)/.installed: tests/sglang_engine/requirements-cpu.txt | $(STAMP)
+	test -x $(SG_VENV)/bin/python || $(BIN)/python -m venv --without-pip $(SG_VENV)
+	$(BIN)/python -c 'import site; print(site.getsitepackages()[0])' > "$$($(SG_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/rayapp-main-venv.pth"
+	$(BIN)/python -m pip --python $(SG_VENV)/bin/python install -q --no-deps -r tests/sglang_engine/requirements-cpu.txt 2>&1 | grep -v 'is ignored: it is neither' || true
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR)/tests/sglang_stub $(SG_VENV)/bin/python -c 'import sglang, xgrammar' && touch $@
+
+test-sglang: $(SG_VENV)/.installed
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=$(CURDIR):$(CURDIR)/tests/sglang_stub $(SG_VENV)/bin/python -m pytest tests/sglang_engine -p no:cacheprovider

@@ -1,6 +1,7 @@
 """The sglang backend without sglang: request/response translation against answers shaped as
 sglang's TokenizerManager builds them, the lazy-import error, and the thin class over a stand-in
-engine. The real engine runs only in the GPU smoke test at the end (skipped on CPU machines)."""
+engine. The real engine runs in the lane of tests/sglang_engine (``make test-sglang``, CPU) and in the
+GPU smoke test at the end (skipped on CPU machines)."""
 
 import asyncio
 import json
@@ -33,15 +34,27 @@ def answer(ids, logprobs, finish, text="", prompt_tokens=10, **meta):
 def test_request_translation():
     req = GenerateRequest([1, 4, 302], SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=64,
                                                        stop=["\n\n"], seed=3),
-                          request_id="r1", stop_token_ids=[2, 7], ignore_eos=True)
-    assert to_sglang_request(req) == {
+                          request_id="r1", stop_token_ids=[2, 7])
+    assert to_sglang_request(req, deterministic=True) == {
         "input_ids": [1, 4, 302], "rid": "r1", "return_logprob": True, "stream": False,
         "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 64, "stop": ["\n\n"],
-                            "sampling_seed": 3, "stop_token_ids": [2, 7], "ignore_eos": True}}
+                            "sampling_seed": 3, "stop_token_ids": [2, 7]}}
     plain = to_sglang_request(GenerateRequest([1, 2], request_id="r2"))
     assert plain["sampling_params"] == {"max_new_tokens": 128}  # unset fields keep sglang's defaults
     clamped = to_sglang_request(GenerateRequest([1] * 1000, SamplingParams(max_new_tokens=100)), max_context_len=1024)
     assert clamped["sampling_params"]["max_new_tokens"] == 24  # the context bounds the reply
+
+
+def test_requests_sglang_would_not_honour_are_refused():
+    # an engine without enable_deterministic_inference ignores sampling_seed: a seeded sampled request is refused
+    with pytest.raises(ValueError, match=r"sampling\.seed.*enable_deterministic_inference"):
+        to_sglang_request(GenerateRequest([1], SamplingParams(temperature=0.7, seed=3)))
+    greedy = to_sglang_request(GenerateRequest([1], SamplingParams(temperature=0, seed=3)))
+    assert "sampling_seed" not in greedy["sampling_params"]  # a seed changes nothing in a greedy request
+    # sglang's ignore_eos switches the stop ids off too
+    with pytest.raises(ValueError, match="stop_token_ids with ignore_eos"):
+        to_sglang_request(GenerateRequest([1], stop_token_ids=[2], ignore_eos=True))
+    assert to_sglang_request(GenerateRequest([1], ignore_eos=True))["sampling_params"]["ignore_eos"] is True
 
 
 def test_response_translation_finish_reasons():
@@ -96,7 +109,8 @@ def test_missing_sglang_gives_the_install_hint(monkeypatch):
 class FakeTokenizerManager:
     """Stands in for sglang's TokenizerManager: the calls this backend makes, recorded."""
 
-    context_len, num_reserved_tokens, gracefully_exit = 64, 0, False
+    # max_req_input_len as sglang reports it: min(context - 1, KV pool - 1) - 5
+    context_len, num_reserved_tokens, max_req_input_len, gracefully_exit = 64, 0, 58, False
 
     class model_config:  # attribute-shaped like sglang's ModelConfig
         vocab_size = 512
@@ -147,15 +161,19 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
     monkeypatch.setattr(sglang_backend, "_import_sglang", lambda: types.SimpleNamespace(Engine=fake_engine))
     backend = SGLangBackend(model_path="/models/m", tp_size=2, attention_backend="triton")
     assert made == {"model_path": "/models/m", "tp_size": 2, "mem_fraction_static": 0.8, "base_gpu_id": 0,
-                    "attention_backend": "triton"}
+                    "weight_version": "0", "attention_backend": "triton"}  # one version scheme: 0 at the start
+    with pytest.raises(ValueError, match="weight_version"):
+        SGLangBackend(model_path="/models/m", weight_version="default")
 
     async def main():
         out = await backend.generate(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=3), request_id="a"))
         assert (out.output_ids, out.finish_reason, out.engine) == ([10, 11, 12], FinishReason.LENGTH, "sglang")
-        clamped = await backend.generate(GenerateRequest([1] * 60, SamplingParams(max_new_tokens=50)))
-        assert len(clamped.output_ids) == 4 and engine.calls[-1]["sampling_params"]["max_new_tokens"] == 4
-        full = await backend.generate(GenerateRequest([1] * 64))
+        clamped = await backend.generate(GenerateRequest([1] * 57, SamplingParams(max_new_tokens=50)))
+        assert len(clamped.output_ids) == 7 and engine.calls[-1]["sampling_params"]["max_new_tokens"] == 7
+        # the engine refuses prompts of max_req_input_len or more: the turn ends as LENGTH, nothing sent
+        full = await backend.generate(GenerateRequest([1] * 58))
         assert (full.finish_reason, full.output_ids, len(engine.calls)) == (FinishReason.LENGTH, [], 2)
+        assert full.weight_version == "0"
 
         task = asyncio.create_task(backend.generate(GenerateRequest([1], SamplingParams(max_new_tokens=50),
                                                                     request_id="b")))
@@ -164,6 +182,7 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
         assert await backend.abort("b") == 1 and await backend.abort("zzz") == 0
         aborted = await task
         assert aborted.finish_reason is FinishReason.ABORT and 0 < len(aborted.output_ids) < 50
+        assert aborted.request_id == "b"  # the caller's id comes back; the engine saw its own
 
         cancelled = asyncio.create_task(backend.generate(GenerateRequest([1], SamplingParams(max_new_tokens=50),
                                                                          request_id="c")))
@@ -171,7 +190,12 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
         cancelled.cancel()  # the caller stops waiting: the request is aborted in the engine
         with pytest.raises(asyncio.CancelledError):
             await cancelled
-        assert engine.tokenizer_manager.aborts[-1] == ("c", False) and (await backend.health())["in_flight"] == 0
+        assert engine.tokenizer_manager.aborts[-1] == (engine.calls[-1]["rid"], False)
+        assert (await backend.health())["in_flight"] == 0
+        # sglang aborts by id prefix: the ids it sees are all 32 hex characters, none a prefix of another
+        rids = [c["rid"] for c in engine.calls]
+        assert len(set(rids)) == len(rids) and {len(r) for r in rids} == {32}
+        assert all(int(r, 16) >= 0 for r in rids) and "a" not in rids and "b" not in rids
 
         tasks = [asyncio.create_task(backend.generate(GenerateRequest([1], SamplingParams(max_new_tokens=50))))
                  for _ in range(3)]
@@ -197,8 +221,8 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
 
     health = run(main())
     assert health == {"ok": True, "backend": "sglang", "model": "/models/m", "in_flight": 0, "weight_version": 1,
-                      "server_status": ""}
-    assert backend.info()["max_context_len"] == 64
+                      "server_status": ""}  # the stand-in has no status; a real engine says Up
+    assert backend.info()["max_context_len"] == 64 and backend.info()["max_prompt_len"] == 57
     backend.shutdown()
     assert engine.shut and not run(backend.health())["ok"]
 

@@ -84,6 +84,8 @@ ENGINE = r"\$\.engines\.student\."
     (lambda a: a["engines"]["student"].update(num_replicas=0), ENGINE + r"num_replicas: expected int >= 1"),
     (lambda a: a["engines"]["student"].update(request_timeout_s=0),
      ENGINE + r"request_timeout_s: expected finite float > 0"),
+    (lambda a: a["engines"]["student"].update(backend="sglang", options={"weight_version": "default"}),
+     ENGINE + r"options\.weight_version: the sglang backend names weight versions itself"),
     (lambda a: a["pool"].update(num_cpus=-1), r"\$\.pool\.num_cpus: expected float >= 0"),
     (lambda a: a["scheduler"].update(rollout_batch_size=0), r"\$\.scheduler\.rollout_batch_size: expected int >= 1"),
     (lambda a: a["data"]["math"].update(weight=-0.5), r"\$\.data\.math\.weight: expected finite float >= 0"),

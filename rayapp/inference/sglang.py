@@ -4,9 +4,23 @@
 backend is constructed. The translation lives in two pure functions, ``to_sglang_request`` and
 ``from_sglang_output``, tested without sglang; the class is a thin shell around the engine.
 
-NOT RUN HERE: sglang needs CUDA kernels; the CPU machines this project is developed on cannot start
-it. The translation is tested against response dicts shaped as the sglang source builds them; the
-engine calls below follow that source and were not executed.
+Where it ran: sglang 0.5.23's CPU engine with the tiny model, in the real-engine lane
+(``make test-sglang``, tests/sglang_engine: every method below against a real in-process Engine);
+never on a GPU. What the engine showed there, and this backend therefore does:
+
+- request ids: sglang aborts every request whose id *starts with* the one named, so the engine never
+  sees the caller's ids: each request gets a uuid4 hex of its own (all 32 characters long, so no
+  engine id is a prefix of another) and ``abort`` names that;
+- prompt length: the engine refuses a prompt of ``max_req_input_len`` tokens or more (its report:
+  min(context - 1, KV pool - 1) - 5); such a prompt finishes LENGTH with nothing generated, as a
+  prompt that fills the hf engine's context does, and ``info()["max_prompt_len"]`` says the limit;
+- weight versions: the engine starts as version "0" (sglang's own name is "default"), then each
+  update names its version, the scheme every backend uses;
+- seeds: ``sampling_seed`` is used only by an engine started with ``enable_deterministic_inference``;
+  any other refuses a seeded sampling request (greedy ones drop the seed: it changes nothing there);
+- ``ignore_eos`` also switches off ``stop_token_ids`` in sglang: the two together are refused;
+- ``server_status`` is moved from Starting to Up only by sglang's HTTP server: the backend marks its
+  engine Up once the engine is built, so sglang's own ``is_healthy`` says what it should.
 
 What the code relies on (read in sgl-project/sglang main at commit 001067ff, which pins
 sglang-kernel 0.4.6.post1; files under python/sglang/srt/):
@@ -53,20 +67,32 @@ INSTALL_HINT = "pip install rayapp[sglang] on a GPU node"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
-def to_sglang_request(req: GenerateRequest, max_context_len: int | None = None) -> dict[str, Any]:
+def to_sglang_request(req: GenerateRequest, max_context_len: int | None = None,
+                      deterministic: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``Engine.async_generate``. ``max_new_tokens`` is always set (our default
     when None) and, given ``max_context_len``, clamped so the prompt plus the reply fit: sglang would
-    reject the request, where the interface promises a LENGTH finish."""
+    reject the request, where the interface promises a LENGTH finish. A seed is sent only to an engine
+    started with ``enable_deterministic_inference`` (``deterministic``): any other ignores it, so a
+    sampled request with one is refused; ``ignore_eos`` with ``stop_token_ids`` is refused (sglang's
+    ``ignore_eos`` ignores both)."""
     s = req.sampling
+    seed = s.seed if s.temperature != 0 else None  # greedy: the seed changes nothing
+    if seed is not None and not deterministic:
+        raise ValueError("sampling.seed: this sglang engine would ignore it (sglang seeds sampling only when "
+                         "started with enable_deterministic_inference: true in the engine's options); "
+                         "leave seed unset or start the engine so")
+    if req.ignore_eos and req.stop_token_ids:
+        raise ValueError("stop_token_ids with ignore_eos: sglang's ignore_eos switches off stop_token_ids too")
     max_new = s.max_new_tokens if s.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
     if max_context_len is not None:
         max_new = min(max_new, max_context_len - len(req.input_ids))
     params: dict[str, Any] = {"max_new_tokens": max_new}
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                         ("seed", "sampling_seed")):
-        value = getattr(s, ours)
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(s, name)
         if value is not None:
-            params[theirs] = value
+            params[name] = value
+    if seed is not None:
+        params["sampling_seed"] = seed
     if s.stop:
         params["stop"] = list(s.stop)
     if req.stop_token_ids:
@@ -75,6 +101,12 @@ def to_sglang_request(req: GenerateRequest, max_context_len: int | None = None) 
         params["ignore_eos"] = True
     return {"input_ids": list(req.input_ids), "sampling_params": params, "return_logprob": True,
             "rid": req.request_id, "stream": False}
+
+
+def engine_rid() -> str:
+    """The id the engine sees for one request: a uuid4 hex, always 32 characters, so none is a prefix
+    of another (sglang's abort matches by prefix)."""
+    return uuid.uuid4().hex
 
 
 def finish_reason_from_sglang(reason: Any) -> FinishReason:
@@ -126,15 +158,19 @@ def _import_sglang():
 class SGLangBackend:
     """An sglang engine on this replica's GPUs (or, given ``placement_group``, sglang's RayEngine
     with its schedulers on that group's bundles). ``base_gpu_id`` counts within the GPUs Ray made
-    visible to the replica. ``engine_kwargs`` go to sglang's ServerArgs unchanged."""
+    visible to the replica. ``engine_kwargs`` go to sglang's ServerArgs unchanged, but for
+    ``weight_version``: the backend names the versions (0 at the start)."""
 
     name = "sglang"
 
     def __init__(self, model_path: str, tp_size: int = 1, mem_fraction_static: float = 0.8, base_gpu_id: int = 0,
                  placement_group: Any = None, request_timeout_s: float = 600.0, **engine_kwargs: Any):
+        if "weight_version" in engine_kwargs:
+            raise ValueError("sglang engine option weight_version: the backend names weight versions itself "
+                             "(0 at the start, then each update's); leave it out")
         sglang = _import_sglang()
         kwargs = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
-                      base_gpu_id=base_gpu_id, **engine_kwargs)
+                      base_gpu_id=base_gpu_id, weight_version="0", **engine_kwargs)
         if placement_group is not None:
             from sglang.srt.ray.engine import RayEngine
 
@@ -142,9 +178,20 @@ class SGLangBackend:
         else:
             engine = sglang.Engine(**kwargs)
         self._engine, self.model_path, self.request_timeout_s = engine, model_path, request_timeout_s
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, str] = {}  # the caller's request id -> the engine's
         self._version = 0
         self._closed = False
+        self._deterministic = bool(getattr(getattr(engine, "server_args", None), "enable_deterministic_inference",
+                                           False))
+        self._mark_up()
+
+    def _mark_up(self) -> None:
+        """The engine is built and serving: say so where sglang's HTTP server would after its warm-up."""
+        tm = getattr(self._engine, "tokenizer_manager", None)
+        if tm is not None and hasattr(tm, "server_status"):
+            from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+            tm.server_status = ServerStatus.Up
 
     @property
     def _tm(self) -> Any:
@@ -156,33 +203,46 @@ class SGLangBackend:
         context = getattr(tm, "context_len", None)
         return None if context is None else int(context) - int(getattr(tm, "num_reserved_tokens", 0) or 0)
 
+    @property
+    def max_prompt_len(self) -> int | None:
+        """The longest prompt the engine takes: it refuses ``max_req_input_len`` tokens or more, and the
+        context must keep room for one token."""
+        limits = [n - 1 for n in (getattr(self._tm, "max_req_input_len", None), self.max_context_len)
+                  if n is not None]
+        return min(limits) if limits else None
+
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         if self._closed:
             raise RuntimeError("the sglang backend is shut down")
         vocab = getattr(getattr(self._tm, "model_config", None), "vocab_size", None)
         validate_request(req, vocab)
-        rid = req.request_id or uuid.uuid4().hex
-        if rid in self._in_flight:
-            raise ValueError(f"request_id {rid!r} is already in flight")
-        kwargs = to_sglang_request(msgspec.structs.replace(req, request_id=rid), self.max_context_len)
-        if kwargs["sampling_params"]["max_new_tokens"] <= 0:  # the prompt alone fills the context
-            return GenerateOutput(rid, [], [], FinishReason.LENGTH, prompt_len=len(req.input_ids), engine=self.name)
-        self._in_flight.add(rid)
+        caller_id, rid = req.request_id, engine_rid()
+        caller_id = caller_id or rid
+        if caller_id in self._in_flight:
+            raise ValueError(f"request_id {caller_id!r} is already in flight")
+        kwargs = to_sglang_request(msgspec.structs.replace(req, request_id=rid), self.max_context_len,
+                                   self._deterministic)
+        limit = self.max_prompt_len
+        if kwargs["sampling_params"]["max_new_tokens"] <= 0 or (limit is not None and len(req.input_ids) > limit):
+            # the prompt alone fills what the engine takes: the turn ends as the context's end
+            return GenerateOutput(caller_id, [], [], FinishReason.LENGTH, prompt_len=len(req.input_ids),
+                                  engine=self.name, weight_version=str(self._version))
+        self._in_flight[caller_id] = rid
         try:
             out = await asyncio.wait_for(self._engine.async_generate(**kwargs), self.request_timeout_s)
         except TimeoutError:
             self._tm.abort_request(rid=rid)
-            raise TimeoutError(f"sglang request {rid!r} took over {self.request_timeout_s}s; aborted") from None
+            raise TimeoutError(f"sglang request {caller_id!r} took over {self.request_timeout_s}s; aborted") from None
         except asyncio.CancelledError:  # the caller went on without it (a partial step): free its place at once
             self._tm.abort_request(rid=rid)
             raise
         except Exception as e:  # the engine is down or overloaded: classify as an infra failure
             if getattr(e, "status_code", None) in (500, 503):
-                raise EngineConnectionError(f"sglang engine failed request {rid!r}: {e}") from e
+                raise EngineConnectionError(f"sglang engine failed request {caller_id!r}: {e}") from e
             raise
         finally:
-            self._in_flight.discard(rid)
-        return from_sglang_output(rid, out)
+            self._in_flight.pop(caller_id, None)
+        return from_sglang_output(caller_id, out)
 
     async def abort(self, request_id: str | None = None) -> int:
         if request_id is None:
@@ -190,19 +250,23 @@ class SGLangBackend:
             try:
                 self._tm.abort_request(abort_all=True)  # reaches every DP/TP scheduler of this engine
             except TypeError:  # sglang before abort_all: one AbortReq per request
-                for rid in list(self._in_flight):
+                for rid in list(self._in_flight.values()):
                     self._tm.abort_request(rid)
             return n
-        if request_id not in self._in_flight:
+        rid = self._in_flight.get(request_id)
+        if rid is None:
             return 0
-        self._tm.abort_request(rid=request_id)
+        self._tm.abort_request(rid=rid)
         return 1
 
     async def health(self) -> dict[str, Any]:
         tm = getattr(self._engine, "tokenizer_manager", None)
-        ok = not self._closed and tm is not None and not getattr(tm, "gracefully_exit", False)
+        healthy = getattr(tm, "is_healthy", None)  # sglang's own: serving, not unhealthy, not shutting down
+        ok = not self._closed and tm is not None and (healthy() if healthy is not None
+                                                      else not getattr(tm, "gracefully_exit", False))
+        status = getattr(tm, "server_status", None)
         return {"ok": ok, "backend": self.name, "model": self.model_path, "in_flight": len(self._in_flight),
-                "weight_version": self._version, "server_status": str(getattr(tm, "server_status", ""))}
+                "weight_version": self._version, "server_status": getattr(status, "name", str(status or ""))}
 
     def _weights_request(self, path: str, version: int) -> Any:
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
@@ -240,6 +304,7 @@ class SGLangBackend:
             "eos_token_id": getattr(tok, "eos_token_id", None), "pad_token_id": getattr(tok, "pad_token_id", None),
             "bos_token_id": getattr(tok, "bos_token_id", None),
             "chat_template": bool(getattr(tok, "chat_template", None)), "max_context_len": self.max_context_len,
+            "max_prompt_len": self.max_prompt_len,
             "tp_size": getattr(args, "tp_size", None), "dp_size": getattr(args, "dp_size", None),
             "weight_version": self._version,
         }

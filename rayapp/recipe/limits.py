@@ -137,6 +137,9 @@ def _check_engines(engines: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f"did you mean {close[0]!r}?" if close else f"{len(known)} known, e.g. {', '.join(known[:8])}"
                 yield at, f"unknown {e.backend} option {key!r} ({hint})"
+        if e.backend == "sglang" and "weight_version" in e.options:  # one version scheme for every backend
+            yield f"{at}.weight_version", ("the sglang backend names weight versions itself (0 at the start, "
+                                           "then each update's): leave it out")
         for i, root in enumerate(e.weight_roots or ()):
             if not root or "\0" in root or not Path(root).is_absolute():
                 yield f"$.engines.{name}.weight_roots[{i}]", f"expected an absolute folder path, got {root!r}"

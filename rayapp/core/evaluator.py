@@ -23,8 +23,9 @@ Invariants it keeps:
   cancellation (``Task.cancelling()``) ends the episode as cancelled;
 - agent code written as plain functions runs in a worker thread, so a phase's time limit holds even
   when it blocks;
-- ``run``'s ``done(k)`` is awaited once per group, as soon as group ``k`` is finished; one that
-  raises cancels the batch's samples, and ``run`` ends only once they have all ended.
+- ``run``'s ``done(k)`` is called once per group, as soon as group ``k`` is finished, and what it
+  returns, unless None, is awaited in a task of the batch; one that raises cancels the batch's
+  samples, and ``run`` ends only once they have all ended.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ from rayapp.types import (
 
 log = logging.getLogger(__name__)
 
-GroupDone = Callable[[int], Awaitable[None]]  # called with the finished group's position
+# Called with the finished group's position; None: nothing to wait for (no task is started for it).
+GroupDone = Callable[[int], Awaitable[None] | None]
 ReleaseTokens = Callable[[list[Token]], Awaitable[None]]  # the pool's release_tokens
 
 DUMMY_TOKENS = [0, 0]  # the aborted sample's stand-in: one "prompt" and one masked response token
@@ -149,10 +151,11 @@ def _populate_token_data(sample: Sample, result: AgentResult) -> None:
 
 
 def _notifier(tg: asyncio.TaskGroup, done: GroupDone | None) -> Callable[[int], None]:
-    """``finished(k)``: ``done(k)`` in a task of ``tg`` (nothing without ``done``)."""
+    """``finished(k)``: ``done(k)``, and what it returns awaited in a task of ``tg`` (a task per
+    group only where there is something to wait for: most steps hand nothing on)."""
     def finished(k: int) -> None:
-        if done is not None:
-            tg.create_task(done(k))
+        if done is not None and (pending := done(k)) is not None:
+            tg.create_task(pending)
 
     return finished
 
@@ -193,8 +196,8 @@ class Evaluator:
 
     async def run(self, groups: list[TaskRun], done: GroupDone | None = None) -> None:
         """Run every group's samples, filling them in place; once group ``k`` (its position in
-        ``groups``) finished, ``done(k)`` is awaited, in a task of
-        its own so that no token idles while they run. A callback that raises cancels the batch's
+        ``groups``) finished, ``done(k)`` is called and what it returns awaited in a task of its own,
+        so that no token idles while it runs. A callback that raises cancels the batch's
         samples and propagates once they have ended.
 
         Workers, at most as many as may run at once (the least of the concurrency ceiling, the
@@ -302,7 +305,7 @@ class Evaluator:
         ctx = EpisodeContext(self.rollout_id, token, group.stopping, group.sampling, self.iteration, self.step,
                              sample.episode)
         if token is not None:
-            ctx.record.placement = Placement(token.node, list(token.gpu_ids), token.gpu)
+            ctx.record.placement = Placement(token.node, token.gpu_ids, token.gpu)
         phase, started = EpisodePhase.RUN, loop_time()
         timing = ctx.record.timing = EpisodeTiming(started, self.batch, *(self.admission or ()))
         episode = EPISODE.set(f"{self.step.value}{self.rollout_id}/{sample.task_id}#{sample.index}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from itertools import chain, zip_longest
 
 import msgspec
@@ -49,6 +49,7 @@ from rayapp.core.contracts import (
 )
 from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, TaskRun
+from rayapp.core.handing import GroupDone, Handing
 from rayapp.core.landing import landed
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens
@@ -76,22 +77,6 @@ class DeadlockError(RuntimeError):
 def interleave(per_dataset: Sequence[Sequence[Task]]) -> list[Task]:
     """Round-robin across datasets: ABCABC..., then the longer ones' rest."""
     return [t for t in chain.from_iterable(zip_longest(*per_dataset)) if t is not None]
-
-
-async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> None:
-    """``group_done(i)``: the host's code (step log, ``on_task_done``). Whatever it raises fails the step;
-    a BaseException of its own (its own CancelledError, SystemExit, KeyboardInterrupt) as a RuntimeError,
-    so that it neither passes for a cancelled batch nor ends the process. The step's own cancellation
-    passes through."""
-    try:
-        await group_done(i)
-    except Exception:
-        raise
-    except BaseException as e:
-        task = asyncio.current_task()
-        if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
-            raise
-        raise RuntimeError(f"handing on group {i} (step log, on_task_done) raised {type(e).__name__}: {e}") from e
 
 
 class TaskScheduler:
@@ -166,16 +151,20 @@ class TaskScheduler:
         todo = [i for i in range(len(tasks)) if i not in finished]
         callback = on_task_done or self.on_task_done
 
-        async def group_done(i: int) -> None:
+        async def hand_on(i: int) -> None:
             if step_log is not None:
                 await step_log.group_done(i, groups[i].samples)
             if callback is not None:
                 await callback(groups[i].task, groups[i].samples)
             finished[i] = groups[i].samples
 
+        def record(i: int) -> None:  # nothing to hand on: no task per group
+            finished[i] = groups[i].samples
+
         left = None if complete_after is None else complete_after - len(finished)
         if left is None or left > 0:
             step = StepContext(rollout_id, StepKind.ROLLOUT, state, left)
+            group_done = record if step_log is None and callback is None else hand_on
             await self.run_all(step, self._batch(tasks, todo), groups, group_done)  # batch, run
         complete = sorted(finished)[:complete_after]  # a step log may name more than asked for
         samples, done = [finished[i] for i in complete], set(complete)
@@ -205,11 +194,14 @@ class TaskScheduler:
         plan = self._batch(tasks, list(range(len(tasks))))
         callback = on_task_done or self.on_task_done
 
-        async def group_done(i: int) -> None:
-            if callback is not None:
-                await callback(groups[i].task, groups[i].samples)
+        async def hand_on(i: int) -> None:
+            await callback(groups[i].task, groups[i].samples)
 
-        await self.run_all(StepContext(rollout_id, StepKind.EVAL, state), plan, groups, group_done)
+        def nothing(i: int) -> None:
+            pass
+
+        await self.run_all(StepContext(rollout_id, StepKind.EVAL, state), plan, groups,
+                           hand_on if callback is not None else nothing)
         by_name: dict[str, list[Sample]] = {name: [] for name in self.eval_datasets}
         for g in groups:  # split apart by _eval_dataset_name
             by_name[g.task.metadata[TaskKey.EVAL_DATASET_NAME]].extend(g.samples)
@@ -312,9 +304,10 @@ class TaskScheduler:
                     f"lower its batch_size or resource budget, or grow the cluster layout")
 
     async def run_all(self, step: StepContext, plan: list[tuple[Batch, list[int]]], groups: list[TaskRun],
-                      group_done: Callable[[int], Awaitable[None]]) -> None:
+                      group_done: GroupDone) -> None:
         """Run every batch of ``plan`` (batches with their groups' indices); ``group_done(i)`` after
-        group ``i`` finished. One failing batch or callback cancels the rest and fails the step.
+        group ``i`` finished, and what it returns awaited (None: handed on at once). One failing batch
+        or callback cancels the rest and fails the step.
         ``step.complete_after=n``: once ``n`` groups were handed on, the batches still running are
         cancelled (the step is done); a group finishing after the n-th began its hand-on is not
         handed on, so none is in flight when they are."""
@@ -326,28 +319,13 @@ class TaskScheduler:
                                        batches_waiting=len(plan), tasks=n_tasks, started_at=loop_time())
         bar = tqdm(total=n_tasks, desc=f"{kind.value} {rollout_id}", unit="task", disable=not self.config.progress)
 
-        batches: list[asyncio.Task] = []
-        handing = 0  # groups whose hand-on began
-
-        async def finished(i: int) -> None:
-            nonlocal handing
-            if complete_after is not None and handing >= complete_after:
-                return  # the step is complete without it
-            handing += 1
-            await _handed_on(group_done, i)
-            st.tasks_done += 1  # counted once handed on: a callback that raised did not finish its task
-            st.samples_done += len(groups[i].samples)
-            bar.update(1)
-            if st.tasks_done == complete_after:
-                for t in batches:  # a cancelled batch does not fail the TaskGroup: its tokens go back
-                    t.cancel()
-
+        handing = Handing(group_done, groups, st, bar, complete_after)
         try:
             async with asyncio.TaskGroup() as tg:  # one failing batch cancels the rest
                 for n, (b, indices) in enumerate(plan):
                     label = f"{kind.value}{rollout_id}/b{n}/{b.task_type}"
-                    batches.append(tg.create_task(self._run_batch(
-                        step, b, [groups[i] for i in indices], indices, finished, label)))
+                    handing.batches.append(tg.create_task(self._run_batch(
+                        step, b, [groups[i] for i in indices], indices, handing.finished, label)))
         except asyncio.CancelledError:
             st.state = StepState.CANCELLED
             raise
@@ -360,7 +338,7 @@ class TaskScheduler:
             bar.close()
 
     async def _run_batch(self, step: StepContext, batch: Batch, groups: list[TaskRun], indices: list[int],
-                         finished: Callable[[int], Awaitable[None]], label: str) -> None:
+                         finished: GroupDone, label: str) -> None:
         spec = self._resolve_spec(batch)
         st = self._status
         tokens: list[Token] | None = None
@@ -380,8 +358,8 @@ class TaskScheduler:
             evaluator = Evaluator(spec, step, tokens=tokens, release=self.pool.release_tokens if early else None,
                                   batch=label, admission=(queued, loop_time()) if tokens is not None else None)
 
-            async def done(k: int) -> None:
-                await finished(indices[k])
+            def done(k: int) -> Awaitable[None] | None:
+                return finished(indices[k])
 
             # A callback that raises cancels the batch's other samples and waits for them, so no
             # episode still holds a token when they go back below.

@@ -23,7 +23,7 @@ DEMO_LAYOUT = '{"node-a": [0, 1], "node-b": {"gpus": [0, 1], "cpu": 8, "memory_g
 
 
 def _line(s: Sample) -> str:
-    where = s.episode.placement or Placement("-", [], 0.0)
+    where = s.episode.placement or Placement("-", (), 0.0)
     gpus = ",".join(map(str, where.gpu_ids))
     return (f"  {s.task_id}#{s.index}  {s.status.value:<9} score={s.reward.get('score', 0):.0f}  "
             f"tokens={len(s.tokens):>2} loss_mask_sum={sum(s.loss_mask):>2}  "

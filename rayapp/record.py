@@ -47,11 +47,13 @@ class Actor(enum.StrEnum):
 
 
 
-class Placement(msgspec.Struct):
-    """The token an episode ran under: where, on which GPUs, what share of each."""
+class Placement(msgspec.Struct, gc=False):
+    """The token an episode ran under: where, on which GPUs, what share of each. Made for every
+    sample and kept to the trainer's door, so it stays out of the cyclic GC's walks (``gc=False``:
+    a string, a tuple of ints and a float hold no cycle); ``gpu_ids`` is the token's own tuple."""
 
     node: str
-    gpu_ids: list[int]
+    gpu_ids: tuple[int, ...]
     gpu: float
 
 
@@ -144,7 +146,7 @@ class AbortRecord(msgspec.Struct):
     error: str
 
 
-class EpisodeRecord(msgspec.Struct, omit_defaults=True):
+class EpisodeRecord(msgspec.Struct, omit_defaults=True, gc=False):
     """What one episode did, filled through its EpisodeContext: by the agent while it runs (turns,
     turn records, labels, the point it could resume from; kept current, so that an abort
     mid-episode still says how far it got) and by the evaluator (placement, the result's turns and

@@ -193,7 +193,7 @@ def _full_record() -> EpisodeRecord:
              TurnRecord(2, "student", actor=Actor.STUDENT)]
     point = ResumePoint(2, [1, 2, 3], 1, [1, 0], [-0.5, 0.0], turns, [ToolReplay("bash", {"command": "ls"})],
                         [DaggerLabel(2, 3, [7], "x")], partial=1)
-    return EpisodeRecord(turns=2, termination_reason=TerminationReason.MAX_TURNS, placement=Placement("n0", [0], 0.5),
+    return EpisodeRecord(turns=2, termination_reason=TerminationReason.MAX_TURNS, placement=Placement("n0", (0,), 0.5),
                          turn_records=turns, dagger_labels=[DaggerLabel(2, 3, [7], "x")], resume=point,
                          timing=EpisodeTiming(1.0, "rollout0/b0", 0.25, 0.5, 2.0, 0.5, 3.5))
 

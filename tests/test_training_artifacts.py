@@ -71,7 +71,7 @@ EXPECTED_PLACEMENT = [
 def test_the_episode_record_derives_the_metadata_these_files_read():
     result, _ = _result()
     [aborted] = result.samples["swe"]
-    record = EpisodeRecord(turns=1, termination_reason=None, placement=Placement("10.0.0.3", [2], 1.0),
+    record = EpisodeRecord(turns=1, termination_reason=None, placement=Placement("10.0.0.3", (2,), 1.0),
                            turn_records=[TurnRecord(1, "student")],
                            abort=AbortRecord(AbortReason.INFRA_SANDBOX, EpisodePhase.RUN, [1.0, 2.5], 1.5, "10.0.0.3",
                                              [2], 1, "SandboxError: container died"))

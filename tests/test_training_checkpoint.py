@@ -30,7 +30,7 @@ def sample(task_id="t", index=0, **kw):
     fields = dict(label={"answer": [4, "ü"]}, status=Status.COMPLETED, tokens=[1, 2, 3, 150_000],
                   response="réponse", response_length=2, rollout_log_probs=[-0.25, -1e-300], loss_mask=[1, 1],
                   reward={"score": 1.0}, metadata={"_dataset_name": "a"},
-                  episode=EpisodeRecord(turns=2, placement=Placement("n0", [0], 1.0),
+                  episode=EpisodeRecord(turns=2, placement=Placement("n0", (0,), 1.0),
                                         termination_reason=TerminationReason.STOP,
                                         turn_records=[TurnRecord(1, "e", weight_version="3"), TurnRecord(2, "e")],
                                         timing=EpisodeTiming(1.0, "b0", 0.5, 0.75, 2.0, 0.5, 3.0)))

@@ -82,7 +82,8 @@ def episode_metadata(record: EpisodeRecord) -> dict[str, Any]:
     """The spec's metadata keys of ``record`` (``EpisodeKey``), plain data, set ones only."""
     out: dict[str, Any] = {}
     if record.placement is not None:
-        out[EpisodeKey.PLACEMENT.value] = msgspec.to_builtins(record.placement)
+        place = record.placement  # its GPU ids as a list, as the spec's key has always held them
+        out[EpisodeKey.PLACEMENT.value] = {"node": place.node, "gpu_ids": list(place.gpu_ids), "gpu": place.gpu}
     if record.turns is not None:
         out[EpisodeKey.TURNS.value] = record.turns
     if record.abort is not None:

@@ -49,7 +49,7 @@ class EpisodeContext(msgspec.Struct):
         """Count model turn ``turn`` as done and record who answered it, where, how long the engine
         took (``engine_s``) and with which weights (``weight_version``, as the engine names them)."""
         self.record.turns = turn
-        self.record.turn_records.append(self.turn_record(turn, engine, actor, engine_s=engine_s,
+        self.record.add_turn(self.turn_record(turn, engine, actor, engine_s=engine_s,
                                                          weight_version=weight_version))
 
     def turn_record(self, turn: int, engine: str, actor: Actor | None = None, *,

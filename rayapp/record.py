@@ -157,8 +157,10 @@ class EpisodeRecord(msgspec.Struct, omit_defaults=True, gc=False):
     turns: int | None = None
     termination_reason: TerminationReason | None = None  # the agent's own
     placement: Placement | None = None
-    turn_records: list[TurnRecord] = []
-    dagger_labels: list[DaggerLabel] = []
+    # None yet: the one shared empty tuple, so that an episode with none (most short ones) allocates no
+    # list that the cyclic GC would walk for the rest of the step; ``add_turn``/``add_label`` make it.
+    turn_records: list[TurnRecord] = ()
+    dagger_labels: list[DaggerLabel] = ()
     abort: AbortRecord | None = None
     resume: ResumePoint | None = None  # a resumable agent's state after its last complete turn
     timing: EpisodeTiming | None = None
@@ -169,6 +171,18 @@ class EpisodeRecord(msgspec.Struct, omit_defaults=True, gc=False):
         """Why the episode ended as the trainer reads it (``_termination_reason``): the abort's reason
         when it was aborted, else the agent's own."""
         return self.abort.reason if self.abort is not None else self.termination_reason
+
+    def add_turn(self, record: TurnRecord) -> None:
+        if isinstance(self.turn_records, list):
+            self.turn_records.append(record)
+        else:
+            self.turn_records = [*self.turn_records, record]
+
+    def add_label(self, label: DaggerLabel) -> None:
+        if isinstance(self.dagger_labels, list):
+            self.dagger_labels.append(label)
+        else:
+            self.dagger_labels = [*self.dagger_labels, label]
 
 
 class CarriedRun(msgspec.Struct, forbid_unknown_fields=True):

@@ -241,11 +241,16 @@ def identified(rollout_id: int, tasks: list[Task]) -> list[Task]:
     carried on from an earlier step) keeps it; any other gets ``"<rollout_id>/<fetch index>"``, on
     a copy, so that the same task fetched twice makes two groups, each known by its own id. The
     ids are a function of the fetch, so a resumed step gives its groups the same ones again."""
-    key = TaskKey.GROUP_ID.value
-    out = [t if key in t.metadata else msgspec.structs.replace(t, metadata={**t.metadata, key: f"{rollout_id}/{i}"})
-           for i, t in enumerate(tasks)]
-    ids = [t.metadata[key] for t in out]
-    if len(set(ids)) < len(ids):
+    key, out, ids = TaskKey.GROUP_ID.value, [], set()
+    for i, t in enumerate(tasks):
+        if key not in t.metadata:
+            meta = t.metadata.copy()
+            meta[key] = f"{rollout_id}/{i}"
+            t = msgspec.structs.replace(t, metadata=meta)
+        out.append(t)
+        ids.add(t.metadata[key])
+    if len(ids) < len(out):
+        ids = [t.metadata[key] for t in out]
         raise ValueError(f"rollout {rollout_id}: two fetched tasks carry the same {key} "
                          f"{sorted({g for g in ids if ids.count(g) > 1})}: a group handed in twice")
     return out

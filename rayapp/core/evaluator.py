@@ -34,9 +34,10 @@ import logging
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
+
+import msgspec
 
 from rayapp.core.agent import phase_caller
 from rayapp.core.clock import loop_time
@@ -68,10 +69,13 @@ ReleaseTokens = Callable[[list[Token]], Awaitable[None]]  # the pool's release_t
 DUMMY_TOKENS = [0, 0]  # the aborted sample's stand-in: one "prompt" and one masked response token
 
 
-@dataclass
-class TaskRun:
+_ROLLOUT_ID, _EVAL_COPY = TaskKey.ROLLOUT_ID.value, TaskKey.EVAL_COPY.value
+
+
+class TaskRun(msgspec.Struct, gc=False):
     """One task run: its samples (the task's group, as the spec and the filters mean it) and the
-    settings the cascade resolved for them."""
+    settings the cascade resolved for them. One per group, alive for the whole step: it stays out of
+    the cyclic GC's walks (it holds no cycle; nothing it holds refers back to it)."""
 
     task: Task
     samples: list[Sample]
@@ -82,10 +86,11 @@ class TaskRun:
     def samples_of(rollout_id: int, task: Task) -> list[Sample]:
         """The samples a task runs: ``n_samples`` numbered from its eval copy's first or, for the rest of
         a carried group (``Task.carried``), the ones it has left, by index, each with its resume point."""
-        meta, carried = {**task.metadata, TaskKey.ROLLOUT_ID.value: rollout_id}, task.carried
-        if carried is None:
-            first = task.metadata.get(TaskKey.EVAL_COPY, 0)
-            return [Sample(task.task_id, first + i, task.prompt, task.label, metadata=dict(meta))
+        meta, carried = task.metadata.copy(), task.carried
+        meta[_ROLLOUT_ID] = rollout_id
+        if carried is None:  # the first sample takes ``meta``, each other one a copy
+            first = meta.get(_EVAL_COPY, 0)
+            return [Sample(task.task_id, first + i, task.prompt, task.label, metadata=meta.copy() if i else meta)
                     for i in range(task.config.n_samples)]
         points = carried.points or [None] * len(carried.indices)
         if not len(carried.indices) == len(points) == task.config.n_samples:

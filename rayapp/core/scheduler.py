@@ -69,6 +69,7 @@ from rayapp.types import (
 )
 
 log = logging.getLogger(__name__)
+_DATASET_CFG = TaskKey.DATASET_CFG.value
 
 class DeadlockError(RuntimeError):
     """A spec asks for more placement tokens than the pool can ever provide."""
@@ -214,17 +215,17 @@ class TaskScheduler:
         """One group of samples per fetched task, by fetch index, with settings resolved now so a bad
         dataset config fails the step before anything runs."""
         groups: list[TaskRun] = []
-        # The cascade once per spec and dataset config object (tasks of one dataset share theirs);
-        # the objects outlive the loop, so their ids stay theirs.
+        # The cascade once per evaluator id and dataset config object (tasks of one dataset share
+        # theirs); the objects outlive the loop, so their ids stay theirs.
         settings: dict[tuple[str, int], tuple[StoppingCriteria, SamplingParams]] = {}
         for task in tasks:
             if task.config.n_samples < 1:
                 raise ValueError(f"task {task.task_id!r}: n_samples must be >= 1")
             samples = TaskRun.samples_of(rollout_id, task)
-            spec = self._resolve_spec_id(task.evaluator_id)
-            key = (spec.evaluator_id, id(task.metadata.get(TaskKey.DATASET_CFG)))
+            key = (task.evaluator_id, id(task.metadata.get(_DATASET_CFG)))
             resolved = settings.get(key)
             if resolved is None:
+                spec = self._resolve_spec_id(key[0])
                 resolved = settings[key] = (
                     resolve_stopping(self.config.global_stopping, spec.default_stopping, samples[0]),
                     build_sampling_params(self.config.global_sampling, spec.default_sampling, samples[0]))

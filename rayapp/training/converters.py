@@ -160,8 +160,8 @@ def stored_sample(s: Sample) -> Sample:
         turns=m.pop(EpisodeKey.TURNS.value, None),
         termination_reason=msgspec.convert(agent if abort is not None else reason, TerminationReason | None),
         placement=_take(m, EpisodeKey.PLACEMENT, Placement),
-        turn_records=_take(m, EpisodeKey.TURN_PLACEMENT, list[TurnRecord]) or [],
-        dagger_labels=_take(m, EpisodeKey.DAGGER_LABELS, list[DaggerLabel]) or [],
+        turn_records=_take(m, EpisodeKey.TURN_PLACEMENT, list[TurnRecord]) or (),
+        dagger_labels=_take(m, EpisodeKey.DAGGER_LABELS, list[DaggerLabel]) or (),
         abort=None if abort is None else msgspec.convert(
             {**abort, "reason": reason, "phase": _PHASE.get(abort.get("phase"), abort.get("phase"))}, AbortRecord),
         resume=_take(m, EpisodeKey.RESUME, ResumePoint),

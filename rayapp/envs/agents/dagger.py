@@ -55,7 +55,7 @@ class DAggerRollIn:
         engine_s = loop_time() - started  # the student's own call: the label below is the teacher's time
         if ctx.step != StepKind.EVAL:  # labels are training data: an eval step would pay the teacher for nothing
             label = await self.teacher.generate(req)  # the expert's action in the state the student reached
-            ctx.record.dagger_labels.append(DaggerLabel(turn, len(req.input_ids), list(label.output_ids), label.text))
+            ctx.record.add_label(DaggerLabel(turn, len(req.input_ids), list(label.output_ids), label.text))
         ctx.record_turn(turn, out.engine, Actor.STUDENT, engine_s=engine_s, weight_version=out.weight_version)
         return out, 0
 

@@ -103,9 +103,16 @@ def show_iteration(result) -> None:
           f"teacher labels for student turns {m.get('dagger/labels', 0):.0f}")
 
 
+_SAID: set[str] = set()
+
+
 def show_artifacts(result) -> None:
     for kind, path in sorted(result.artifacts.items()):
         print(f"  artifact {kind:<14} {path}")
+    if "timeline" in result.artifacts and "timeline_png" not in result.artifacts and "png" not in _SAID:
+        _SAID.add("png")  # once a run: every step would say the same
+        print("  no timeline PNG: matplotlib is not installed where the app runs (the 'plot' extra: "
+              "pip install 'rayapp[plot]'); the trace above opens in https://ui.perfetto.dev", flush=True)
 
 
 def show_placement(result) -> None:

@@ -154,6 +154,7 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     assert "pool queue" in processes and len(processes) >= 2
     assert len([e for e in trace["traceEvents"] if e.get("cat") == "run"]) == 16
     assert (app["timeline"] / "eval_0.trace.json").exists()
+    assert (app["timeline"] / "train_0.png").read_bytes()[:4] == b"\x89PNG"  # matplotlib: the 'plot' extra
     # Prometheus metrics on Ray's endpoint, seen while the steps ran
     seen = {k: v for m in scraped for k, v in m.items()}
     series = {name.split("{")[0] for name in seen}

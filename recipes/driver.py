@@ -93,6 +93,15 @@ def show_rollout(result) -> None:
     show_artifacts(result)
 
 
+def failure_classes(samples) -> dict[str, int]:
+    """How many samples ended in each failure class (``rayapp.core.termination``), most first."""
+    from rayapp.core.termination import classify_termination
+
+    # a step's samples carry their episode's reason as the trainer reads it (``_termination_reason``)
+    found = Counter(classify_termination(s.reward, s.metadata.get("_termination_reason")).value for s in samples)
+    return dict(found.most_common())
+
+
 def show_iteration(result) -> None:
     """What the scheduler published for this iteration, and who acted in the DAgger roll-ins."""
     it, m = result.iteration, result.metrics
@@ -162,6 +171,7 @@ def main() -> None:
             for k, v in sorted(ev.metrics.items()):
                 if k.endswith(("/accuracy", "/n_samples")) or "/pass@" in k:
                     print(f"  {k:<28} {v:.3f}")
+            print("  failure classes:", failure_classes([s for ss in ev.samples.values() for s in ss]))
             show_statistics(ev.metrics, "eval")
             show_artifacts(ev)
             for sink in sinks:

@@ -14,8 +14,8 @@ $(BIN)/python:
 # pip's "Location ... is ignored" notes about this machine's extra indexes are filtered out.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q torch==2.13.0 2>&1 | grep -v 'is ignored: it is neither' || true
-	$(BIN)/python -m pip install -q -e '.[hf,test]' 2>&1 | grep -v 'is ignored: it is neither' || true
-	$(BIN)/python -c 'import rayapp, ray, torch, transformers' && touch $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[hf,test,plot]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/python -c 'import rayapp, ray, torch, transformers, matplotlib' && touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rayapp demo
@@ -25,7 +25,7 @@ demo-dagger: $(STAMP)
 	$(BIN)/rayapp demo --recipe recipes/dagger_local/rollout.yaml --rollouts 3
 
 # GRPO through the Serve app on CPU (about 10 minutes): held-out accuracy and a plot in /tmp/rayapp-train.
-# matplotlib comes with the 'bench' extra; without it the run skips the plot and says so.
+# matplotlib comes with the 'plot' extra (installed with the rest); without it the run skips the plot and says so.
 demo-train: $(STAMP)
 	$(BIN)/python recipes/train_grpo.py
 
@@ -49,7 +49,7 @@ tiny-model: $(STAMP)
 check-tiny-model: $(STAMP)
 	$(BIN)/python -m rayapp.training.tiny_model_ship check
 
-# matplotlib (the 'bench' extra) only for the benchmarks' plots: `make test` never installs it.
+# the 'bench' extra (matplotlib, which the 'plot' extra of every install brings already).
 $(VENV)/.bench: pyproject.toml | $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[hf,test,bench]' 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(BIN)/python -c 'import matplotlib' && touch $@

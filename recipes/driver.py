@@ -93,6 +93,15 @@ def show_rollout(result) -> None:
     show_artifacts(result)
 
 
+def failure_classes(samples) -> dict[str, int]:
+    """How many samples ended in each failure class (``rayapp.core.termination``), most first."""
+    from rayapp.core.termination import classify_termination
+
+    # a step's samples carry their episode's reason as the trainer reads it (``_termination_reason``)
+    found = Counter(classify_termination(s.reward, s.metadata.get("_termination_reason")).value for s in samples)
+    return dict(found.most_common())
+
+
 def show_iteration(result) -> None:
     """What the scheduler published for this iteration, and who acted in the DAgger roll-ins."""
     it, m = result.iteration, result.metrics
@@ -103,9 +112,16 @@ def show_iteration(result) -> None:
           f"teacher labels for student turns {m.get('dagger/labels', 0):.0f}")
 
 
+_SAID: set[str] = set()
+
+
 def show_artifacts(result) -> None:
     for kind, path in sorted(result.artifacts.items()):
         print(f"  artifact {kind:<14} {path}")
+    if "timeline" in result.artifacts and "timeline_png" not in result.artifacts and "png" not in _SAID:
+        _SAID.add("png")  # once a run: every step would say the same
+        print("  no timeline PNG: matplotlib is not installed where the app runs (the 'plot' extra: "
+              "pip install 'rayapp[plot]'); the trace above opens in https://ui.perfetto.dev", flush=True)
 
 
 def show_placement(result) -> None:
@@ -155,6 +171,7 @@ def main() -> None:
             for k, v in sorted(ev.metrics.items()):
                 if k.endswith(("/accuracy", "/n_samples")) or "/pass@" in k:
                     print(f"  {k:<28} {v:.3f}")
+            print("  failure classes:", failure_classes([s for ss in ev.samples.values() for s in ss]))
             show_statistics(ev.metrics, "eval")
             show_artifacts(ev)
             for sink in sinks:

@@ -56,7 +56,7 @@ def plot(history: list[dict], path: Path) -> Path | None:
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is missing (the 'bench' extra): no plot written", flush=True)
+        print("matplotlib is missing (the 'plot' extra): no plot written", flush=True)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,6 +3,7 @@ GPU lane, the pool queue's admission waits) and a PNG; lanes never hold overlapp
 
 import asyncio
 import json
+import sys
 from collections import defaultdict
 from itertools import pairwise
 
@@ -11,9 +12,10 @@ import pytest
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
+from rayapp.training import timeline as timeline_module
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.converters import trainer_metadata
-from rayapp.training.timeline import QUEUE, chrome_trace, timeline_rows
+from rayapp.training.timeline import PLOT_MISSING, QUEUE, chrome_trace, plot_timeline, timeline_figure, timeline_rows
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
 
 TWO_NODES = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}, "n1": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'
@@ -84,5 +86,25 @@ def test_the_writer_puts_the_trace_and_png_beside_eval_details(step, tmp_path):
     paths = EvalDetailsWriter(tmp_path).write_timeline("train", 0, step)
     assert paths["timeline"] == tmp_path / "timeline" / "train_0.trace.json"
     assert json.loads(paths["timeline"].read_text())["otherData"] == {"label": "train_0"}
-    pytest.importorskip("matplotlib")
+    # matplotlib is in the 'plot' extra that `make demo` and `make test` install: the PNG is always there
     assert paths["timeline_png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_png_bars_name_the_dataset_the_env_and_the_task(step):
+    for s in step:
+        s.metadata["_eval_dataset_name"] = f"set-{s.task_id}"
+    fig = timeline_figure(step, "eval_0")
+    labels = {t.get_text().strip() for t in fig.axes[0].texts}
+    # every sample's bar: its dataset, the env that ran it (the batch label's evaluator, "x"), task#index
+    assert {f"set-{s.task_id} (x) {s.task_id}#{s.index}" for s in step} <= labels
+    assert any(label.startswith("rollout0/b") for label in labels)  # the pool queue's bars: their batch
+
+
+def test_without_matplotlib_the_run_says_so_once_and_writes_the_trace(step, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(timeline_module, "_pyplot", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with caplog.at_level("WARNING", logger=timeline_module.__name__):
+        assert plot_timeline(step, tmp_path / "a.png") is None
+        paths = EvalDetailsWriter(tmp_path).write_timeline("train", 1, step)
+    assert set(paths) == {"timeline"} and paths["timeline"].exists() and not (tmp_path / "a.png").exists()
+    assert [r.getMessage() for r in caplog.records] == [PLOT_MISSING]

@@ -3,6 +3,9 @@
 - ``rayapp --version``;
 - ``rayapp validate <recipe>``: the recipe and Ray Serve's schema of the file, offline (no Ray
   started): ``OK``, or each problem by JSON path (exit status 2);
+- ``rayapp verify <recipe> [--dataset NAME] [--responses FILE] [--limit N]``: each dataset's rows
+  through its verifier with the reference answers (or given responses), offline (no Ray, no engine):
+  the scores per dataset; exit status 1 when reference answers score 0 (``rayapp.cli.verify``);
 - ``rayapp schema [--serve-config]``: the recipe's JSON Schema (or the whole file's), for editors;
 - ``rayapp init [dir]``: a shipped recipe written to ``dir/rollout.yaml``;
 - ``rayapp run <recipe> [-- driver options]``: validate, a local Ray head, ``serve run``, the driver;
@@ -74,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a recipe and Serve's schema of its file offline (no Ray)")
     v.add_argument("recipe", help=RECIPE_HELP + "; a Serve config whose rayapp application's args are the recipe, "
                                                 "or bare args")
+    vf = sub.add_parser("verify", help="score each dataset's rows with its verifier, the reference answers (or "
+                                       "given responses) as the response, offline (no Ray, no engine)")
+    vf.add_argument("recipe", help=RECIPE_HELP)
+    vf.add_argument("--dataset", default=None, help="only this dataset (its name, or data/NAME, eval/NAME)")
+    vf.add_argument("--responses", default=None, metavar="FILE",
+                    help='a JSONL file of {"task_id": ..., "response": ...} (optional "dataset") to score instead')
+    vf.add_argument("--limit", type=int, default=None,
+                    help="rows per dataset (default: an eval dataset's n_prompts, a rollout dataset's all)")
     s = sub.add_parser("schema", help="print the recipe's JSON Schema (from its msgspec types)")
     s.add_argument("--serve-config", action="store_true",
                    help="the schema of a whole recipe file: Serve's config schema with the recipe as the args")
@@ -99,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.cmd == "validate":
         sys.exit(validate(resolve_recipe(args.recipe)))
+    if args.cmd == "verify":
+        from rayapp.cli.verify import verify
+
+        sys.exit(verify(resolve_recipe(args.recipe), args.dataset, args.responses, args.limit))
     if args.cmd == "schema":
         sys.exit(schema(args.serve_config))
     if args.cmd == "init":

@@ -83,6 +83,16 @@ def run(args: argparse.Namespace, driver_args: list[str]) -> int:
     return _run_app(recipe, args, ["--timeout", str(args.timeout), *steps], Path.cwd(), None)
 
 
+# What the demo's numbers mean: printed after its steps, since the tiny model solves few of its tasks.
+TINY_MODEL_NOTE = """\
+what the tiny model can and cannot do (it only ever answers "The answer is N."):
+  solves:  math-read (the chat picked up after the calculator answered: it reads the result back)
+  cannot:  arith-a, arithmetic and math (it does no arithmetic itself: right by luck, or when it calls the
+           calculator, about one prompt in ten), humaneval (it writes no code), swe (it fixes no repository);
+           arith-cut is cut at 2 new tokens on purpose (the max_context class). Their verifiers work:
+           `rayapp verify local` scores each one's reference answers."""
+
+
 def demo(args: argparse.Namespace) -> int:
     recipe = resolve_recipe(args.recipe)
     if validate(recipe) != 0:  # a broken recipe stops here, before a cluster starts (serve run would wait)
@@ -94,7 +104,10 @@ def demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(f"tiny model ready at {ensure_tiny_model(training=TRAINING)} ({time.monotonic() - t0:.1f}s)", flush=True)
     args.temp_dir = args.temp_dir or f"/tmp/rayapp-demo-{os.getpid()}"
-    return _run_app(recipe, args, ["--rollouts", str(args.rollouts), "--eval"], ROOT, args.timeout)
+    code = _run_app(recipe, args, ["--rollouts", str(args.rollouts), "--eval"], ROOT, args.timeout)
+    if Path(recipe).resolve() == (RECIPES / "local" / "rollout.yaml").resolve():
+        print(TINY_MODEL_NOTE, flush=True)
+    return code
 
 
 def init(args: argparse.Namespace) -> int:

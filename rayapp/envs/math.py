@@ -25,7 +25,7 @@ from decimal import Decimal, InvalidOperation
 
 from rayapp.envs.agents.dagger import DAggerAgent
 from rayapp.envs.agents.multiturn import ToolAgent
-from rayapp.envs.agents.tools import calculator
+from rayapp.envs.agents.tools import calculator, describe, tool_result_message
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.types import AgentResult, Sample, Task, TaskConfig
 from rayapp.verify.math import verify_math
@@ -178,6 +178,26 @@ def verify(sample: Sample, result: AgentResult) -> dict[str, float]:
 
 def rows(cfg) -> list[Task]:
     return generate_problems(cfg.n_prompts, cfg.seed)
+
+
+def tool_result_rows(cfg) -> list[Task]:
+    """Arithmetic problems picked up after the calculator answered: each prompt is the chat so far (the
+    agent's system prompt, the problem, the assistant's calculator call, the tool's result), and the reply
+    due is ``The answer is N.``. A dataset's ``source`` (``rayapp.envs.math:tool_result_rows``) for the
+    math env: the task the tiny CPU model does solve (it was taught to read a result back; it cannot do
+    the arithmetic itself, and calls the calculator of its own accord in about one prompt in ten)."""
+    tasks, i = [], 0
+    while len(tasks) < cfg.n_prompts:
+        question, answer = _arithmetic(random.Random(f"math-read:{cfg.seed}:{i}"))
+        expr = question.removeprefix("What is ").removesuffix("?")
+        call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
+        prompt = [{"role": "system", "content": describe(["calculator"])},
+                  {"role": "user", "content": _prompt(question, INSTRUCTION)},
+                  {"role": "assistant", "content": call}, tool_result_message("calculator", str(answer))]
+        tasks.append(Task(f"math-read-{cfg.seed}-{i}", prompt, TaskConfig("math"), label=str(answer),
+                          metadata={"question": question, "kind": "tool_result"}))
+        i += 1
+    return tasks
 
 
 def make_agent(deps: AgentDeps) -> ToolAgent:

@@ -12,12 +12,16 @@ trace:
   named after the batch (the scheduler's label, e.g. ``rollout3/b0/math``) and its samples.
 
 Times are the evaluator's loop clock, shifted so the step's first event is at 0. The PNG (with
-matplotlib, the ``bench`` extra; skipped without it) draws the same lanes as bars.
+matplotlib, the ``plot`` extra that ``make`` installs) draws the same lanes as bars, each labelled
+with its sample's dataset (environment) and task (``bar_label``). Without matplotlib no PNG is
+written, and the first step to find that out logs it once (``PLOT_MISSING``); the import is not
+tried again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,9 +29,22 @@ from typing import Any
 
 from rayapp.record import EpisodeTiming
 from rayapp.training.files import atomic_write
-from rayapp.types import Sample, Status
+from rayapp.types import Sample, Status, TaskKey
 
 QUEUE = "pool queue"
+PLOT_MISSING = "no timeline PNG: matplotlib is not installed (pip install 'rayapp[plot]'); the trace is written"
+log = logging.getLogger(__name__)
+_pyplot: Any = None  # matplotlib.pyplot once imported; False once its import failed (said once, not retried)
+
+
+def bar_label(s: Sample) -> str:
+    """A sample's bar label: its dataset (eval or rollout), its environment (the evaluator that ran it,
+    from its batch's label ``rollout3/b0/math``) when that differs, and ``task#index``."""
+    dataset = s.metadata.get(TaskKey.EVAL_DATASET_NAME) or s.metadata.get(TaskKey.DATASET_NAME)
+    t = s.episode.timing
+    env = t.batch.rsplit("/", 1)[-1] if t is not None and t.batch else None
+    where = f"{dataset} ({env})" if dataset and env and env != dataset else (dataset or env)
+    return f"{where} {s.task_id}#{s.index}" if where else f"{s.task_id}#{s.index}"
 
 
 def _lane_of(lanes: dict[tuple, list[float]], key: tuple, start: float, end: float) -> int:
@@ -58,8 +75,8 @@ def _spans(s: Sample, t: EpisodeTiming | None) -> list[tuple[str, float, float]]
 
 
 def timeline_rows(samples: Iterable[Sample]) -> list[dict]:
-    """One row per bar: ``{node, lane, name, phase, start, end, status, reason, abort}`` (lane:
-    ``gpu 0/1``; ``abort``: the bar an aborted sample ended in)."""
+    """One row per bar: ``{node, lane, name, label, phase, start, end, status, reason, abort}`` (lane:
+    ``gpu 0/1``; ``label``: ``bar_label``; ``abort``: the bar an aborted sample ended in)."""
     rows, lanes, batches = [], {}, {}
     for s in sorted(samples, key=lambda s: s.episode.timing.started if s.episode.timing is not None else 0.0):
         t = s.episode.timing
@@ -75,14 +92,16 @@ def timeline_rows(samples: Iterable[Sample]) -> list[dict]:
         gpu = f"gpu {','.join(map(str, place.gpu_ids))}" if place is not None and place.gpu_ids else "cpu"
         i = _lane_of(lanes, (node, gpu), spans[0][1], spans[-1][2])
         for phase, start, end in spans:
-            rows.append({"node": node, "lane": f"{gpu}/{i}", "name": name, "phase": phase, "start": start,
+            rows.append({"node": node, "lane": f"{gpu}/{i}", "name": name, "label": bar_label(s), "phase": phase,
+                         "start": start,
                          "end": end, "status": str(s.status), "reason": reason, "abort": False})
         rows[-1]["abort"] = s.status is Status.ABORTED  # where it ended
     queue_lanes: dict[tuple, list[float]] = {}
     for (batch, queued, admitted), names in batches.items():
         i = _lane_of(queue_lanes, (QUEUE,), queued, admitted)
         rows.append({"node": QUEUE, "lane": f"batch/{i}", "name": f"{batch or 'batch'}: {', '.join(names[:4])}"
-                     + (f" +{len(names) - 4}" if len(names) > 4 else ""), "phase": "admission wait",
+                     + (f" +{len(names) - 4}" if len(names) > 4 else ""), "label": batch or "batch",
+                     "phase": "admission wait",
                      "start": queued, "end": admitted, "status": "", "reason": None, "abort": False})
     return rows
 
@@ -113,14 +132,27 @@ def chrome_trace(samples: Iterable[Sample], label: str = "step") -> dict[str, An
 COLOURS = {"run": "tab:blue", "verify": "tab:green", "admission wait": "tab:gray"}
 
 
-def plot_timeline(samples: Iterable[Sample], path: str | Path, title: str = "") -> Path | None:
-    """The timeline as a PNG at ``path``; None (nothing written) without matplotlib."""
-    try:
-        import matplotlib
+def _plt() -> Any:
+    """matplotlib's pyplot (Agg), or None without matplotlib: the first miss is logged, and the import
+    is not tried again in this process."""
+    global _pyplot
+    if _pyplot is None:
+        try:
+            import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log.warning(PLOT_MISSING)
+            plt = False
+        _pyplot = plt
+    return _pyplot or None
+
+
+def timeline_figure(samples: Iterable[Sample], title: str = "") -> Any:
+    """The timeline as a matplotlib Figure (bars labelled with ``bar_label``); None without matplotlib."""
+    plt = _plt()
+    if plt is None:
         return None
     rows = timeline_rows(samples)
     t0 = min((r["start"] for r in rows), default=0.0)
@@ -128,10 +160,15 @@ def plot_timeline(samples: Iterable[Sample], path: str | Path, title: str = "") 
     y = {(node, lane): i for i, (_, node, lane) in enumerate(lanes)}
     fig, ax = plt.subplots(figsize=(11, max(2.0, 0.28 * len(lanes) + 1)))
     bars: dict[str, list] = defaultdict(list)
+    labelled: set[tuple] = set()
     for r in rows:
-        bars[r["phase"]].append((y[r["node"], r["lane"]], r["start"] - t0, r["end"] - r["start"]))
+        row = y[r["node"], r["lane"]]
+        bars[r["phase"]].append((row, r["start"] - t0, r["end"] - r["start"]))
+        if (r["label"], row) not in labelled:  # once per sample (its run bar), where its first bar starts
+            labelled.add((r["label"], row))
+            ax.text(r["start"] - t0, row, " " + r["label"], va="center", ha="left", fontsize=5, clip_on=True)
         if r["abort"]:
-            ax.plot(r["end"] - t0, y[r["node"], r["lane"]], "x", color="tab:red", markersize=7)
+            ax.plot(r["end"] - t0, row, "x", color="tab:red", markersize=7)
     for phase, items in bars.items():
         for row, start, width in items:
             ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=COLOURS.get(phase, "tab:purple"),
@@ -144,9 +181,17 @@ def plot_timeline(samples: Iterable[Sample], path: str | Path, title: str = "") 
               [*COLOURS, "abort"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_title(title or "placement timeline")
     fig.tight_layout()
+    return fig
+
+
+def plot_timeline(samples: Iterable[Sample], path: str | Path, title: str = "") -> Path | None:
+    """The timeline as a PNG at ``path``; None (nothing written) without matplotlib."""
+    fig = timeline_figure(samples, title)
+    if fig is None:
+        return None
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot.close(fig)
     return path
 
 

@@ -130,7 +130,7 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     samples = result["samples"]
     assert len(samples) == 16  # 8 prompts x 2 samples, mixed over the four environments
-    assert {s["dataset"] for s in samples} <= {"arithmetic", "math", "humaneval", "swe"}
+    assert {s["dataset"] for s in samples} <= {"arithmetic", "math", "humaneval", "swe", "math-read"}
     assert len({s["dataset"] for s in samples}) >= 3
     for s in samples:
         assert s["status"] in {"completed", "truncated"}, (s["dataset"], s["reason"], s["abort"])
@@ -139,14 +139,15 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
         assert s["tokens"] > s["response_length"]
         assert s["placement"]["gpu"] == (0.0 if s["dataset"] == "swe" else 0.25) and s["placement"]["node"]
         assert s["reward"]["score"] in (0.0, 1.0)
-    assert {f"eval/{n}/pass@2" for n in ("arith-a", "math", "humaneval", "swe")} <= set(result["eval"])
+    assert {f"eval/{n}/pass@2" for n in ("arith-a", "math", "humaneval", "swe", "math-read")} <= set(result["eval"])
+    assert result["eval"]["eval/math-read/pass@2"] > 0  # the task the tiny model solves
     assert len(result["updated"]) == 1 and result["updated"][0]["ok"]  # one replica reloaded from disk
     # --save-eval-details: one line per eval sample, the placement log, the failure-class summaries
     lines = (app["details"] / "0.jsonl").read_text().splitlines()
-    assert len(lines) == 16 and all(json.loads(line)["dataset"] for line in lines)
+    assert len(lines) == 26 and all(json.loads(line)["dataset"] for line in lines)  # 13 eval prompts x 2
     assert (app["details"] / "0.placement.jsonl").read_text().strip()
     summary = json.loads((app["details"] / "0.summary.json").read_text())
-    assert sum(summary["failure_classes"].values()) == 16, summary
+    assert sum(summary["failure_classes"].values()) == 26, summary
     assert (app["details"] / "train_0.summary.json").exists()
     # each step's placement timeline, a Chrome trace with a process per node and the pool queue
     trace = json.loads((app["timeline"] / "train_0.trace.json").read_text())
@@ -154,6 +155,7 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
     assert "pool queue" in processes and len(processes) >= 2
     assert len([e for e in trace["traceEvents"] if e.get("cat") == "run"]) == 16
     assert (app["timeline"] / "eval_0.trace.json").exists()
+    assert (app["timeline"] / "train_0.png").read_bytes()[:4] == b"\x89PNG"  # matplotlib: the 'plot' extra
     # Prometheus metrics on Ray's endpoint, seen while the steps ran
     seen = {k: v for m in scraped for k, v in m.items()}
     series = {name.split("{")[0] for name in seen}

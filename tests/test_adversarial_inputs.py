@@ -1,8 +1,10 @@
 """Adversarial recipes at the door: each crafted input to ``rayapp validate`` gets exactly one clear
 error line naming the file and the JSON path (or the plug-in), within 10 seconds, and changes
 nothing on disk. Each case is a copy of recipes/local/rollout.yaml, mutated, in its own folder;
-the checks run in-process (on a daemon thread, so a hang fails the case instead of the session),
-and the cases whose point is the process (a plug-in calling sys.exit, a FIFO) through the CLI too."""
+the checks run in-process (on a daemon thread, so a hang fails the case instead of the session;
+``problems`` itself runs the recipe's plug-in code in a watched child, so even ``os._exit`` in a plug-in
+is one line here), and the cases whose point is the process (a plug-in calling sys.exit, os._exit or
+raising KeyboardInterrupt, a FIFO) through the CLI too."""
 
 from __future__ import annotations
 

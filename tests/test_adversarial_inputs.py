@@ -1,11 +1,14 @@
 """Adversarial recipes at the door: each crafted input to ``rayapp validate`` gets exactly one clear
 error line naming the file and the JSON path (or the plug-in), within 10 seconds, and changes
 nothing on disk. Each case is a copy of recipes/local/rollout.yaml, mutated, in its own folder;
-the checks run in-process (on a daemon thread, so a hang fails the case instead of the session),
-and the cases whose point is the process (a plug-in calling sys.exit, a FIFO) through the CLI too."""
+the checks run in-process (on a daemon thread, so a hang fails the case instead of the session;
+``problems`` itself runs the recipe's plug-in code in a watched child, so even ``os._exit`` in a plug-in
+is one line here), and the cases whose point is the process (a plug-in calling sys.exit, os._exit or
+raising KeyboardInterrupt, a FIFO) through the CLI too."""
 
 from __future__ import annotations
 
+import copy
 import gzip
 import os
 import subprocess
@@ -67,6 +70,24 @@ def _source(doc, folder, body, attr="rows", name="advmod"):
     _args(doc)["data"]["arithmetic"]["source"] = f"{mod}:{attr}"
 
 
+def _agent(doc, folder, body, attr="make"):
+    mod = _module(folder, f"advagent_{folder.name.replace('-', '_')}", body)
+    _args(doc)["evaluators"][0]["agent"] = f"{mod}:{attr}"
+
+
+def _second_app(doc, folder):
+    """A second application of rayapp's builder in the same file, the first one fine."""
+    second = copy.deepcopy(doc["applications"][0])
+    second.update(name="second", route_prefix="/second")
+    second["args"]["engines"]["student"]["num_replicas"] = 100000
+    doc["applications"].append(second)
+
+
+def _link_into_proc(doc, folder):
+    (folder / "lnk").symlink_to("/proc")
+    _args(doc)["scheduler"]["checkpoint_dir"] = str(folder / "lnk" / "x")
+
+
 def _set(*keys_value):
     *keys, value = keys_value
 
@@ -118,7 +139,7 @@ CASES = [
     # hangs before
     ("fifo-dataset", lambda d, f: _data_path(d, f, "fifo.jsonl", os.mkfifo), f"{ARITH}.path", "not a regular file"),
     ("plugin-sleeps-at-import", lambda d, f: _source(d, f, "import time\ntime.sleep(30)\n"), f"{ARITH}.source",
-     "still importing after"),
+     "importing 'advmod_plugin_sleeps_at_import' still running after 5 s"),
     # accepted before
     ("gpu-5-on-4-gpu-node", _layout({"n0": {"gpus": [0, 1, 2, 3], "cpu": 8, "memory_gb": 32}}, gpu=5),
      f"{E0}.resource", "admits no sample"),  # its budget (gpu 0.75) first
@@ -206,6 +227,46 @@ CASES = [
      "not a regular file"),
     ("tool-builtin", _set("evaluators", 1, "tools", ["builtins:print"]), f"{ARGS}.evaluators[1].tools[0]",
      "built-in"),
+    # found by a later audit: plug-in calls at validate (hangs and silent exits), paths read as text,
+    # unbounded layout nodes, standard-library strategies, a second app, the HTTP token
+    ("plugin-rows-sleeps", lambda d, f: _source(d, f, "import time\ndef rows(cfg):\n    time.sleep(60)\n"),
+     f"{ARITH}.source", "its rows(cfg) still running after 5 s"),
+    ("plugin-rows-endless", lambda d, f: _source(d, f, "from rayapp.types import Task, TaskConfig\ndef rows(cfg):\n"
+                                                       "    i = 0\n    while True:\n        i += 1\n"
+                                                       "        yield Task(f't{i}', 'p', TaskConfig('arithmetic'))\n"),
+     f"{ARITH}.source", "its rows(cfg)"),  # still running after 5 s, or more than 1000000 rows: whichever first
+    ("plugin-rows-sys-exit", lambda d, f: _source(d, f, "import sys\ndef rows(cfg):\n    sys.exit(4)\n"),
+     f"{ARITH}.source", "its rows(cfg) called sys.exit(4)"),
+    ("plugin-rows-keyboard-interrupt", lambda d, f: _source(d, f, "def rows(cfg):\n    raise KeyboardInterrupt\n"),
+     f"{ARITH}.source", "its rows(cfg) raised KeyboardInterrupt"),
+    ("plugin-import-keyboard-interrupt", lambda d, f: _source(d, f, "raise KeyboardInterrupt\n"), f"{ARITH}.source",
+     "raised KeyboardInterrupt"),
+    ("plugin-os-exit-at-import", lambda d, f: _source(d, f, "import os\nos._exit(3)\n"), f"{ARITH}.source",
+     "ended the process (exit status 3)"),
+    ("agent-factory-sleeps", lambda d, f: _agent(d, f, "import time\ndef make(deps):\n    time.sleep(60)\n"),
+     f"{E0}.agent", "building it with AgentDeps still running after 5 s"),
+    ("agent-factory-sys-exit", lambda d, f: _agent(d, f, "import sys\ndef make(deps):\n    sys.exit(5)\n"),
+     f"{E0}.agent", "building it with AgentDeps called sys.exit(5)"),
+    ("agent-factory-os-exit", lambda d, f: _agent(d, f, "import os\ndef make(deps):\n    os._exit(6)\n"),
+     f"{E0}.agent", "building it with AgentDeps ended the process (exit status 6)"),
+    ("checkpoint-dir-dotdot-proc", _set("scheduler", "checkpoint_dir", "/tmp/../proc/x"), f"{SCHED}.checkpoint_dir",
+     "(that is '/proc/x')"),
+    ("checkpoint-dir-link-to-proc", _link_into_proc, f"{SCHED}.checkpoint_dir", "(that is '/proc/x')"),
+    ("checkpoint-dir-etc", _set("scheduler", "checkpoint_dir", "/etc"), f"{SCHED}.checkpoint_dir", "system folder"),
+    ("layout-node-memory-1e300", _set("pool", "cluster_layout", {"n0": {"gpus": [0, 1, 2, 3], "cpu": 8,
+                                                                        "memory_gb": 1e300}}),
+     f"{ARGS}.pool.cluster_layout.n0.memory_gb", "at most 1.04858e+06"),
+    ("layout-node-cpu-1e300", _set("pool", "cluster_layout", {"n0": {"gpus": [0, 1, 2, 3], "cpu": 1e300}}),
+     f"{ARGS}.pool.cluster_layout.n0.cpu", "at most 65536"),
+    ("batching-os-popen", _set("scheduler", "batching", "os:popen"), f"{SCHED}.batching", "standard library"),
+    ("batching-subprocess-call", _set("scheduler", "batching", "subprocess:call"), f"{SCHED}.batching",
+     "standard library"),
+    ("batching-shutil-rmtree", _set("scheduler", "batching", "shutil:rmtree"), f"{SCHED}.batching",
+     "standard library"),
+    ("second-app-num-replicas-100000", _second_app, "$.applications[1].args.engines.student.num_replicas", "<= 1024"),
+    ("runtime-env-short-token", lambda d, f: d["applications"][0].update(
+        runtime_env={"env_vars": {"RAYAPP_HTTP_TOKEN": "short"}}),
+     "$.applications[0].runtime_env.env_vars.RAYAPP_HTTP_TOKEN", "16 to 4096 characters"),
 ]
 
 
@@ -257,6 +318,7 @@ def test_each_crafted_recipe_is_one_clear_error_within_seconds(case_id, mutate, 
     line = found[0]
     assert line.startswith(f'recipe "{recipe}": {at}'), line
     assert words in line, line
+    assert line.count(str(tmp_path / case_id)) <= 2, line  # the recipe, and at most one file it names: once
     assert "Traceback" not in line and "\n" not in line
     assert seconds < LIMIT_S
     assert _snapshot(tmp_path) == before
@@ -268,7 +330,8 @@ def test_the_shipped_recipes_still_validate():
         assert problems(recipe) == [], recipe
 
 
-CLI_CASES = ["plugin-sys-exit", "fifo-dataset"]
+CLI_CASES = ["plugin-sys-exit", "fifo-dataset", "plugin-rows-sys-exit", "plugin-rows-keyboard-interrupt",
+             "plugin-import-keyboard-interrupt", "plugin-os-exit-at-import", "agent-factory-sys-exit"]
 
 
 def _validate(recipe: Path, env: dict, timeout: float) -> tuple[subprocess.CompletedProcess, float]:

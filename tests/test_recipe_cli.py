@@ -246,7 +246,8 @@ def test_validate_builds_each_agent_factory_and_names_the_field_of_one_that_fail
     assert problems(recipe) == [
         f'recipe "{recipe}": $.applications[0].args.evaluators[0].agent: agent \'my_agents:make\': building it '
         "with AgentDeps failed: TypeError: ChatAgent.__init__() missing 1 required positional argument: 'verify'"]
-    monkeypatch.delitem(sys.modules, "my_agents")
+    # validate imports plug-ins in its watched child (cli/isolate.py), never into this process
+    assert "my_agents" not in sys.modules
     recipe = _with_agent(tmp_path, "def make(deps):\n    return ChatAgent(deps.engine, deps.verify)\n")
     assert problems(recipe) == []
 

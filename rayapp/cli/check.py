@@ -10,6 +10,7 @@ deployments' overrides). Importing that schema starts no Ray. Every problem is p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from rayapp.cli.isolate import run_watched
 from rayapp.recipe.config import APP_IMPORT_PATH
 
 
@@ -51,9 +53,10 @@ def serve_schema_problems(doc: Any) -> list[tuple[str, str]]:
     return []
 
 
-# Seconds a plug-in module may take to import while a recipe is validated: an import that blocks is
-# reported as such within seconds (the manager allows rayapp.envs.plugins.IMPORT_TIMEOUT_S).
-VALIDATE_IMPORT_TIMEOUT_S = 5.0
+# Seconds each call into a recipe's plug-in code (an import, rows(cfg), an agent factory) may take while
+# the recipe is validated: one that blocks is reported within seconds (the manager allows its imports
+# rayapp.envs.plugins.IMPORT_TIMEOUT_S).
+VALIDATE_CALL_TIMEOUT_S = 5.0
 
 
 def unknown_serve_keys(doc: Any, model: Any = None, at: str = "$") -> list[tuple[str, str]]:
@@ -86,31 +89,71 @@ def unknown_serve_keys(doc: Any, model: Any = None, at: str = "$") -> list[tuple
     return found
 
 
-def problems(path: str | os.PathLike) -> list[str]:
-    """Every problem of the recipe file ``path`` as one line each: the recipe's first (the builder
-    stops at it), then Serve's. Empty when both accept the file."""
-    from rayapp.envs import plugins
+def rayapp_apps(doc: Any) -> list[int | None]:
+    """The indices of a Serve config's applications that use rayapp's builder, each a recipe to check
+    ([None]: bare args, or a config whose lack of one ``load_recipe`` reports)."""
+    apps = doc.get("applications") if isinstance(doc, dict) else None
+    found = [i for i, a in enumerate(apps) if isinstance(a, dict) and a.get("import_path") == APP_IMPORT_PATH] \
+        if isinstance(apps, list) else []
+    return found or [None]
+
+
+def _recipe_problem(path: str | os.PathLike, app: int | None) -> str | None:
+    """``load_recipe``'s one problem with application ``app`` of ``path``, as its line (the child's side)."""
     from rayapp.recipe import RecipeError, load_recipe
+
+    try:
+        load_recipe(path, app)
+    except RecipeError as e:
+        return str(e)
+    return None
+
+
+def problems(path: str | os.PathLike) -> list[str]:
+    """Every problem of the recipe file ``path`` as one line each: each rayapp application's first (the
+    builder stops at it: checked in a watched child, ``cli/isolate.py``, as the recipe's plug-ins run),
+    then Serve's, then the HTTP token's. Empty when all accept the file."""
+    from rayapp.recipe import RecipeError
     from rayapp.recipe.config import read_recipe_file
 
-    lines = []
-    bound, plugins.IMPORT_TIMEOUT_S = plugins.IMPORT_TIMEOUT_S, VALIDATE_IMPORT_TIMEOUT_S
-    try:
-        load_recipe(path)
-    except RecipeError as e:
-        lines.append(str(e))
-        if e.path is None:  # the file itself cannot be read: nothing more to check
-            return lines
-    finally:
-        plugins.IMPORT_TIMEOUT_S = bound
+    where = f'recipe "{os.fsdecode(path)}"'
     try:
         doc = read_recipe_file(path)
-    except RecipeError:  # the file is not a document within bounds: said above, nothing more to check
-        return lines
+    except RecipeError as e:  # the file is not a document within bounds: nothing more to check
+        return [str(e)]
+    lines = []
+    for app in rayapp_apps(doc):
+        line, stuck = run_watched(functools.partial(_recipe_problem, path, app), VALIDATE_CALL_TIMEOUT_S)
+        if stuck is not None:
+            at, what, outcome = stuck
+            root = "$" if app is None else f"$.applications[{app}].args"
+            line = f"{where}: {root}{at[1:]}: {what} {outcome}"
+        if line is not None:
+            lines.append(line)
     if isinstance(doc, dict) and "applications" in doc:  # a Serve config, not bare args
-        where = f'recipe "{os.fsdecode(path)}"'
-        lines += [f"{where}: {at}: {reason}" for at, reason in serve_schema_problems(doc) + unknown_serve_keys(doc)]
+        lines += [f"{where}: {at}: {reason}" for at, reason in serve_schema_problems(doc) + unknown_serve_keys(doc)
+                  + token_problems(doc)]
     return lines
+
+
+def token_problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """A rayapp application's ``runtime_env.env_vars`` HTTP token held to the rule the manager applies at
+    its start (``rayapp.actors.http_auth.load_token``); a token file is read where the manager runs, not here."""
+    from rayapp.actors.http_auth import TOKEN_ENV, TOKEN_FILE_ENV, load_token
+
+    found = []
+    for app in rayapp_apps(doc):
+        env = doc["applications"][app].get("runtime_env") if app is not None else None
+        env_vars = env.get("env_vars") if isinstance(env, dict) else None
+        token = env_vars.get(TOKEN_ENV) if isinstance(env_vars, dict) else None
+        if not token or not isinstance(token, str):  # unset ("" is, to the manager), or Serve's schema says why
+            continue
+        given = {TOKEN_ENV: token, **({TOKEN_FILE_ENV: "set"} if env_vars.get(TOKEN_FILE_ENV) else {})}
+        try:
+            load_token(given)  # both set: refused before any file is read
+        except ValueError as e:
+            found.append((f"$.applications[{app}].runtime_env.env_vars.{TOKEN_ENV}", str(e)))
+    return found
 
 
 def validate(recipe: str | os.PathLike) -> int:

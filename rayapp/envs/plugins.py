@@ -6,7 +6,10 @@ the module is missing or fails to import, the attribute is missing, or the objec
 type or signature. The recipe wraps it with the field's JSON path. A module's import is bounded:
 one that calls ``sys.exit`` is an error, not an exit, and one still importing after
 ``IMPORT_TIMEOUT_S`` is an error, not a hang (it is left running on a daemon thread). A plug-in is
-a Python function or class: a C builtin (``os:system``) says nothing of its shape and is refused.
+the user's own (or rayapp's) Python function or class: a C builtin (``os:system``) says nothing of its
+shape, and anything of Python's standard library (``os:popen``, ``shutil:rmtree``: ``sys.stdlib_module_names``)
+is no plug-in, whatever its shape: both are refused before any import. Each import is reported to
+``rayapp.envs.watch`` while it runs.
 
 | kind | recipe field | object |
 | --- | --- | --- |
@@ -22,11 +25,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import threading
 from typing import Any
 
 from rayapp.core.agent import AgentHandler
 from rayapp.core.batching import STRATEGIES, BatchingStrategy
+from rayapp.envs import watch
 from rayapp.envs.agents.tools import TOOLS, ToolFn
 from rayapp.envs.protocol import AgentFactory, Env, RowsFn
 
@@ -77,12 +82,19 @@ def import_object(path: str, kind: str, timeout_s: float | None = None) -> Any:
     """The object at ``path`` (``module:attr``, the attr may be dotted, or ``module.attr``), its
     module imported within ``timeout_s`` (None: ``IMPORT_TIMEOUT_S``)."""
     module_name, attr = _split(path, kind)
+    top = module_name.partition(".")[0]
+    if top in sys.stdlib_module_names or top == "builtins":  # os:popen, subprocess:call, shutil:rmtree
+        raise PluginError(f"{kind} {path!r}: {module_name!r} is Python's standard library (built-in), not a "
+                          f"plug-in: name a function of your own package (or rayapp's)")
     try:
-        module = _import_bounded(module_name, IMPORT_TIMEOUT_S if timeout_s is None else timeout_s)
+        with watch.running(f"{kind} {path!r}: importing {module_name!r}"):
+            module = _import_bounded(module_name, IMPORT_TIMEOUT_S if timeout_s is None else timeout_s)
     except TimeoutError as e:
         raise PluginError(f"{kind} {path!r}: importing {module_name!r}: {e}") from None
     except SystemExit as e:
         raise PluginError(f"{kind} {path!r}: importing {module_name!r} called sys.exit({e.code!r})") from None
+    except KeyboardInterrupt:
+        raise PluginError(f"{kind} {path!r}: importing {module_name!r} raised KeyboardInterrupt") from None
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise PluginError(f"{kind} {path!r}: no module named {e.name!r} (is its package on PYTHONPATH "

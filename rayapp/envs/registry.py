@@ -18,11 +18,12 @@ A dataset's rows come from, first that is set: its ``path`` (a JSONL or Parquet 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
 
-from rayapp.envs import arithmetic, humaneval, math, swe
+from rayapp.envs import arithmetic, humaneval, math, swe, watch
 from rayapp.envs.datasets.files import load_file
 from rayapp.envs.datasets.source import DatasetSpec
 from rayapp.envs.plugins import PluginError, is_import_path, load_env, load_rows
@@ -30,6 +31,7 @@ from rayapp.envs.protocol import Env
 from rayapp.types import Task
 
 ENVS: dict[str, Env] = {e.name: e for e in (arithmetic.ENV, math.ENV, humaneval.ENV, swe.ENV)}
+MAX_SOURCE_ROWS = 1_000_000  # rows a source plug-in or an env may make: more is an endless generator, not a dataset
 
 
 def get_env(name: str) -> Env:
@@ -48,15 +50,30 @@ def dataset_rows(cfg: Any, name: str) -> list[Task]:
     if cfg.path is not None:  # a file's rows carry their task type already (``fields.task_type`` or this)
         return load_file(cfg.path, name, cfg.fields, task_type=cfg.task_type or env.name)
     if cfg.source is not None:
-        rows = list(load_rows(cfg.source)(cfg))
+        rows = _read_rows(load_rows(cfg.source), cfg, f"data source {cfg.source!r}")
     elif env.rows is None:
         raise PluginError(f"env {cfg.env!r} has no rows of its own: dataset {name!r} needs a path or a source")
     else:
-        rows = list(env.rows(cfg))
+        rows = _read_rows(env.rows, cfg, f"env {cfg.env!r}")
     if cfg.task_type:
         rows = [msgspec.structs.replace(t, config=msgspec.structs.replace(t.config, task_type=cfg.task_type))
                 if isinstance(t, Task) else t for t in rows]  # a non-Task is MultiDataSource's to name
     return rows
+
+
+def _read_rows(rows: Any, cfg: Any, what: str) -> list[Any]:
+    """``rows(cfg)`` read to a list of at most ``MAX_SOURCE_ROWS``; its ``sys.exit`` or KeyboardInterrupt
+    is a PluginError, not the end of the process."""
+    try:
+        with watch.running(f"{what}: its rows(cfg)"):
+            out = list(itertools.islice(rows(cfg), MAX_SOURCE_ROWS + 1))
+    except SystemExit as e:
+        raise PluginError(f"{what}: its rows(cfg) called sys.exit({e.code!r})") from None
+    except KeyboardInterrupt:
+        raise PluginError(f"{what}: its rows(cfg) raised KeyboardInterrupt") from None
+    if len(out) > MAX_SOURCE_ROWS:
+        raise PluginError(f"{what}: its rows(cfg) made more than {MAX_SOURCE_ROWS} rows (an endless generator?)")
+    return out
 
 
 def make_dataset(cfg: Any, name: str) -> DatasetSpec:

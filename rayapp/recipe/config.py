@@ -23,6 +23,7 @@ from rayapp.core.cascade import CASCADE_FIELDS, CascadeError, dataset_override
 from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
+from rayapp.envs import watch
 from rayapp.envs.datasets.files import FieldMap
 from rayapp.envs.plugins import load_strategy
 from rayapp.recipe.limits import (
@@ -268,9 +269,10 @@ def read_recipe_file(path: str | os.PathLike) -> Any:
         raise RecipeError(path, e.path, e.reason) from None
 
 
-def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:
+def recipe_document(path: str | os.PathLike, app: int | None = None) -> tuple[Any, Any, str]:
     """The file ``path`` read, its relative dataset paths and folders resolved against its folder: (the document,
-    the recipe's args in it, their JSON path)."""
+    the recipe's args in it, their JSON path). ``app``: which of a Serve config's applications (by index; its
+    import_path must be rayapp's builder); None: the first whose import_path is."""
     doc = read_recipe_file(path)
     base = os.path.dirname(os.path.abspath(path))
     args, root = doc, "$"
@@ -281,8 +283,8 @@ def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:
                                      f"the recipe")
     if isinstance(doc, dict) and "applications" in doc:
         apps = doc["applications"] if isinstance(doc["applications"], list) else []
-        i = next((i for i, a in enumerate(apps) if isinstance(a, dict) and a.get("import_path") == APP_IMPORT_PATH),
-                 None)
+        i = next((i for i, a in enumerate(apps) if isinstance(a, dict) and a.get("import_path") == APP_IMPORT_PATH
+                  and app in (None, i)), None)
         if i is None:
             raise RecipeError(path, "$.applications", f"no application with import_path {APP_IMPORT_PATH}")
         args, root = with_paths_from(apps[i].get("args"), base), f"$.applications[{i}].args"
@@ -292,12 +294,12 @@ def recipe_document(path: str | os.PathLike) -> tuple[Any, Any, str]:
     return doc, args, root
 
 
-def load_recipe(path: str | os.PathLike) -> tuple[dict[str, Any], RecipeConfig]:
+def load_recipe(path: str | os.PathLike, app: int | None = None) -> tuple[dict[str, Any], RecipeConfig]:
     """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
     mapping, as (args, RecipeConfig), its layout file (relative to the working directory) and dataset
     files (relative to the recipe file's folder, as its folders are) read too; any failure is one
-    RecipeError naming ``path``."""
-    _, args, root = recipe_document(path)
+    RecipeError naming ``path``. ``app``: as ``recipe_document`` takes it."""
+    _, args, root = recipe_document(path, app)
     if not isinstance(args, dict):
         raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
     try:
@@ -357,7 +359,8 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     # load_recipe's to read, so only an inline one is fitted here.
     yield from check_limits(recipe, layout_of(recipe.pool) if is_inline(recipe.pool.cluster_layout) else None)
     try:
-        recipe.scheduler.strategy  # noqa: B018 -- resolved and checked (cached) now: a bad path fails here
+        with watch.field("$.scheduler.batching"):
+            recipe.scheduler.strategy  # noqa: B018 -- resolved and checked (cached) now: a bad path fails here
     except ValueError as e:
         yield "$.scheduler.batching", str(e)
 

@@ -7,8 +7,11 @@ meets, folders that cannot be folders, engine options their backend does not tak
   the layout (when the recipe gives one) and in the pool's per-node defaults (``pool.num_cpus: 0``
   with samples that need CPUs admits none); some rollout dataset has a weight above 0.
 - Folders (``scheduler.save_eval_details``, ``trajectory_dir``, ``checkpoint_dir``): not empty, not
-  under ``/proc``, ``/sys`` or ``/dev``, and, where the path exists on this machine, a writable
-  directory under no file. A path that does not exist here is left to the manager's machine.
+  under a system folder (``/proc``, ``/sys``, ``/dev``, ``/etc``, ``/boot``, ``/usr``, ``/bin``,
+  ``/sbin``, ``/lib*``: judged after ``..`` and symbolic links are resolved, so ``/tmp/../proc`` or a
+  link into ``/proc`` is one too) nor ``/`` itself, and, where the path exists on this machine, a
+  writable directory under no file. A path that does not exist here is left to the manager's machine.
+- Cluster layout nodes: cpu and memory_gb under ``MAX_CPUS`` / ``MAX_MEMORY_GB``, as the pool's are.
 - Engine weight roots: absolute paths (a relative one would depend on where each replica runs).
 - Engine options: the hf backend takes ``HF_OPTIONS`` and reads a local model folder (it never
   downloads: a ``model_path`` without ``config.json`` here fails); sglang takes ``SGLANG_OPTIONS``
@@ -45,13 +48,14 @@ MAX_ROWS = 1_000_000  # rows a generated dataset makes (n_prompts): more takes m
 HF_OPTIONS = ("model_path", "device", "max_concurrency", "dtype", "seed", "num_threads", "cache_dir", "steps_per_call")
 # SGLangBackend's own keyword arguments; the rest go to sglang's ServerArgs.
 SGLANG_OPTIONS = ("model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "placement_group", "request_timeout_s")
-_SYSTEM = ("/proc", "/sys", "/dev")
+_SYSTEM = ("/proc", "/sys", "/dev", "/etc", "/boot", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _FOLDERS = ("save_eval_details", "trajectory_dir", "checkpoint_dir")
 
 
 def check_limits(recipe: Any, layout: dict[str, NodeSpec] | None = None) -> Iterator[tuple[str, str]]:
     """Every rule of the module docstring; ``layout``: the pool's, when it is already read."""
     yield from _check_engines(recipe.engines)
+    yield from _check_nodes(layout)
     yield from _check_sizes(recipe, layout)
     if recipe.data and all(d.weight == 0 for d in recipe.data.values()):
         yield "$.data", "every rollout dataset has weight 0: no task could be drawn (give one a weight > 0)"
@@ -91,6 +95,15 @@ def _check_sizes(recipe: Any, layout: dict[str, NodeSpec] | None) -> Iterator[tu
                                          f"pool.cluster_layout offers: none would be admitted")
 
 
+def _check_nodes(layout: dict[str, NodeSpec] | None) -> Iterator[tuple[str, str]]:
+    for name, node in (layout or {}).items():
+        for field, most in (("cpu", MAX_CPUS), ("memory_gb", MAX_MEMORY_GB)):
+            amount = getattr(node, field)
+            if amount > most:
+                yield f"$.pool.cluster_layout.{name}.{field}", f"expected at most {most:g}, got {amount!r}"
+                return
+
+
 def _fits(sample: Resource, node: NodeSpec) -> bool:
     gpus = len(node.gpus) if sample.gpu > 1 else (1 if node.gpus else 0)
     return sample.gpu <= gpus and sample.cpu <= node.cpu and sample.memory_gb <= node.memory_gb
@@ -114,17 +127,19 @@ def _check_folder(at: str, value: str | None) -> Iterator[tuple[str, str]]:
     if not value.strip() or "\0" in value:
         yield at, f"expected a folder path, got {value!r}"
         return
-    path = Path(value).expanduser().absolute()
-    if any(path == Path(s) or path.is_relative_to(s) for s in _SYSTEM):
-        yield at, f"{value!r} is under {', '.join(_SYSTEM)}: not a place for files"
+    given = Path(os.path.normpath(Path(value).expanduser().absolute()))
+    path = Path(os.path.realpath(given))  # `..` and links resolved: /tmp/../proc/x and a link into /proc are /proc/x
+    existing = next((parent for parent in (path, *path.parents) if parent.exists()), Path("/"))
+    if not existing.is_dir():
+        yield at, f"{str(existing)!r} is a file, not a folder"
         return
-    for parent in (path, *path.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                yield at, f"{str(parent)!r} is a file, not a folder"
-            elif parent == path and not os.access(path, os.W_OK | os.X_OK):
-                yield at, f"{value!r} is not writable"
-            return
+    root = "/" if path == Path("/") else None
+    system = next((s for s in _SYSTEM for p in (given, path) if p.is_relative_to(s)), root)
+    if system is not None:
+        shown = "" if str(path) == value else f" (that is {str(path)!r})"
+        yield at, f"{value!r}{shown} is under the system folder {system!r}: not a place for files"
+    elif existing == path and not os.access(path, os.W_OK | os.X_OK):
+        yield at, f"{value!r} is not writable"
 
 
 def _check_engines(engines: dict[str, Any]) -> Iterator[tuple[str, str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from rayapp.envs import watch
 from rayapp.envs.datasets.files import load_file, repeated_columns
 from rayapp.envs.datasets.rows import DatasetError
 from rayapp.envs.plugins import PluginError, load_agent_factory, load_rows, load_tool, load_verifier
@@ -20,7 +21,8 @@ from rayapp.envs.registry import ENVS, get_env
 
 def _env(at: str, name: str) -> tuple[Env | None, tuple[str, str] | None]:
     try:
-        return get_env(name), None
+        with watch.field(f"{at}.env"):
+            return get_env(name), None
     except PluginError as e:
         return None, (f"{at}.env", str(e))
 
@@ -35,12 +37,14 @@ def check_evaluator_env(at: str, ev: Any) -> Iterator[tuple[str, str]]:
     for key, load in (("agent", load_agent_factory), ("verifier", load_verifier)):
         try:
             if getattr(ev, key) is not None:
-                load(getattr(ev, key))
+                with watch.field(f"{at}.{key}"):
+                    load(getattr(ev, key))
         except PluginError as e:
             yield f"{at}.{key}", str(e)
     for i, tool in enumerate(ev.tools or ()):
         try:
-            load_tool(tool)
+            with watch.field(f"{at}.tools[{i}]"):
+                load_tool(tool)
         except PluginError as e:
             yield f"{at}.tools[{i}]", str(e)
     if env is None or ev.agent is not None:
@@ -64,7 +68,8 @@ def check_dataset_env(at: str, d: Any) -> Iterator[tuple[str, str]]:
         yield f"{at}.source", "a dataset reads a path or a source, not both"
     if d.source is not None:
         try:
-            load_rows(d.source)
+            with watch.field(f"{at}.source"):
+                load_rows(d.source)
         except PluginError as e:
             yield f"{at}.source", str(e)
     if d.path is None:
@@ -88,6 +93,8 @@ def check_dataset_files(recipe: Any) -> Iterator[tuple[str, str]]:
         for name, d in sorted(getattr(recipe, where).items()):
             if d.path is not None:
                 try:
-                    load_file(d.path, name, d.fields, task_type=d.task_type or get_env(d.env).name)
+                    with watch.field(f"$.{where}.{name}.env"):
+                        task_type = d.task_type or get_env(d.env).name
+                    load_file(d.path, name, d.fields, task_type=task_type)
                 except DatasetError as e:
                     yield f"$.{where}.{name}.path", str(e)

@@ -16,6 +16,7 @@ from typing import Any
 from rayapp.core.contracts import Pool
 from rayapp.core.convert import InputError
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.envs import watch
 from rayapp.envs.agents.chat import Engine, Executor
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource, eval_tasks
 from rayapp.envs.plugins import PluginError, check_agent, load_agent_factory, load_tools, load_verifier
@@ -40,16 +41,21 @@ def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine],
                                   network=sb.network)
     image = {"image": sb.image} if sb.image else {}
     opener = functools.partial(open_sandbox, kind=sb.kind, limits=limits, **image)
+    with watch.field(f"{at}.verifier"):
+        verify = load_verifier(ev.verifier) if ev.verifier else None
+    with watch.field(f"{at}.tools"):
+        tools = load_tools(ev.tools) if ev.tools is not None else None
     deps = AgentDeps(engines[ev.engine], executor, opener, teacher=engines[ev.teacher] if ev.teacher else None,
-                     verify=load_verifier(ev.verifier) if ev.verifier else None,
-                     tools=load_tools(ev.tools) if ev.tools is not None else None)
-    factory = load_agent_factory(ev.agent) if ev.agent else None
+                     verify=verify, tools=tools)
+    with watch.field(f"{at}.agent"):
+        factory = load_agent_factory(ev.agent) if ev.agent else None
+    field, what = (f"{at}.agent", f"agent {ev.agent!r}") if factory else (f"{at}.env", f"env {ev.env!r}'s agent")
     try:
-        agent = get_env(ev.env).build_agent(deps, dagger=ev.teacher is not None, factory=factory)
-    except Exception as e:  # the factory's own error (a wrong constructor call), named by its field
-        field, what = (f"{at}.agent", f"agent {ev.agent!r}") if factory else (f"{at}.env", f"env {ev.env!r}'s agent")
-        raise RecipeError(ARGS_SOURCE, field, f"{what}: building it with AgentDeps failed: "
-                                              f"{type(e).__name__}: {e}") from None
+        with watch.field(field), watch.running(f"{what}: building it with AgentDeps"):
+            agent = get_env(ev.env).build_agent(deps, dagger=ev.teacher is not None, factory=factory)
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # the factory's own error, named by its field
+        said = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"failed: {type(e).__name__}: {e}"
+        raise RecipeError(ARGS_SOURCE, field, f"{what}: building it with AgentDeps {said}") from None
     if factory is not None:  # what a plug-in made is known only now, with the engines at hand
         try:
             check_agent(agent, ev.agent)
@@ -111,9 +117,14 @@ def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
 def _dataset(where: str, name: str, d: DatasetConfig) -> DatasetSpec:
     """``make_dataset``, a source plug-in's own error (its rows failed) named by its field."""
     try:
-        return make_dataset(d, name)
+        with watch.field(f"$.{where}.{name}.{'env' if d.source is None else 'source'}"):
+            return make_dataset(d, name)
     except InputError:  # a file's bad row, a path that does not resolve: said with its place already
         raise
+    except PluginError as e:  # its rows said what went wrong (sys.exit, too many rows), naming the source
+        if d.source is None:
+            raise
+        raise RecipeError(ARGS_SOURCE, f"$.{where}.{name}.source", str(e)) from None
     except Exception as e:
         if d.source is None:
             raise

@@ -88,6 +88,8 @@ def read_file(path: Path, where: str, *, gz: bool) -> bytes:
         f, _ = open_regular(path, MAX_FILE_BYTES)
         with f:
             return _inflate(f, where) if gz else f.read(MAX_FILE_BYTES)
+    except DatasetError:  # _inflate's own (too large, a bomb): it names the file already
+        raise
     except (OSError, EOFError, zlib.error) as e:  # missing, not a file, unreadable, a corrupt gzip stream
         raise DatasetError(where, None, f"cannot read: {e.strerror if isinstance(e, OSError) and e.strerror else e}") \
             from None

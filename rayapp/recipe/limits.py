@@ -165,12 +165,16 @@ def _check_engines(engines: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def _server_args() -> tuple[str, ...]:
-    """sglang's ServerArgs fields, or () where sglang is not installed (its options go unchecked)."""
+    """sglang's ServerArgs fields (a dataclass before 0.5.23, a msgspec Struct since), or () where sglang
+    is not installed or its ServerArgs is neither (its options go unchecked)."""
     try:
         from sglang.srt.server_args import ServerArgs
     except Exception:  # not installed, or not importable here (no GPU build): nothing to check against
         return ()
-    return tuple(f.name for f in dataclasses.fields(ServerArgs))
+    if dataclasses.is_dataclass(ServerArgs):
+        return tuple(f.name for f in dataclasses.fields(ServerArgs))
+    fields = getattr(ServerArgs, "__struct_fields__", None)  # 0.5.23 made it a msgspec Struct
+    return tuple(fields) if fields else ()
 
 
 

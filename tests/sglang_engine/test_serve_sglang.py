@@ -1,0 +1,204 @@
+"""``serve run`` of a recipe whose engine is SGLang (``make test-sglang``): the whole stack as users
+deploy it, on a Ray head of its own (127.0.0.1, Ray's token auth on), the recipe
+``tests/sglang_engine/recipe/rollout.yaml``: two replicas of a real SGLang CPU engine over the tiny
+model, the placement pool on logical GPUs, the manager, the arithmetic env. A driver (this process)
+calls the manager and the engine through Serve handles, every call bounded:
+
+- a rollout step and an eval step return samples with real tokens and log-probs from SGLang;
+- an abort reaches the replica that holds the request: by id (broadcast, as the manager's client
+  does) and by cancelling the caller (Serve routes the cancellation to that replica);
+- a weight update between two steps reaches both replicas, every turn of the next step names the new
+  version, and its log-probs are the new weights' (transformers over the same checkpoint);
+- an engine replica killed mid-step: the step still returns every sample exactly once.
+
+Every Ray process runs the lane's interpreter (``ray``/``serve`` through it: ``.venv-sglang`` has no
+scripts of its own) and inherits ``SGLANG_USE_CPU_ENGINE=1`` and the stand-ins' ``PYTHONPATH``.
+One cluster for the module (an app start with two engines takes about a minute here); the tests run
+in file order."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+    pytest.skip("the real-engine lane: make test-sglang", allow_module_level=True)
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from rayapp.cli import LOCAL_ENV, free_port, local_app
+from rayapp.inference import GenerateRequest
+from rayapp.inference.client import FinishReason
+from rayapp.inference.tiny_model import ensure_tiny_model
+from rayapp.types import SamplingParams, Status
+
+RECIPE = Path(__file__).parent / "recipe" / "rollout.yaml"
+ENGINE = "engine-student"
+STEP_S = 600  # one step's bound: two CPU engines on a shared 2-core machine
+
+
+def scripts(folder: Path) -> None:
+    """``ray`` and ``serve`` that run this interpreter (local_app finds them on PATH)."""
+    for name, module, func in (("ray", "ray.scripts.scripts", "main"), ("serve", "ray.serve.scripts", "cli")):
+        path = folder / name
+        path.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n")
+        path.chmod(0o755)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    tmp = tmp_path_factory.mktemp("serve")
+    bin_dir, roots = tmp / "bin", tmp / "weights"
+    bin_dir.mkdir()
+    roots.mkdir()
+    scripts(bin_dir)
+    saved = {k: os.environ.get(k) for k in (*LOCAL_ENV, "PATH")}
+    os.environ.update(LOCAL_ENV)
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    cfg = yaml.safe_load(RECIPE.read_text())
+    cfg["http_options"]["port"] = free_port()
+    student = cfg["applications"][0]["args"]["engines"]["student"]
+    student["options"]["model_path"] = str(ensure_tiny_model())
+    student["weight_roots"] = [str(roots)]
+    recipe = tmp / "rollout.yaml"
+    recipe.write_text(yaml.safe_dump(cfg))
+    started = time.monotonic()
+    try:
+        with local_app(recipe, Path(f"/tmp/rayapp-sglang-serve-{os.getpid()}"), tmp / "serve.log",
+                       timeout_s=900) as (address, _):
+            print(f"\nserve run of {RECIPE.name}: RUNNING after {time.monotonic() - started:.0f}s")
+            ray.init(address=address, namespace="rayapp-sglang-lane", logging_level="error", log_to_driver=False)
+            try:
+                yield {"manager": serve.get_app_handle("rayapp"), "roots": roots, "ray": ray,
+                       "engine": serve.get_deployment_handle(ENGINE, "rayapp")}
+            finally:
+                ray.shutdown()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def samples_of(result) -> list:
+    return [s for g in result.groups for s in g]
+
+
+def versions(samples) -> set[str]:
+    return {str(t["weight_version"]) for s in samples for t in s.metadata.get("_turn_placement", [])}
+
+
+def in_flight(engine) -> int:
+    return sum(h["in_flight"] for h in engine.broadcast("health").results(timeout_s=30))
+
+
+def wait_in_flight(engine, at_least: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while in_flight(engine) < at_least:
+        assert time.monotonic() < deadline, f"fewer than {at_least} requests in flight after {timeout_s}s"
+        time.sleep(0.1)
+
+
+def long_request(rid: str) -> GenerateRequest:
+    return GenerateRequest([1, 4, 302, 271], SamplingParams(temperature=0, max_new_tokens=900), request_id=rid,
+                           ignore_eos=True)
+
+
+def test_a_rollout_and_an_eval_return_samples_of_real_sglang_tokens(app):
+    started = time.monotonic()
+    result = app["manager"].generate.remote(0).result(timeout_s=STEP_S)
+    samples = samples_of(result)
+    assert [len(g) for g in result.groups] == [2, 2, 2]
+    assert all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples), [s.metadata for s in samples]
+    for s in samples:
+        assert 0 < s.response_length <= 16 and len(s.tokens) > s.response_length
+        assert len(s.rollout_log_probs) == len(s.loss_mask) == s.response_length
+        assert all(lp <= 0 for lp in s.rollout_log_probs) and any(lp < 0 for lp in s.rollout_log_probs)
+    turns = [t for s in samples for t in s.metadata["_turn_placement"]]
+    assert {t["engine"] for t in turns} == {"sglang"} and versions(samples) == {"0"}
+
+    ev = app["manager"].evaluate.remote(0).result(timeout_s=STEP_S)
+    assert len(ev.samples["arithmetic"]) == 4
+    assert all(s.response_length > 0 and s.rollout_log_probs for s in ev.samples["arithmetic"])
+    assert any(k.startswith("eval/arithmetic") for k in ev.metrics), ev.metrics
+    print(f"rollout 0 ({len(samples)} samples) and eval 0 (4): {time.monotonic() - started:.1f}s")
+
+
+def test_an_abort_reaches_the_replica_that_holds_the_request(app):
+    engine = app["engine"]
+    running = engine.generate.remote(long_request("lane-abort"))
+    wait_in_flight(engine, 1)
+    assert sum(engine.broadcast("abort", "lane-abort").results(timeout_s=30)) == 1  # one replica had it
+    out = running.result(timeout_s=60)
+    assert out.finish_reason == FinishReason.ABORT and 0 < len(out.output_ids) < 900
+
+    cancelled = engine.generate.remote(long_request("lane-cancel"))
+    wait_in_flight(engine, 1)
+    cancelled.cancel()  # the caller gives up: Serve cancels the replica's call, which aborts in SGLang
+    deadline = time.monotonic() + 30
+    while in_flight(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert in_flight(engine) == 0
+
+
+def perturbed_checkpoint(folder: Path) -> Path:
+    """The tiny model with noise on every matrix: other weights, the same shapes and files."""
+    import shutil
+
+    shutil.copytree(ensure_tiny_model(), folder)
+    weights = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for k, w in weights.items():
+        if w.ndim == 2 and w.is_floating_point():
+            weights[k] = (w + 0.05 * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)).contiguous()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_weight_update_between_steps_reaches_every_replica_and_the_next_step(app):
+    from transformers import AutoModelForCausalLM
+
+    from rayapp.training.grpo import make_batch, token_logprobs
+
+    folder = perturbed_checkpoint(app["roots"] / "step-1")
+    replies = app["manager"].update_weights_from_disk.remote("student", str(folder)).result(timeout_s=STEP_S)
+    assert len(replies) == 2 and all(r["ok"] and r["version"] == 1 for r in replies), replies
+
+    samples = [s for s in samples_of(app["manager"].generate.remote(1).result(timeout_s=STEP_S))
+               if s.response_length > 0]
+    assert samples and versions(samples) == {"1"}  # every turn of the step on the new weights
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+    b = make_batch(samples, [0.0] * len(samples))
+    with torch.no_grad():
+        new = token_logprobs(model, b.ids, b.attention)
+    gap = float(((new - b.old_logp).abs() * b.mask).max())
+    print(f"log-prob gap, SGLang vs transformers on the new weights: {gap:.2e}")
+    assert gap < 1e-2  # sampled from the checkpoint's weights (SGLang's CPU kernels vs transformers')
+
+
+def test_an_engine_replica_killed_mid_step_still_returns_every_sample_once(app):
+    ray, engine = app["ray"], app["engine"]
+    step = app["manager"].generate.remote(2)
+    wait_in_flight(engine, 1, timeout_s=STEP_S)
+    replica = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith("SERVE_REPLICA::") and f"#{ENGINE}#" in a["name"])[0]
+    ray.kill(ray.get_actor(replica, namespace="serve"))
+    result = step.result(timeout_s=STEP_S)
+    samples = samples_of(result)
+    assert [len(g) for g in result.groups] == [2, 2, 2]
+    keys = [(s.metadata.get("_group_id", gi), s.index) for gi, g in enumerate(result.groups) for s in g]
+    assert len(set(keys)) == len(keys) == 6
+    assert all(sorted(s.index for s in g) == [0, 1] for g in result.groups)
+    aborted = [s for s in samples if s.status is Status.ABORTED]
+    assert all(s.metadata["_termination_reason"] == "infra_conn" for s in aborted)
+    print(f"replica killed mid-step: {len(aborted)} of 6 samples aborted (infra_conn), the rest completed")

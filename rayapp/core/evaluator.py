@@ -62,7 +62,9 @@ from rayapp.types import (
 
 log = logging.getLogger(__name__)
 
-# Called with the finished group's position; None: nothing to wait for (no task is started for it).
+# Hands a finished group on by its position (the Evaluator's) or index (the step's): what it returns is
+# awaited in a task of its own; None, nothing to wait for, starts no task. The step's ``run_all`` takes a
+# coroutine function (a step log, ``on_task_done``) or a plain function (nothing to hand on).
 GroupDone = Callable[[int], Awaitable[None] | None]
 ReleaseTokens = Callable[[list[Token]], Awaitable[None]]  # the pool's release_tokens
 

@@ -14,11 +14,7 @@ from collections.abc import Awaitable, Callable
 from tqdm.auto import tqdm
 
 from rayapp.core.contracts import StepStatus
-from rayapp.core.evaluator import TaskRun
-
-# Hands a finished group on (step log, ``on_task_done``) by its index: a coroutine function, awaited in a
-# task of its own; or a plain function where there is nothing to wait for (no task is started then).
-GroupDone = Callable[[int], Awaitable[None] | None]
+from rayapp.core.evaluator import GroupDone, TaskRun
 
 
 async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> None:

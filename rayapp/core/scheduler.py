@@ -48,8 +48,8 @@ from rayapp.core.contracts import (
     require_async,
 )
 from rayapp.core.convert import clip
-from rayapp.core.evaluator import Evaluator, TaskRun
-from rayapp.core.handing import GroupDone, Handing
+from rayapp.core.evaluator import Evaluator, GroupDone, TaskRun
+from rayapp.core.handing import Handing
 from rayapp.core.landing import landed
 from rayapp.core.metrics import eval_metrics, failure_summary
 from rayapp.core.pool import budget_tokens

@@ -78,7 +78,7 @@ def test_concurrency_ceiling_and_one_token_held_across_run_and_eval():
     groups = make_groups(4, 3)
     run(ev.run(groups))
     assert agent.peak == 3
-    assert ev._local.qsize() == 3  # every token back in the local pool
+    assert len(ev._local) == 3  # every token back in the local pool
     for g in groups:
         for s in g.samples:
             assert s.status is Status.COMPLETED and s.reward == {"score": 1.0}
@@ -154,7 +154,7 @@ def test_a_failing_sample_becomes_a_classified_aborted_dummy(exc, phase, reason)
         assert s.episode.abort.phase == {"run": "run", "eval": "verify"}[phase]  # the trainer's word for verify: eval
         assert diag["turns"] == (4 if phase == "run" else 1)  # the agent's progress, or its result's
         assert diag["window"][0] <= diag["window"][1]
-    assert ev._local.qsize() == 2
+    assert len(ev._local) == 2
 
 
 def test_run_phase_timeout_from_stopping_criteria_is_an_agent_timeout():
@@ -303,7 +303,7 @@ def test_a_failing_close_aborts_the_sample_and_the_token_comes_back():
     run(ev.run(groups))
     s = groups[0].samples[0]
     assert s.status is Status.ABORTED and trainer_metadata(s)["_termination_reason"] == "infra_conn"
-    assert ev._local.qsize() == 1
+    assert len(ev._local) == 1
 
 
 def test_a_verify_phase_past_its_limit_aborts_at_the_limit_and_others_are_untouched():
@@ -320,7 +320,7 @@ def test_a_verify_phase_past_its_limit_aborts_at_the_limit_and_others_are_untouc
     assert s1.status is Status.ABORTED and trainer_metadata(s1)["_termination_reason"] == "agent_timeout"
     assert trainer_metadata(s1)["_abort"]["window"] == [0.0, 30.0]
     assert trainer_metadata(s1)["_abort"]["error"] == "AgentTimeout: verify phase ran past its 30s limit"
-    assert ev._local.qsize() == 3 and ev._deadlines._timer is None  # nothing left armed
+    assert len(ev._local) == 3 and ev._deadlines._timer is None  # nothing left armed
 
 
 def test_a_callback_that_raises_cancels_the_batch_and_every_token_comes_back():
@@ -342,7 +342,7 @@ def test_a_callback_that_raises_cancels_the_batch_and_every_token_comes_back():
     assert info.group_contains(RuntimeError, match="collector broke")
     assert sorted(started) == ["t0", "t0", "t1", "t1", "t2", "t2"]
     assert all(s.status is Status.PENDING for g in groups[1:] for s in g.samples)  # cancelled, not finished
-    assert ev._local.qsize() == 6
+    assert len(ev._local) == 6
 
 
 def test_the_running_episode_is_named_for_the_work_it_starts_threads_included():

@@ -187,19 +187,19 @@ class Evaluator:
         self.admission = admission  # when the batch asked the pool and when it was granted (loop clock)
         self.rollout_id = step.rollout_id
         self.iteration, self.step = step.iteration, StepKind(step.kind)
+        self._episode_prefix = f"{self.step.value}{self.rollout_id}/"  # each episode's log label starts so
         self.release = release
         self._concurrency = max(1, spec.resource.concurrency)
         self._deadlines = Deadlines()  # every phase's time limit, on one loop timer
         self._returning: list[Token] = []  # tokens on their way back to the pool (early release)
         self._ran = False
         # The short-lived local pool: the batch's tokens, one handed to each running sample.
-        self._local: asyncio.Queue[Token] | None = None
+        # Nothing ever waits on it (run() starts no more workers than tokens), so a plain deque.
+        self._local: deque[Token] | None = None
         if tokens is not None:
             if not tokens:
                 raise ValueError(f"evaluator {spec.evaluator_id!r}: a gated batch needs at least one token")
-            self._local = asyncio.Queue()
-            for t in tokens:
-                self._local.put_nowait(t)
+            self._local = deque(tokens)
 
     async def run(self, groups: list[TaskRun], done: GroupDone | None = None) -> None:
         """Run every group's samples, filling them in place; once group ``k`` (its position in
@@ -221,9 +221,9 @@ class Evaluator:
         workers = min(self._concurrency, len(queue))
         local = self._local
         if local is not None:
-            workers = min(workers, local.qsize())
-            if self.release is not None and local.qsize() > workers:  # tokens no sample can ever use
-                await self._release([local.get_nowait() for _ in range(local.qsize() - workers)])
+            workers = min(workers, len(local))
+            if self.release is not None and len(local) > workers:  # tokens no sample can ever use
+                await self._release([local.popleft() for _ in range(len(local) - workers)])
         try:
             async with asyncio.TaskGroup() as tg:
                 finished = _notifier(tg, done)
@@ -235,8 +235,8 @@ class Evaluator:
                     n = min(workers - 1, len(queue))
                     for _ in range(n):
                         tg.create_task(self._work(queue, groups, left, finished))
-                    if self.release is not None and local is not None and local.qsize() > n:
-                        await self._release_early([local.get_nowait() for _ in range(local.qsize() - n)])
+                    if self.release is not None and local is not None and len(local) > n:
+                        await self._release_early([local.popleft() for _ in range(len(local) - n)])
 
                 for k in [k for k, n in enumerate(left) if n == 0]:  # an empty group is finished at once
                     finished(k)
@@ -252,7 +252,7 @@ class Evaluator:
     async def _work(self, queue: deque[tuple[Sample, int]], groups: list[TaskRun], left: list[int],
                     finished: Callable[[int], None]) -> None:
         local = self._local
-        token = local.get_nowait() if local is not None else None  # run() starts no more workers than tokens
+        token = local.popleft() if local is not None else None  # run() starts no more workers than tokens
         try:
             while queue:
                 sample, k = queue.popleft()
@@ -264,13 +264,13 @@ class Evaluator:
                     finished(k)
         except BaseException:  # cancelled: the token stays in the batch, which closes whole
             if token is not None:
-                local.put_nowait(token)
+                local.append(token)
             raise
         if token is not None:  # its last sample ended and none waits for a token
             if self.release is not None:
                 await self._release_early([token])
             else:
-                local.put_nowait(token)
+                local.append(token)
 
     async def _release_early(self, tokens: list[Token]) -> None:
         """Back to the global pool now, with the others that end in the same pass of the loop: the
@@ -313,9 +313,10 @@ class Evaluator:
                              sample.episode)
         if token is not None:
             ctx.record.placement = Placement(token.node, token.gpu_ids, token.gpu)
-        phase, started = EpisodePhase.RUN, loop_time()
+        now = asyncio.get_running_loop().time  # core.clock's loop_time, looked up once
+        phase, started = EpisodePhase.RUN, now()
         timing = ctx.record.timing = EpisodeTiming(started, self.batch, *(self.admission or ()))
-        episode = EPISODE.set(f"{self.step.value}{self.rollout_id}/{sample.task_id}#{sample.index}")
+        episode = EPISODE.set(f"{self._episode_prefix}{sample.task_id}#{sample.index}")
         try:
             async with ctx:  # closes what the agent kept between the phases, whatever happens
                 limit = group.stopping.timeout_s
@@ -325,15 +326,15 @@ class Evaluator:
                 ctx.record.termination_reason = result.termination_reason
                 if result.metadata:
                     sample.metadata.update(result.metadata)
-                phase, timing.run_s = EpisodePhase.VERIFY, loop_time() - started
+                phase, timing.run_s = EpisodePhase.VERIFY, now() - started
                 verify = self._verify_phase(sample, result, ctx)
                 reward = await self._bounded(verify, self.spec.eval_timeout_s, phase)
-                timing.verify_s = loop_time() - started - timing.run_s
+                timing.verify_s = now() - started - timing.run_s
             _populate_token_data(sample, result)
             sample.reward = checked_reward(reward)
             sample.status = Status.TRUNCATED if result.truncated else Status.COMPLETED
         except BaseException as e:  # agent code may raise anything: only the step's cancellation ends the step
-            timing.ended = loop_time()
+            timing.ended = now()
             if not _step_cancelled():
                 self._abort(sample, ctx, e, phase, started)
             else:  # the step went on without it (complete_after) or failed: how far it got stays in
@@ -342,7 +343,7 @@ class Evaluator:
                     raise
                 raise asyncio.CancelledError from e  # an agent that turned the cancellation into another error
         else:
-            timing.ended = loop_time()
+            timing.ended = now()
         finally:
             EPISODE.reset(episode)
         ctx.record.resume = None  # it ended: there is nothing to go on from

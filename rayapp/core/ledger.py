@@ -25,9 +25,8 @@ Pure Python; never imports ray.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Iterable
-
-from sortedcontainers import SortedList
 
 from rayapp.core.units import (
     CPU_UNIT,
@@ -63,7 +62,10 @@ class Ledger:
         self._n = len(self._names)
         self._gmax, self._cmax, self._mmax = max(self._gpu_free), max(self._cpu), max(self._mem)
         self._keys = [self._key(i) for i in range(self._n)]
-        self._order = SortedList(self._keys)
+        # A plain sorted list: a token moves one node's key, mostly not past its neighbours, so the
+        # key is replaced in place; a move is a C memmove, cheaper than a tree's bookkeeping up to
+        # thousands of nodes (bench/pool.py).
+        self._order = sorted(self._keys)
         # token_id -> (token, node index, GPU positions, units per GPU, cpu units, memory units)
         self._held: dict[int, tuple[Token, int, tuple[int, ...], int, int, int]] = {}
         self._next_id = 0
@@ -80,14 +82,17 @@ class Ledger:
 
     def _reorder(self, i: int) -> None:
         """Move node ``i`` to its new place in ``_order``: the only node a token touched."""
-        new = self._key(i)
-        old = self._keys[i]
-        if i in self._cordoned:
-            self._keys[i] = new  # not in _order: uncordon puts this key back
-        elif new != old:
-            self._order.remove(old)
-            self._order.add(new)
-            self._keys[i] = new
+        new, old = self._key(i), self._keys[i]
+        self._keys[i] = new  # a cordoned node is not in _order: uncordon puts this key back
+        if new == old or i in self._cordoned:
+            return
+        order = self._order
+        pos = bisect_left(order, old)
+        if (pos == 0 or order[pos - 1] < new) and (pos + 1 == len(order) or new < order[pos + 1]):
+            order[pos] = new  # still between its neighbours
+        else:
+            del order[pos]
+            insort(order, new)
 
     # ---- placement ---------------------------------------------------------------------------
     def _place(self, u: int, k: int, cpu: int, mem: int) -> tuple[int, tuple[int, ...]] | None:
@@ -119,20 +124,31 @@ class Ledger:
                     return i, tuple(whole[:k])
         return None
 
-    def _apply(self, i: int, pos: tuple[int, ...], u: int, cpu: int, mem: int, sign: int) -> None:
+    def _take(self, i: int, pos: tuple[int, ...], u: int, cpu: int, mem: int) -> None:
         gpus = self._gpus[i]
         for p in pos:
-            gpus[p] -= sign * u
-        self._gpu_free[i] -= sign * u * len(pos)
-        self._cpu[i] -= sign * cpu
-        self._mem[i] -= sign * mem
-        self._held_on[i] += sign
+            gpus[p] -= u
+        self._gpu_free[i] -= u * len(pos)
+        self._cpu[i] -= cpu
+        self._mem[i] -= mem
+        self._held_on[i] += 1
         self._reorder(i)
 
     def _release_records(self, recs: list) -> None:
+        """Give back what ``recs`` hold; each node they touch moves in ``_order`` once, at the end."""
+        touched: dict[int, None] = {}
         for tok, i, pos, u, cpu, mem in recs:
             del self._held[tok.token_id]
-            self._apply(i, pos, u, cpu, mem, -1)
+            gpus = self._gpus[i]
+            for p in pos:
+                gpus[p] += u
+            self._gpu_free[i] += u * len(pos)
+            self._cpu[i] += cpu
+            self._mem[i] += mem
+            self._held_on[i] -= 1
+            touched[i] = None
+        for i in touched:
+            self._reorder(i)
 
     def try_acquire_batch(
         self, budget: Resource, per_sample: Resource, max_tokens: int
@@ -162,7 +178,7 @@ class Ledger:
                 self._release_records(recs)  # all or nothing: a half batch would block others
                 return None
             i, pos = where
-            self._apply(i, pos, u, cpu, mem, +1)
+            self._take(i, pos, u, cpu, mem)
             ids = self._gpu_ids[i]
             tok = Token(self._next_id, self._names[i], tuple(ids[p] for p in pos), tok_gpu, tok_cpu, tok_mem)
             self._next_id += 1
@@ -201,7 +217,7 @@ class Ledger:
         if i in self._cordoned:
             return False
         self._cordoned.add(i)
-        self._order.remove(self._keys[i])
+        del self._order[bisect_left(self._order, self._keys[i])]
         self._max_cache.clear()
         return True
 
@@ -211,7 +227,7 @@ class Ledger:
         if i not in self._cordoned:
             return False
         self._cordoned.discard(i)
-        self._order.add(self._keys[i])
+        insort(self._order, self._keys[i])
         self._max_cache.clear()
         return True
 

@@ -24,9 +24,12 @@ from rayapp.types import Sample, Status, TaskKey
 DEFAULT_NAME = "default"
 
 
+_EVAL_NAME, _DATASET_NAME = TaskKey.EVAL_DATASET_NAME.value, TaskKey.DATASET_NAME.value
+
+
 def name_of(sample: Sample) -> str:
     m = sample.metadata
-    return str(m.get(TaskKey.EVAL_DATASET_NAME.value) or m.get(TaskKey.DATASET_NAME.value) or DEFAULT_NAME)
+    return str(m.get(_EVAL_NAME) or m.get(_DATASET_NAME) or DEFAULT_NAME)
 
 
 def _spread(key: str, values: list[float]) -> dict[str, float]:
@@ -48,47 +51,51 @@ def step_times(prefix: str, n_samples: int, began: float, fetched: float) -> dic
             f"{prefix}/samples_per_s": n_samples / took if took > 0 else 0.0}
 
 
-def timings(sample: Sample) -> dict[str, float]:
-    """The durations ``sample``'s timing gives: ``wait_s`` (its batch's admission), ``run_s``,
-    ``verify_s`` and ``episode_s`` (start to end), those it has."""
+TIMING_KEYS = ("wait_s", "run_s", "verify_s", "episode_s")
+_NO_TIMING = (None, None, None, None)
+
+
+def durations(sample: Sample) -> tuple[float | None, float | None, float | None, float | None]:
+    """``sample``'s timing as ``TIMING_KEYS`` name them: its batch's admission wait, run, verify and
+    start to end; None where it has no such figure."""
     t = sample.episode.timing
     if t is None:
-        return {}
-    out = {}
-    if t.run_s is not None:
-        out["run_s"] = t.run_s
-    if t.verify_s is not None:
-        out["verify_s"] = t.verify_s
-    if t.admitted is not None and t.queued is not None:
-        out["wait_s"] = t.admitted - t.queued
-    if t.ended is not None:
-        out["episode_s"] = t.ended - t.started
-    return out
+        return _NO_TIMING
+    return (t.admitted - t.queued if t.admitted is not None and t.queued is not None else None,
+            t.run_s, t.verify_s, t.ended - t.started if t.ended is not None else None)
+
+
+def timings(sample: Sample) -> dict[str, float]:
+    """The durations ``sample``'s timing gives, by name (``TIMING_KEYS``), those it has."""
+    return {k: x for k, x in zip(TIMING_KEYS, durations(sample), strict=True) if x is not None}
 
 
 def sample_statistics(prefix: str, samples: Iterable[Sample]) -> dict[str, float]:
     """The per-dataset statistics of ``samples`` (module docstring), keyed ``{prefix}/{name}/...``."""
+    # One pass and no object per sample: a step may hold tens of thousands of them.
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # samples, aborted, truncated
     by_name: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for s in samples:  # one pass: a step may hold tens of thousands of samples
-        v = by_name[name_of(s)]
-        v["n"].append(1.0)
+    for s in samples:
+        name = name_of(s)
+        c, v = counts[name], by_name[name]
+        c[0] += 1
         if s.status is Status.ABORTED:
-            v["aborted"].append(1.0)
+            c[1] += 1
         else:
             if s.status is Status.TRUNCATED:
-                v["truncated"].append(1.0)
+                c[2] += 1
             if "score" in s.reward:
                 v["reward"].append(float(s.reward["score"]))
             v["response_length"].append(float(s.response_length))
-        for key, value in timings(s).items():
-            v[key].append(value)
+        for key, x in zip(TIMING_KEYS, durations(s), strict=True):
+            if x is not None:
+                v[key].append(x)
     metrics: dict[str, float] = {}
-    for name, v in by_name.items():
-        n = len(v["n"])
-        stats = {"n_samples": float(n), "truncated_rate": len(v["truncated"]) / n,
-                 "abort_rate": len(v["aborted"]) / n}
+    for name, (n, aborted, truncated) in counts.items():
+        v = by_name[name]
+        stats = {"n_samples": float(n), "truncated_rate": truncated / n, "abort_rate": aborted / n}
         stats |= _spread("reward", v["reward"]) | _spread("response_length", v["response_length"])
-        for key in ("wait_s", "run_s", "verify_s", "episode_s"):
+        for key in TIMING_KEYS:
             stats |= _mean_max(key, v[key])
         metrics |= {f"{prefix}/{name}/{k}": x for k, x in stats.items()}
     return metrics

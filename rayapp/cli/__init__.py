@@ -13,8 +13,8 @@
 - ``rayapp driver [-- driver options]``: the shipped training driver against a running app;
 - ``rayapp demo [--verbose]``: ``run`` of the embedded default with the tiny CPU model.
 
-A recipe is a file path or the name of a shipped recipe (``local``, ``dagger_local``, ``swe_dagger``,
-``grpo_sglang``).
+A recipe is a file path, a folder (its ``rollout.yaml``) or the name of a shipped recipe (``local``,
+``dagger_local``, ``swe_dagger``, ``grpo_sglang``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ __all__ = ["LOCAL_ENV", "LOCAL_ENV_WHY", "ROOT", "_bin", "build_parser", "demo",
            "main", "ray_processes", "resolve_recipe", "run", "shipped_recipes", "start_head", "stop_cluster",
            "validate", "version", "wait_for_app"]
 
-RECIPE_HELP = "a recipe file, or the name of a shipped recipe"
+RECIPE_HELP = "a recipe file, a folder holding rollout.yaml, or the name of a shipped recipe"
 VERBOSE_HELP = ("Ray's and Serve's own lines on the terminal too (ray start, serve run, the replicas, the driver's "
                 "Serve router); without it they go only to the run's log, <temp-dir>-serve.log")
 

@@ -36,9 +36,12 @@ def shipped_recipes() -> list[str]:
 
 
 def resolve_recipe(arg: str) -> Path:
-    """``arg`` as a file when one exists there; else a shipped recipe, by name (``local``) or by its
-    path in a checkout (``recipes/local/rollout.yaml``); else ``arg`` as given, for the error."""
+    """``arg`` as a file when one exists there, a folder's ``rollout.yaml`` (``examples/wordplay``); else a
+    shipped recipe, by name (``local``) or by its path in a checkout (``recipes/local/rollout.yaml``); else
+    ``arg`` as given, for the error."""
     path = Path(arg)
+    if path.is_dir():  # the file named there, missing or not: the error then names the path tried
+        return path / "rollout.yaml"
     if path.exists() or path.is_absolute():
         return path
     for shipped in (RECIPES / arg / "rollout.yaml", HERE / path):

@@ -4,7 +4,7 @@ The public API, re-exported from the pure core (``rayapp.core``), the data model
 training-loop pieces that need neither Ray nor torch (the DAgger schedule and agent, the filters), and
 ``connect``, a driver's quiet ``ray.init`` and app handle (it imports Ray only when called)."""
 
-from rayapp.connect import connect
+from rayapp.connection import connect
 from rayapp.core.agent import AgentHandler, FunctionAgent
 from rayapp.core.batching import (
     STRATEGIES,

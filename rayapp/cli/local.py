@@ -105,7 +105,8 @@ def start_head(num_gpus: int, num_cpus: int, temp_dir: Path, dashboard_port: int
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
            "--disable-usage-stats"]
     env = {**os.environ, CLUSTER_ENV: str(temp_dir)}
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180, env=env)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                          timeout=180, env=env)
     copy_lines(done.stdout.splitlines(keepends=True), out, echo)
     if done.returncode != 0:
         last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -121,8 +122,11 @@ def copy_lines(lines: Iterable[str], out: IO[str] | None, echo: bool) -> None:
             out.write(line)
             out.flush()  # the log is read while the run goes on (tail -f, a failed deployment's cause)
         if echo:
-            sys.stderr.write(line)
-            sys.stderr.flush()
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # the terminal went away: the log still gets every line
+                echo = False
 
 
 def deploy_error(message: str) -> str:
@@ -212,8 +216,9 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
                 address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port(), out, verbose)
             serve_cmd = [_bin("serve"), "run", f"--address={address}", str(recipe)]
             if verbose:  # through a pipe, copied line by line to the log and the terminal
+                # errors="replace": a line that is not UTF-8 must not stop the copy (serve run would block)
                 proc = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        cwd=cwd, start_new_session=True)
+                                        errors="replace", cwd=cwd, start_new_session=True)
                 copier = threading.Thread(target=copy_lines, args=(proc.stdout, out, True), daemon=True)
                 copier.start()
             else:

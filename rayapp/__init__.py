@@ -1,8 +1,10 @@
 """rayapp: a Ray-native rollout scheduler for agentic RL training of language models.
 
 The public API, re-exported from the pure core (``rayapp.core``), the data model, the agents and the
-training-loop pieces that need neither Ray nor torch (the DAgger schedule and agent, the filters)."""
+training-loop pieces that need neither Ray nor torch (the DAgger schedule and agent, the filters), and
+``connect``, a driver's quiet ``ray.init`` and app handle (it imports Ray only when called)."""
 
+from rayapp.connection import connect
 from rayapp.core.agent import AgentHandler, FunctionAgent
 from rayapp.core.batching import (
     STRATEGIES,
@@ -141,6 +143,7 @@ __all__ = [
     "cascade",
     "classify_abort",
     "classify_termination",
+    "connect",
     "eval_metrics",
     "failure_summary",
     "fifo_batching",

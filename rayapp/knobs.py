@@ -23,7 +23,9 @@ from rayapp.training import dagger, reuse
 # Environment variables read outside the two tables above.
 OTHER_ENV: dict[str, tuple[str, str]] = {
     "RAYAPP_CACHE": ("~/.cache/rayapp", "user-set: where the tiny CPU model is built when the shipped build is "
-                                        "missing, and where the manager keeps the tokenizer files engines hand it"),
+                                        "missing, and where the manager keeps the tokenizer files engines hand it; "
+                                        "an absolute path outside rayapp's package, read by each process (a "
+                                        "replica: from its node's ray start, or runtime_env env_vars)"),
     "RAYAPP_CLUSTER": ("", "code-set: the session folder of a Ray head `rayapp run`/`demo` started, in the "
                            "environment of every process of that cluster, so the stop finds each one"),
     # read by rayapp.actors.http_auth (not imported here: it imports Ray)

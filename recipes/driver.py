@@ -143,6 +143,8 @@ def main() -> None:
                    "(the tensorboard extra)")
     p.add_argument("--wandb", metavar="PROJECT", help="also log each step's metrics to this wandb project "
                    "(the wandb extra; WANDB_MODE=offline without a network)")
+    p.add_argument("--verbose", action="store_true", help="Ray's and Serve's lines of this process on the "
+                   "terminal (Ray's banner, Serve's router); the replicas' are in serve run's output")
     a = p.parse_args()
     from rayapp.training.sinks import open_sink
 
@@ -150,10 +152,10 @@ def main() -> None:
              if target]
 
     import ray
-    from ray import serve
 
-    ray.init(address=a.address, namespace="rayapp-driver", logging_level="warning", log_to_driver=False)
-    handle = serve.get_app_handle(a.app)
+    from rayapp import connect
+
+    handle = connect(a.address, a.app, namespace="rayapp-driver", verbose=a.verbose, worker_logs=False)
     for rid in range(a.rollouts):
         t0 = time.monotonic()
         result = wait_with_progress(handle, handle.generate.remote(rid), f"rollout {rid}", a.timeout)

@@ -148,20 +148,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each call through the handle")
     p.add_argument("--run-dir", default="/tmp/rayapp-train")
     p.add_argument("--temp-dir", default=None, help="Ray's session folder for a local head")
+    p.add_argument("--verbose", action="store_true", help="Ray's and Serve's lines on the terminal too (serve run's "
+                   "output, the driver's own); without it they go only to the serve log")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # rayapp from this checkout when it is not installed
     import ray
-    from ray import serve
+
+    from rayapp import connect
 
     if args.address:
-        ray.init(address=args.address, namespace="rayapp-train", logging_level="warning", log_to_driver=False)
-        train(serve.get_app_handle(args.app), args)
+        train(connect(args.address, args.app, namespace="rayapp-train", verbose=args.verbose), args)
         ray.shutdown()
         return 0
-    sys.path.insert(0, str(ROOT))
     from rayapp.cli import LOCAL_ENV, local_app
     from rayapp.inference.tiny_model import ensure_tiny_model
 
@@ -170,11 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny model ready at {ensure_tiny_model()} ({time.monotonic() - t0:.1f}s)", flush=True)
     temp_dir = Path(args.temp_dir or f"/tmp/rayapp-train-{os.getpid()}")
     log = temp_dir.parent / f"{temp_dir.name}-serve.log"
-    with local_app(args.recipe, temp_dir, log, timeout_s=args.timeout) as (address, _):
-        print(f"serve app running on {address}; log: {log}", flush=True)
-        ray.init(address=address, namespace="rayapp-train", logging_level="warning", log_to_driver=False)
+    print(f"logs: {log} (ray start, serve run: Ray's, Serve's and the replicas' lines)"
+          + ("; shown here too (--verbose)" if args.verbose else "; --verbose shows them here"), flush=True)
+    with local_app(args.recipe, temp_dir, log, timeout_s=args.timeout, verbose=args.verbose) as (address, _):
+        print(f"serve app running on {address}", flush=True)
         try:
-            train(serve.get_app_handle(args.app), args)
+            # the replicas' lines come through serve run's output (the log, or the terminal with --verbose)
+            train(connect(address, args.app, namespace="rayapp-train", verbose=args.verbose, worker_logs=False),
+                  args)
         finally:
             ray.shutdown()
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -233,12 +234,8 @@ def test_tokenizer_file_names_that_leave_the_folder_are_refused(tmp_path, name):
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
-def test_the_manager_loads_the_engines_tokenizer_where_the_model_is_not(model_dir, tmp_path, monkeypatch):
-    """The manager asks the engine for its tokenizer files: the model path it reports need not exist on
-    the manager's node (the cluster files mount models on GPU workers only)."""
-    import asyncio
-
-    from rayapp.actors.engine import EngineClient
+def _engine_handle(model_dir, reported_path):
+    """A stand-in for an engine deployment's handle: its info and its tokenizer files, calls counted."""
     from rayapp.inference.tokenizer_files import read_tokenizer_files
 
     class Method:
@@ -253,10 +250,21 @@ def test_the_manager_loads_the_engines_tokenizer_where_the_model_is_not(model_di
 
             return call()
 
-    class Handle:  # what the engine replica on the GPU node answers
-        info = Method(lambda: {"backend": "sglang", "tokenizer_path": "/mnt/models/student"})
+    class Handle:
+        info = Method(lambda: {"backend": "sglang", "tokenizer_path": reported_path})
         tokenizer_files = Method(lambda: read_tokenizer_files(model_dir))
 
+    return Handle
+
+
+def test_the_manager_loads_the_engines_tokenizer_where_the_model_is_not(model_dir, tmp_path, monkeypatch):
+    """The manager asks the engine for its tokenizer files: the model path it reports need not exist on
+    the manager's node (the cluster files mount models on GPU workers only)."""
+    import asyncio
+
+    from rayapp.actors.engine import EngineClient
+
+    Handle = _engine_handle(model_dir, "/mnt/models/student")  # what the engine replica on the GPU node answers
     monkeypatch.setenv("RAYAPP_CACHE", str(tmp_path / "cache"))
     client = EngineClient(Handle(), "student")
     info = asyncio.run(client.info())
@@ -267,6 +275,34 @@ def test_the_manager_loads_the_engines_tokenizer_where_the_model_is_not(model_di
     assert load_tokenizer(info["tokenizer_path"]).get_vocab() == load_tokenizer(model_dir).get_vocab()
     asyncio.run(client.info())
     assert (Handle.info.calls, Handle.tokenizer_files.calls) == (1, 1)  # asked once per client
+
+
+def test_the_cache_is_absolute_and_never_inside_rayapp_s_own_folder(model_dir, tmp_path, monkeypatch):
+    """A replica reads ``RAYAPP_CACHE`` from its own environment: a relative value (read against whatever
+    working directory the replica has) and one inside the package (a test once set it to the shipped
+    model's grandparent, and the manager wrote ``rayapp/tokenizers/<digest>/`` into the checkout) are
+    refused; unset, it is ~/.cache/rayapp of the process's home."""
+    import asyncio
+
+    import rayapp
+    from rayapp.actors.engine import EngineClient
+    from rayapp.inference.tiny_model import default_cache_dir
+
+    Handle = _engine_handle(model_dir, str(model_dir))
+    package = Path(rayapp.__file__).resolve().parent
+    for value, error in ((str(package), "is inside rayapp's own folder"), (str(package / "inference" / ".."),
+                         "is inside rayapp's own folder"), ("cache", "is a relative path")):
+        monkeypatch.setenv("RAYAPP_CACHE", value)
+        with pytest.raises(ValueError, match=re.escape(f"RAYAPP_CACHE={value!r} {error}")):
+            asyncio.run(EngineClient(Handle(), "student").info())
+    assert not (package / "tokenizers").exists()
+    monkeypatch.delenv("RAYAPP_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "rayapp"
+    folder = Path(asyncio.run(EngineClient(Handle(), "student").info())["tokenizer_path"])
+    assert folder.parent == tmp_path / "home" / ".cache" / "rayapp" / "tokenizers"
+    monkeypatch.setenv("RAYAPP_CACHE", "~/elsewhere")
+    assert default_cache_dir() == tmp_path / "home" / "elsewhere"
 
 
 # -- the cluster files as written: Ready pods, provisioned folders, rayapp validate -----------------

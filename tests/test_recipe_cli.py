@@ -204,7 +204,7 @@ def test_rayapp_run_hands_the_driver_its_options_and_returns_its_exit_status(tmp
 
     @contextlib.contextmanager
     def fake_local_app(recipe, temp_dir, log, **kw):
-        seen.update(recipe=recipe, cwd=kw["cwd"], address=kw["address"])
+        seen.update(recipe=recipe, cwd=kw["cwd"], address=kw["address"], verbose=kw["verbose"], log=log)
         yield "127.0.0.1:6379", None
 
     class Done:
@@ -226,6 +226,34 @@ def test_rayapp_run_hands_the_driver_its_options_and_returns_its_exit_status(tmp
     assert seen["cwd"] == tmp_path and seen["address"] is None
     assert seen["driver"][1:] == [str(run_module.DRIVER), "--address=127.0.0.1:6379", "--timeout", "60.0",
                                   "--rollouts", "2", "--timeout", "5"]
+    # quiet by default: Ray's and Serve's lines go to the run's log, whose path is said once
+    assert seen["verbose"] is False
+    assert f"logs: {seen['log']} (ray start, serve run" in out and "--verbose shows them here" in out
+    code, out, _ = _main(capsys, "run", "local", "--verbose", "--", "--rollouts", "2")
+    assert code == 3 and seen["verbose"] is True and "shown here too (--verbose)" in out
+    assert seen["driver"][1:4] == [str(run_module.DRIVER), "--address=127.0.0.1:6379", "--verbose"]
+
+
+def test_ray_start_s_output_goes_to_the_run_s_log_and_to_the_terminal_only_when_verbose(tmp_path, monkeypatch,
+                                                                                        capfd):
+    """``ray start`` stands in for itself: a script printing a banner (and failing, the second time)."""
+    import rayapp.cli.local as local
+
+    fake = tmp_path / "ray"
+    fake.write_text("#!/bin/sh\necho 'Ray runtime started.'\necho 'a warning' >&2\nexit ${FAKE_RC:-0}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(local, "_bin", lambda name: str(fake))
+    log = tmp_path / "run.log"
+    for verbose in (False, True):
+        with open(log, "w") as out:
+            assert local.start_head(0, 1, tmp_path / "t", 1, out, verbose).startswith("127.0.0.1:")
+        shown = capfd.readouterr()
+        assert log.read_text() == "Ray runtime started.\na warning\n"
+        assert shown.out == "" and shown.err == ("Ray runtime started.\na warning\n" if verbose else "")
+    monkeypatch.setenv("FAKE_RC", "3")
+    with open(log, "w") as out, pytest.raises(RuntimeError) as e:
+        local.start_head(0, 1, tmp_path / "t", 1, out)
+    assert str(e.value) == f"ray start exited with 3: a warning; its output: {log}"
 
 
 def _with_agent(tmp_path, body):

@@ -4,6 +4,7 @@ responses), offline; a verifier that scores its own references 0 is reported and
 import importlib
 import itertools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -98,3 +99,33 @@ def test_the_command_checks_the_demo_recipe_without_starting_ray(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.stdout.strip().endswith("exit 0 False"), proc.stdout + proc.stderr  # no Ray imported at all
     assert "eval/arith-a 2 rows: mean score 1.000" in squash(proc.stdout)
+
+
+def _verify_example(*pythonpath):
+    env = {**os.environ, "PYTHONPATH": ":".join([str(ROOT), *map(str, pythonpath)])}
+    return subprocess.run([sys.executable, "-m", "rayapp.cli", "verify", "examples/wordplay"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+
+
+def test_the_wordplay_example_verifies_by_its_folder_as_its_readme_says():
+    """``PYTHONPATH=examples/wordplay rayapp verify examples/wordplay``: the folder's rollout.yaml, its env
+    found as the recipe names it (``wordplay:ENV``), every reference answer scored 1."""
+    proc = _verify_example(ROOT / "examples" / "wordplay")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = squash(proc.stdout)
+    assert out.startswith("examples/wordplay/rollout.yaml: verifiers scored with each row's reference answer")
+    assert "data/words 16 rows: mean score 1.000, 16 scored > 0 (env wordplay:ENV" in out
+    assert "eval/words 4 rows: mean score 1.000, 4 scored > 0" in out
+
+
+def test_a_project_folder_shadowing_the_env_s_package_is_named_with_the_folder_to_use():
+    """With ``examples`` on the path, ``import wordplay`` finds the project folder examples/wordplay (no
+    __init__.py: an empty namespace package) before the package inside it: the error says so."""
+    proc = _verify_example(ROOT / "examples")
+    assert proc.returncode == 2 and proc.stdout == ""
+    inner = ROOT / "examples" / "wordplay"
+    assert squash(proc.stderr) == squash(
+        f"""recipe "examples/wordplay/rollout.yaml": $.applications[0].args.evaluators[0].env: env 'wordplay:ENV':
+        module 'wordplay' has no attribute 'ENV': 'wordplay' was imported from {inner}, a folder without
+        __init__.py (an empty namespace package), not the package; the package is inside it: put {inner} on
+        PYTHONPATH, not its parent (or pip install it)""")

@@ -8,12 +8,13 @@
   the scores per dataset; exit status 1 when reference answers score 0 (``rayapp.cli.verify``);
 - ``rayapp schema [--serve-config]``: the recipe's JSON Schema (or the whole file's), for editors;
 - ``rayapp init [dir]``: a shipped recipe written to ``dir/rollout.yaml``;
-- ``rayapp run <recipe> [-- driver options]``: validate, a local Ray head, ``serve run``, the driver;
+- ``rayapp run <recipe> [--verbose] [-- driver options]``: validate, a local Ray head, ``serve run``, the
+  driver; Ray's and Serve's lines go to the run's log (``--verbose``: to the terminal too);
 - ``rayapp driver [-- driver options]``: the shipped training driver against a running app;
-- ``rayapp demo``: ``run`` of the embedded default with the tiny CPU model.
+- ``rayapp demo [--verbose]``: ``run`` of the embedded default with the tiny CPU model.
 
-A recipe is a file path or the name of a shipped recipe (``local``, ``dagger_local``, ``swe_dagger``,
-``grpo_sglang``).
+A recipe is a file path, a folder (its ``rollout.yaml``) or the name of a shipped recipe (``local``,
+``dagger_local``, ``swe_dagger``, ``grpo_sglang``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ __all__ = ["LOCAL_ENV", "LOCAL_ENV_WHY", "ROOT", "_bin", "build_parser", "demo",
            "main", "ray_processes", "resolve_recipe", "run", "shipped_recipes", "start_head", "stop_cluster",
            "validate", "version", "wait_for_app"]
 
-RECIPE_HELP = "a recipe file, or the name of a shipped recipe"
+RECIPE_HELP = "a recipe file, a folder holding rollout.yaml, or the name of a shipped recipe"
+VERBOSE_HELP = ("Ray's and Serve's own lines on the terminal too (ray start, serve run, the replicas, the driver's "
+                "Serve router); without it they go only to the run's log, <temp-dir>-serve.log")
 
 
 def version() -> str:
@@ -60,6 +63,7 @@ def _local_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray head")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the app to start, and for each step")
     p.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-run-<pid>)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rollouts", type=int, default=1, help="iterations the driver runs: rollout k, then eval k")
     d.add_argument("--timeout", type=float, default=900.0, help="seconds for the app to start, and for each step")
     d.add_argument("--temp-dir", default=None, help="Ray's session folder (default: /tmp/rayapp-demo-<pid>)")
+    d.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     v = sub.add_parser("validate", help="check a recipe and Serve's schema of its file offline (no Ray)")
     v.add_argument("recipe", help=RECIPE_HELP + "; a Serve config whose rayapp application's args are the recipe, "
                                                 "or bare args")

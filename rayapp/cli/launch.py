@@ -36,9 +36,12 @@ def shipped_recipes() -> list[str]:
 
 
 def resolve_recipe(arg: str) -> Path:
-    """``arg`` as a file when one exists there; else a shipped recipe, by name (``local``) or by its
-    path in a checkout (``recipes/local/rollout.yaml``); else ``arg`` as given, for the error."""
+    """``arg`` as a file when one exists there, a folder's ``rollout.yaml`` (``examples/wordplay``); else a
+    shipped recipe, by name (``local``) or by its path in a checkout (``recipes/local/rollout.yaml``); else
+    ``arg`` as given, for the error."""
     path = Path(arg)
+    if path.is_dir():  # the file named there, missing or not: the error then names the path tried
+        return path / "rollout.yaml"
     if path.exists() or path.is_absolute():
         return path
     for shipped in (RECIPES / arg / "rollout.yaml", HERE / path):
@@ -56,17 +59,23 @@ def _run_app(recipe: Path, args: argparse.Namespace, driver_args: list[str], cwd
     # Deployed with its dataset paths made absolute against its folder, as validate read them.
     deployed = temp_dir.parent / f"{temp_dir.name}-recipe.yaml"
     deployed.write_text(yaml.safe_dump(recipe_document(recipe)[0], sort_keys=False))
+    own_head = getattr(args, "address", None) is None
+    print(f"logs: {serve_log} (ray start, serve run: Ray's, Serve's and the replicas' lines)"
+          + (f", Ray's own under {temp_dir}/session_latest/logs" if own_head else "")
+          + ("; shown here too (--verbose)" if args.verbose else "; --verbose shows them here"), flush=True)
     with local_app(deployed, temp_dir, serve_log, num_gpus=args.num_gpus, num_cpus=args.num_cpus,
                    dashboard_port=dashboard_port, timeout_s=args.timeout, cwd=cwd,
-                   address=getattr(args, "address", None)) as (address, _):
+                   address=getattr(args, "address", None), verbose=args.verbose) as (address, _):
         where = (f"ray head at {address} with {args.num_gpus} logical GPUs; dashboard http://127.0.0.1:{dashboard_port}"
                  f" (placement groups: /#/cluster, API /api/v0/placement_groups; its token: the file "
                  f"{os.environ.get('RAY_AUTH_TOKEN_PATH')})"
-                 if getattr(args, "address", None) is None else f"ray cluster at {address}")
+                 if own_head else f"ray cluster at {address}")
         print(where, flush=True)
-        print(f"serve app running ({time.monotonic() - t0:.1f}s after start); log: {serve_log}", flush=True)
+        print(f"serve app running ({time.monotonic() - t0:.1f}s after start)", flush=True)
         t1 = time.monotonic()
-        cmd = [sys.executable, str(DRIVER), f"--address={address}", *driver_args]
+        # --verbose: Ray's and Serve's lines of the driver's own process (the replicas' come through serve run)
+        cmd = [sys.executable, str(DRIVER), f"--address={address}", *(["--verbose"] if args.verbose else []),
+               *driver_args]
         code = subprocess.run(cmd, timeout=driver_timeout_s).returncode
         print(f"driver done in {time.monotonic() - t1:.1f}s (exit {code})", flush=True)
     return code

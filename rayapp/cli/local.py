@@ -15,9 +15,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import IO
 
 # The checkout (tests and the Makefile read recipes/ from it); in an installed package, site-packages.
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,15 +95,38 @@ def _bin(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
-def start_head(num_gpus: int, num_cpus: int, temp_dir: Path, dashboard_port: int) -> str:
+def start_head(num_gpus: int, num_cpus: int, temp_dir: Path, dashboard_port: int, out: IO[str] | None = None,
+               echo: bool = False) -> str:
+    """``ray start --head``; its output (Ray's banner and warnings) goes to ``out``, and to this process's
+    stderr too when ``echo``; a failed start raises with its last line."""
     port = free_port()
     cmd = [_bin("ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
            f"--num-gpus={num_gpus}", f"--num-cpus={num_cpus}", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
            "--disable-usage-stats"]
     env = {**os.environ, CLUSTER_ENV: str(temp_dir)}
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=180, env=env)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                          timeout=180, env=env)
+    copy_lines(done.stdout.splitlines(keepends=True), out, echo)
+    if done.returncode != 0:
+        last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+        where = f"; its output: {out.name}" if out is not None else ""
+        raise RuntimeError(f"ray start exited with {done.returncode}: {last}{where}")
     return f"127.0.0.1:{port}"
+
+
+def copy_lines(lines: Iterable[str], out: IO[str] | None, echo: bool) -> None:
+    """Ray's and Serve's lines into the run's log, and onto this terminal's stderr when ``echo`` (``--verbose``)."""
+    for line in lines:
+        if out is not None:
+            out.write(line)
+            out.flush()  # the log is read while the run goes on (tail -f, a failed deployment's cause)
+        if echo:
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # the terminal went away: the log still gets every line
+                echo = False
 
 
 def deploy_error(message: str) -> str:
@@ -174,26 +199,37 @@ def stop_cluster(temp_dir: Path, grace_s: float = 15.0) -> list[int]:
 @contextlib.contextmanager
 def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 4, num_cpus: int = 8,
               dashboard_port: int | None = None, timeout_s: float = 900.0, cwd: str | Path = ROOT,
-              address: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+              address: str | None = None, verbose: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """A Ray head on 127.0.0.1 with logical GPUs and Ray's token authentication (a fresh token:
-    ``auth_token``), and ``serve run recipe`` on it (output in ``log``),
-    yielded as (address, serve process) once the app is RUNNING; both are stopped when the block ends.
+    ``auth_token``), and ``serve run recipe`` on it, yielded as (address, serve process) once the app
+    is RUNNING; both are stopped when the block ends. ``log`` gets ``ray start``'s and ``serve run``'s
+    output (Ray's, Serve's controller's and every replica's lines); ``verbose`` copies them to stderr too.
     Given ``address``, no head is started: the app runs on that cluster and only it is stopped.
     ``serve run`` starts in ``cwd``, against which the recipe's relative layout path resolves."""
-    proc, own_head = None, address is None
+    proc, own_head, copier = None, address is None, None
     with contextlib.ExitStack() as stack:
         if own_head:  # a head of our own: a fresh token; on the user's cluster, the user's own token
             stack.enter_context(auth_token())
+        out = stack.enter_context(open(log, "w"))
         try:
             if own_head:
-                address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port())
-            with open(log, "w") as out:
-                proc = subprocess.Popen([_bin("serve"), "run", f"--address={address}", str(recipe)], stdout=out,
-                                        stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+                address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port(), out, verbose)
+            serve_cmd = [_bin("serve"), "run", f"--address={address}", str(recipe)]
+            if verbose:  # through a pipe, copied line by line to the log and the terminal
+                # errors="replace": a line that is not UTF-8 must not stop the copy (serve run would block)
+                proc = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        errors="replace", cwd=cwd, start_new_session=True)
+                copier = threading.Thread(target=copy_lines, args=(proc.stdout, out, True), daemon=True)
+                copier.start()
+            else:
+                proc = subprocess.Popen(serve_cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                        start_new_session=True)
             wait_for_app(address, "rayapp", timeout_s, proc, log)
             yield address, proc
         finally:
             _stop_serve_run(proc)
+            if copier is not None:
+                copier.join(timeout=30)  # serve run has exited: its pipe ends
             if own_head:
                 left = stop_cluster(temp_dir)
                 print("shut down: " + ("no Ray process left" if not left else

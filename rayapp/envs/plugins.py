@@ -27,6 +27,7 @@ import importlib
 import inspect
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from rayapp.core.agent import AgentHandler
@@ -105,9 +106,27 @@ def import_object(path: str, kind: str, timeout_s: float | None = None) -> Any:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise PluginError(f"{kind} {path!r}: module {module_name!r} has no attribute {attr!r}")
+            raise PluginError(f"{kind} {path!r}: module {module_name!r} has no attribute {attr!r}"
+                              + _namespace_hint(module))
         obj = getattr(obj, part)
     return obj
+
+
+def _namespace_hint(module: Any) -> str:
+    """Why a module lacks what its package defines when a folder of the same name, without an
+    ``__init__.py``, came first on the import path: Python imports that folder as an empty namespace
+    package (a project folder ``examples/wordplay`` shadows the package ``examples/wordplay/wordplay``
+    when ``examples`` is on the path). Empty for a regular module."""
+    if getattr(module, "__file__", None) is not None or not hasattr(module, "__path__"):
+        return ""
+    folders = [str(f) for f in module.__path__]
+    leaf = module.__name__.rpartition(".")[2]
+    inner = [f for f in folders if (Path(f) / leaf / "__init__.py").is_file() or (Path(f) / f"{leaf}.py").is_file()]
+    hint = (f": {module.__name__!r} was imported from {', '.join(folders)}, a folder without __init__.py (an empty "
+            f"namespace package), not the package")
+    if inner:
+        hint += f"; the package is inside it: put {inner[0]} on PYTHONPATH, not its parent (or pip install it)"
+    return hint
 
 
 def check_signature(obj: Any, n_args: int, kind: str, path: str, protocol: str) -> None:

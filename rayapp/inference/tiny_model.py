@@ -97,9 +97,26 @@ def quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+PACKAGE = Path(__file__).resolve().parents[1]  # rayapp's own folder (in a checkout, or site-packages)
+
+
 def default_cache_dir() -> Path:
-    """``$RAYAPP_CACHE`` when set, else ``~/.cache/rayapp``."""
-    return Path(os.environ.get("RAYAPP_CACHE") or Path.home() / ".cache" / "rayapp").expanduser()
+    """rayapp's cache (a built tiny model, the tokenizer files engines hand the manager): ``$RAYAPP_CACHE``
+    when set, else ``~/.cache/rayapp``, read by each process from its own environment and home (a Ray
+    worker, a Serve replica: the environment of the ``ray start`` that made its node, or its runtime_env's
+    ``env_vars``). Absolute (``~`` expanded), never inside rayapp's own folder: a relative path would be read
+    against each process's working directory, which in a replica can be anywhere, the package included."""
+    given = os.environ.get("RAYAPP_CACHE")
+    path = Path(given).expanduser() if given else Path.home() / ".cache" / "rayapp"
+    if not path.is_absolute():
+        raise ValueError(f"RAYAPP_CACHE={given!r} is a relative path: give an absolute one (each Ray process "
+                         "would read it against its own working directory)")
+    path = path.resolve()
+    if path == PACKAGE or PACKAGE in path.parents:
+        where = f"RAYAPP_CACHE={given!r}" if given else f"the default cache {path}"
+        raise ValueError(f"{where} is inside rayapp's own folder {PACKAGE}: give a folder outside it "
+                         "(the default is ~/.cache/rayapp)")
+    return path
 
 
 @dataclass(frozen=True)

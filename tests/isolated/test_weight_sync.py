@@ -16,12 +16,14 @@ from rayapp.training.grpo import GRPOTrainer, make_batch, token_logprobs
 
 
 @pytest.fixture(scope="module")
-def handle(tmp_path_factory, model_dir):
+def handle(tmp_path_factory, model_dir, cache_dir):
     import ray
     from ray import serve
 
     os.environ.update(LOCAL_ENV)
-    os.environ["RAYAPP_CACHE"] = str(model_dir.parents[1])  # the replicas serve the session's tiny model
+    # the replicas serve the session's tiny model (the shipped one, or built in cache_dir) and keep tokenizer
+    # files there, never beside the shipped model in rayapp's own folder
+    os.environ["RAYAPP_CACHE"] = str(cache_dir)
     tmp = tmp_path_factory.mktemp("sync")
     cfg = yaml.safe_load((ROOT / "recipes" / "train_grpo" / "rollout.yaml").read_text())
     cfg["http_options"]["port"] = free_port()

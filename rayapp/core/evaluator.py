@@ -92,8 +92,10 @@ class TaskRun(msgspec.Struct, gc=False):
         meta[_ROLLOUT_ID] = rollout_id
         if carried is None:  # the first sample takes ``meta``, each other one a copy
             first = meta.get(_EVAL_COPY, 0)
-            return [Sample(task.task_id, first + i, task.prompt, task.label, metadata=meta.copy() if i else meta)
-                    for i in range(task.config.n_samples)]
+            out = [Sample(task.task_id, first, task.prompt, task.label, metadata=meta)]
+            for i in range(first + 1, first + task.config.n_samples):
+                out.append(Sample(task.task_id, i, task.prompt, task.label, metadata=meta.copy()))
+            return out
         points = carried.points or [None] * len(carried.indices)
         if not len(carried.indices) == len(points) == task.config.n_samples:
             raise ValueError(f"task {task.task_id!r}: its carried run names {len(carried.indices)} samples and "

@@ -237,25 +237,39 @@ class TaskScheduler:
         strategy sees tasks, not indices: a task object fetched twice maps to its indices in fetch
         order. Batches that do not partition the input (every task once, none foreign), an empty batch
         and a batch mixing evaluators are refused before anything runs."""
-        slots: dict[int, deque[int]] = defaultdict(deque)
+        # Each task object's fetch index; the later indices of one fetched twice wait in ``again``.
+        first: dict[int, int] = {}
+        again: dict[int, deque[int]] = defaultdict(deque)
         for i in todo:
-            slots[id(tasks[i])].append(i)
+            key = id(tasks[i])
+            if key in first:
+                again[key].append(i)
+            else:
+                first[key] = i
         plan = []
         # Keyed as the batches will be run: every evaluator_id the tasks carry, to the spec that runs it.
         specs = {eid: self._resolve_spec_id(eid) for eid in dict.fromkeys(tasks[i].evaluator_id for i in todo)}
+        def where() -> str:
+            return f"batching strategy {self.batching_strategy!r}: batch {len(plan)}"
+
+        def index_of(task: Task) -> int:
+            i = first.pop(id(task), None)
+            if i is None:
+                queued = again.get(id(task))
+                if not queued:
+                    raise ValueError(f"{where()} holds a task that is not in its input, or one already batched")
+                i = queued.popleft()
+            return i
+
         for b in self._strategy_batches([tasks[i] for i in todo], specs):
-            where = f"batching strategy {self.batching_strategy!r}: batch {len(plan)}"
             if not isinstance(b, Batch):
-                raise ValueError(f"{where} is a {type(b).__name__}, not a Batch")
+                raise ValueError(f"{where()} is a {type(b).__name__}, not a Batch")
             if not b.tasks:
-                raise ValueError(f"{where} is empty")
+                raise ValueError(f"{where()} is empty")
             if len({t.evaluator_id for t in b.tasks}) > 1:  # one batch runs under one spec's handler and budget
-                raise ValueError(f"{where} mixes evaluators {sorted({t.evaluator_id for t in b.tasks})}")
-            try:
-                plan.append((b, [slots[id(t)].popleft() for t in b.tasks]))
-            except IndexError:
-                raise ValueError(f"{where} holds a task that is not in its input, or one already batched") from None
-        left = sum(map(len, slots.values()))
+                raise ValueError(f"{where()} mixes evaluators {sorted({t.evaluator_id for t in b.tasks})}")
+            plan.append((b, [index_of(t) for t in b.tasks]))
+        left = len(first) + sum(map(len, again.values()))
         if left:
             raise ValueError(f"batching strategy {self.batching_strategy!r}: {left} of its tasks are in no batch")
         return plan

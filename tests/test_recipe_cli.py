@@ -234,6 +234,28 @@ def test_rayapp_run_hands_the_driver_its_options_and_returns_its_exit_status(tmp
     assert seen["driver"][1:4] == [str(run_module.DRIVER), "--address=127.0.0.1:6379", "--verbose"]
 
 
+def test_a_cluster_that_does_not_come_up_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """run and demo: the failure's own message on stderr, exit 1; --verbose keeps the traceback."""
+    import contextlib
+
+    import rayapp.cli.launch as run_module
+
+    @contextlib.contextmanager
+    def failing_local_app(recipe, temp_dir, log, **kw):
+        raise RuntimeError(f"application rayapp is DEPLOY_FAILED: TypeError: bad factory\n(full log: {log})")
+        yield
+
+    monkeypatch.setattr(run_module, "local_app", failing_local_app)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _main(capsys, "run", "local")
+    assert code == 1 and err.startswith("rayapp run: application rayapp is DEPLOY_FAILED: TypeError: bad factory")
+    assert "Traceback" not in err
+    with pytest.raises(RuntimeError, match="DEPLOY_FAILED"):
+        from rayapp.cli import main
+
+        main(["run", "local", "--verbose"])
+
+
 def test_ray_start_s_output_goes_to_the_run_s_log_and_to_the_terminal_only_when_verbose(tmp_path, monkeypatch,
                                                                                         capfd):
     """``ray start`` stands in for itself: a script printing a banner (and failing, the second time)."""

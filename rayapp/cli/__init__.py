@@ -123,8 +123,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(schema(args.serve_config))
     if args.cmd == "init":
         sys.exit(init(args))
-    if args.cmd == "run":
-        sys.exit(run(args, driver_args))
     if args.cmd == "driver":
         os.execv(sys.executable, [sys.executable, str(DRIVER), *driver_args])
-    sys.exit(demo(args))
+    try:
+        sys.exit(run(args, driver_args) if args.cmd == "run" else demo(args))
+    except (RuntimeError, TimeoutError) as e:
+        # A cluster or app that did not come up: its own message (the cause and the log's path) is the
+        # news, not our call stack; --verbose keeps the traceback.
+        if args.verbose:
+            raise
+        print(f"rayapp {args.cmd}: {e}", file=sys.stderr)
+        sys.exit(1)

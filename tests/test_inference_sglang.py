@@ -223,7 +223,7 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
 
     health = run(main())
     assert health == {"ok": True, "backend": "sglang", "model": "/models/m", "in_flight": 0, "weight_version": 1,
-                      "engine_in_flight": None, "given_up": {"abort": 1}, "server_status": ""}  # a real engine has a status
+                      "engine_in_flight": None, "given_up": {"abort": 1}, "server_status": ""}  # real: "Up"
     assert backend.info()["max_context_len"] == 64 and backend.info()["max_prompt_len"] == 57
     backend.shutdown()
     assert engine.shut and not run(backend.health())["ok"]

@@ -11,10 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rayapp.core.clock import run_virtual
+from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.agents.tools import calculator, parse_tool_call
 from rayapp.envs.arithmetic import verify
 from rayapp.episode import EpisodeContext
+from rayapp.inference.client import FinishReason, GenerateOutput
 from rayapp.record import Iteration
 from rayapp.training.converters import episode_metadata
 from rayapp.types import AgentResult, SamplingParams, StoppingCriteria, Token
@@ -257,3 +259,40 @@ def test_a_kept_sandbox_is_closed_when_the_step_is_cancelled_between_run_and_ver
 
     assert not [k for k, v in vars(agent).items() if holds(v)]  # the agent keeps nothing of the episode
     assert len(ev._local) == 1  # and the token came back
+
+
+class Window:
+    """An engine whose window is smaller than the agent's max_context_len (sglang's is its
+    max_req_input_len): a prompt at or past it makes nothing, a reply ends LENGTH where it fills it."""
+
+    def __init__(self, engine, window):
+        self.engine, self.window = engine, window
+
+    async def info(self):
+        return await self.engine.info()
+
+    async def generate(self, req, timeout_s=None):
+        room = self.window - len(req.input_ids)
+        if room <= 0:
+            return GenerateOutput("r", [], [], FinishReason.LENGTH, engine="window")
+        out = await self.engine.generate(req, timeout_s)
+        if len(out.output_ids) <= room:
+            return out
+        ids = out.output_ids[:room]
+        return GenerateOutput("r", ids, out.logprobs[:room], FinishReason.LENGTH, engine="window")
+
+
+@pytest.mark.parametrize("agent", [ChatAgent, ToolAgent])
+def test_the_engines_window_ending_a_turn_is_max_context_and_the_budget_is_length(tok, model_dir, agent):
+    def episode(window, max_new_tokens=64):
+        engine = Window(ScriptedEngine(tok, model_dir, ["The answer is 4, as two and two make four."]), window)
+        c = EpisodeContext(0, None, StoppingCriteria(max_turns=2, max_context_len=1000),
+                           SamplingParams(max_new_tokens=max_new_tokens))
+        return run(agent(engine, verify).run(sample(), c))
+
+    prompt = len(episode(1).tokens)  # the prompt alone: past a 1-token window, no reply
+    assert (episode(1).termination_reason, episode(1).response_length) == ("max_context_len", 0)
+    cut = episode(prompt + 3)  # the window ends the reply after 3 tokens, short of its budget
+    assert (cut.termination_reason, cut.response_length, cut.truncated) == ("max_context_len", 3, True)
+    budget = episode(1000, max_new_tokens=3)  # the turn's own budget ends it: a LENGTH reply
+    assert (budget.termination_reason, budget.response_length, budget.truncated) == ("length", 3, True)

@@ -192,6 +192,8 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
             await cancelled
         assert engine.tokenizer_manager.aborts[-1] == (engine.calls[-1]["rid"], False)
         assert (await backend.health())["in_flight"] == 0
+        await asyncio.sleep(0.05)  # the engine's answer to the abort, which no caller waits for, is counted
+        assert (await backend.health())["given_up"] == {"abort": 1}
         # sglang aborts by id prefix: the ids it sees are all 32 hex characters, none a prefix of another
         rids = [c["rid"] for c in engine.calls]
         assert len(set(rids)) == len(rids) and {len(r) for r in rids} == {32}
@@ -221,7 +223,7 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
 
     health = run(main())
     assert health == {"ok": True, "backend": "sglang", "model": "/models/m", "in_flight": 0, "weight_version": 1,
-                      "server_status": ""}  # the stand-in has no status; a real engine says Up
+                      "engine_in_flight": None, "given_up": {"abort": 1}, "server_status": ""}  # real: "Up"
     assert backend.info()["max_context_len"] == 64 and backend.info()["max_prompt_len"] == 57
     backend.shutdown()
     assert engine.shut and not run(backend.health())["ok"]

@@ -106,6 +106,15 @@ class GenerationCut(asyncio.CancelledError):
         self.output = output
 
 
+def context_filled(out: GenerateOutput, max_new_tokens: int | None) -> bool:
+    """Whether ``out`` ended because the engine's context was full rather than at the turn's own
+    budget (``max_new_tokens``, as the request carried it): LENGTH with fewer tokens than that. The
+    engine's window may be smaller than the agent's ``max_context_len`` (sglang takes a prompt only
+    under its ``max_req_input_len``; a prompt at or past it makes no token at all)."""
+    budget = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    return out.finish_reason is FinishReason.LENGTH and len(out.output_ids) < budget
+
+
 async def generate_abortable(engine: Any, req: GenerateRequest, *, abort_timeout_s: float = 10.0) -> GenerateOutput:
     """``engine.generate(req)``, aborted at the engine when the caller is cancelled: then the
     tokens made so far come back in a ``GenerationCut`` (the backends' ``abort`` returns them as

@@ -19,6 +19,9 @@ never on a GPU. What the engine showed there, and this backend therefore does:
 - seeds: ``sampling_seed`` is used only by an engine started with ``enable_deterministic_inference``;
   any other refuses a seeded sampling request (greedy ones drop the seed: it changes nothing there);
 - ``ignore_eos`` also switches off ``stop_token_ids`` in sglang: the two together are refused;
+- a caller that gives up (cancelled, or past ``request_timeout_s``) has its request aborted in sglang,
+  whose answer still comes back and is counted by how it ended (``health()["given_up"]``: ``abort``
+  when the abort stopped it), beside ``engine_in_flight``, the requests sglang itself still holds;
 - ``server_status`` is moved from Starting to Up only by sglang's HTTP server: the backend marks its
   engine Up once the engine is built, so sglang's own ``is_healthy`` says what it should.
 
@@ -179,6 +182,7 @@ class SGLangBackend:
             engine = sglang.Engine(**kwargs)
         self._engine, self.model_path, self.request_timeout_s = engine, model_path, request_timeout_s
         self._in_flight: dict[str, str] = {}  # the caller's request id -> the engine's
+        self.given_up: dict[str, int] = {}  # requests whose caller gave up, by how sglang ended them (_settle)
         self._version = 0
         self._closed = False
         self._deterministic = bool(getattr(getattr(engine, "server_args", None), "enable_deterministic_inference",
@@ -228,13 +232,18 @@ class SGLangBackend:
             return GenerateOutput(caller_id, [], [], FinishReason.LENGTH, prompt_len=len(req.input_ids),
                                   engine=self.name, weight_version=str(self._version))
         self._in_flight[caller_id] = rid
+        # The engine's call in a task of its own: a caller that gives up aborts the request in sglang, and
+        # sglang's answer still comes back (to ``_settle``), saying whether the abort stopped it.
+        call = asyncio.ensure_future(self._engine.async_generate(**kwargs))
         try:
-            out = await asyncio.wait_for(self._engine.async_generate(**kwargs), self.request_timeout_s)
+            out = await asyncio.wait_for(asyncio.shield(call), self.request_timeout_s)
         except TimeoutError:
             self._tm.abort_request(rid=rid)
+            self._settle(call)
             raise TimeoutError(f"sglang request {caller_id!r} took over {self.request_timeout_s}s; aborted") from None
         except asyncio.CancelledError:  # the caller went on without it (a partial step): free its place at once
             self._tm.abort_request(rid=rid)
+            self._settle(call)
             raise
         except Exception as e:  # the engine is down or overloaded: classify as an infra failure
             if getattr(e, "status_code", None) in (500, 503):
@@ -243,6 +252,22 @@ class SGLangBackend:
         finally:
             self._in_flight.pop(caller_id, None)
         return from_sglang_output(caller_id, out)
+
+    def _settle(self, call: asyncio.Future) -> None:
+        """Count how sglang ended a request no caller waits for any more (``health()["given_up"]``:
+        ``abort`` when the abort stopped it; ``stop``/``length`` when it ran to its end, which an abort
+        that never reached the engine leaves); one that gives no answer within the request timeout is
+        cancelled."""
+        def done(c: asyncio.Future) -> None:
+            timer.cancel()
+            if c.cancelled() or c.exception() is not None:
+                how = "no answer"
+            else:
+                how = str(((c.result().get("meta_info") or {}).get("finish_reason") or {}).get("type", "unknown"))
+            self.given_up[how] = self.given_up.get(how, 0) + 1
+
+        timer = asyncio.get_running_loop().call_later(self.request_timeout_s, call.cancel)
+        call.add_done_callback(done)
 
     async def abort(self, request_id: str | None = None) -> int:
         if request_id is None:
@@ -265,7 +290,11 @@ class SGLangBackend:
         ok = not self._closed and tm is not None and (healthy() if healthy is not None
                                                       else not getattr(tm, "gracefully_exit", False))
         status = getattr(tm, "server_status", None)
+        # The requests sglang itself still holds: one whose caller gave up stays there until sglang has
+        # aborted it (``in_flight`` counts only the callers this backend still answers).
+        held = getattr(tm, "rid_to_state", None)
         return {"ok": ok, "backend": self.name, "model": self.model_path, "in_flight": len(self._in_flight),
+                "engine_in_flight": None if held is None else len(held), "given_up": dict(self.given_up),
                 "weight_version": self._version, "server_status": getattr(status, "name", str(status or ""))}
 
     def _weights_request(self, path: str, version: int) -> Any:

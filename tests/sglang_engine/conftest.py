@@ -17,6 +17,7 @@ def loop():
     tasks = asyncio.all_tasks(loop)
     for task in tasks:
         task.cancel()
-    loop.run_until_complete(asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10))
+    if tasks:  # none when no request reached the engine (gather() of nothing takes another loop's future)
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10))
     loop.close()
     asyncio.set_event_loop(None)

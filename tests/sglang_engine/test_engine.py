@@ -24,13 +24,17 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
 import sglang  # noqa: F401  (the lane's install: an import failure is the lane's failure)
 from safetensors.torch import load_file, save_file
 
+from rayapp.envs.agents.chat import ChatAgent
+from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.envs.arithmetic import verify
+from rayapp.episode import EpisodeContext
 from rayapp.inference import GenerateRequest
 from rayapp.inference.client import FinishReason, GenerationCut, generate_abortable
 from rayapp.inference.sglang import SGLangBackend
 from rayapp.inference.tiny_model import ensure_tiny_model
-from rayapp.record import EpisodeRecord, TurnRecord
+from rayapp.record import EpisodeRecord, TerminationReason, TurnRecord
 from rayapp.training.partial import staleness
-from rayapp.types import Sample, SamplingParams
+from rayapp.types import Sample, SamplingParams, StoppingCriteria
 
 PROMPT = [1, 4, 302, 271]
 KV_TOKENS = 4096
@@ -127,6 +131,26 @@ def test_a_cancelled_caller_gets_a_cut_with_the_tokens_made(backend, run):
     assert run(backend.health())["in_flight"] == 0
 
 
+def test_a_caller_that_gives_up_has_its_request_aborted_in_sglang(backend, run):
+    """A caller cancelled while it awaits ``generate`` (what a Serve replica's call sees when its
+    caller gives up): the backend aborts the request in SGLang, and counts how SGLang ended it: abort,
+    not a reply run to its 3,000 tokens."""
+    async def main():
+        task = asyncio.ensure_future(backend.generate(long_request()))
+        await in_flight(backend, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(3000):
+            if backend.given_up:
+                break
+            await asyncio.sleep(0.01)
+        return await backend.health()
+
+    health = run(main())
+    assert health["given_up"] == {"abort": 1} and health["in_flight"] == health["engine_in_flight"] == 0
+
+
 def test_a_request_over_its_time_is_aborted_and_the_engine_serves_on(backend, run):
     backend.request_timeout_s = 0.5
     try:
@@ -136,6 +160,7 @@ def test_a_request_over_its_time_is_aborted_and_the_engine_serves_on(backend, ru
         backend.request_timeout_s = 600.0
     assert run(backend.health())["in_flight"] == 0
     assert run(backend.generate(GenerateRequest(PROMPT, GREEDY))).output_ids
+    assert backend.given_up == {"abort": 2}  # SGLang's answer to the timed-out one came back too
 
 
 def test_flush_cache_and_abort_with_nothing_in_flight(backend, run):
@@ -168,6 +193,48 @@ def test_a_prompt_past_the_engines_input_limit_ends_as_length(backend, run):
     inside = run(backend.generate(GenerateRequest([5] * (engine_limit - 1), GREEDY, ignore_eos=True)))
     assert inside.finish_reason == FinishReason.LENGTH and 1 <= len(inside.output_ids) <= 8
     assert backend.info()["max_prompt_len"] == engine_limit - 1
+
+
+class Client:
+    """The engine client's shape (what an agent holds), in process over the backend."""
+
+    def __init__(self, backend: SGLangBackend):
+        self.backend = backend
+
+    async def info(self) -> dict:
+        return self.backend.info()
+
+    async def generate(self, req: GenerateRequest, timeout_s: float | None = None):
+        return await self.backend.generate(req)
+
+    async def abort(self, request_id: str | None = None) -> int:
+        return await self.backend.abort(request_id)
+
+
+@pytest.mark.parametrize("agent", [ChatAgent, ToolAgent])
+def test_an_episode_whose_prompt_passes_the_engines_limit_ends_as_max_context(backend, run, agent):
+    """Defect 1, the episode's side: a turn whose prompt the engine will not take ends the episode
+    with the max_context termination, not as a reply cut by its token budget. The agent's window is
+    the engine's context plus room (what a KV pool smaller than the context does to an agent whose
+    max_context_len equals SGLang's context_length): the agent sees room for the turn's 16 tokens,
+    the engine takes none of them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()), local_files_only=True)
+    limit = backend.info()["max_prompt_len"]
+
+    def prompt_len(text: str) -> int:
+        return len(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+
+    text = "7" * (limit + 2 - prompt_len(""))  # one token per digit
+    assert prompt_len(text) == limit + 2
+    ctx = EpisodeContext(0, None, StoppingCriteria(max_turns=1, max_context_len=2 * backend.max_context_len),
+                         SamplingParams(temperature=0, max_new_tokens=16))
+    result = run(agent(Client(backend), verify).run(Sample("long-prompt", 0, text), ctx))
+    assert result.termination_reason is TerminationReason.MAX_CONTEXT_LEN and result.truncated
+    # the tool agent's prompt is longer still (its tools' system prompt), as far inside its window
+    assert result.response_length == 0 and limit + 2 <= len(result.tokens) < backend.max_context_len + 64
 
 
 def test_a_seed_is_refused_where_the_engine_would_ignore_it(backend, run):

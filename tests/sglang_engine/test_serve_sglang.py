@@ -6,9 +6,12 @@ calls the manager and the engine through Serve handles, every call bounded:
 
 - a rollout step and an eval step return samples with real tokens and log-probs from SGLang;
 - an abort reaches the replica that holds the request: by id (broadcast, as the manager's client
-  does) and by cancelling the caller (Serve routes the cancellation to that replica);
+  does) and by cancelling the caller (Serve routes the cancellation to that replica, whose backend
+  aborts it in SGLang: SGLang's answer to it says abort);
 - a weight update between two steps reaches both replicas, every turn of the next step names the new
   version, and its log-probs are the new weights' (transformers over the same checkpoint);
+- a partial rollout (a second manager, ``recipe/partial.yaml``, over the same engines) cuts a turn in
+  one step and resumes it in the next, across a weight update;
 - an engine replica killed mid-step: the step still returns every sample exactly once.
 
 Every Ray process runs the lane's interpreter (``ray``/``serve`` through it: ``.venv-sglang`` has no
@@ -39,6 +42,7 @@ from rayapp.inference.tiny_model import ensure_tiny_model
 from rayapp.types import SamplingParams, Status
 
 RECIPE = Path(__file__).parent / "recipe" / "rollout.yaml"
+PARTIAL = RECIPE.with_name("partial.yaml")
 ENGINE = "engine-student"
 STEP_S = 600  # one step's bound: two CPU engines on a shared 2-core machine
 
@@ -78,8 +82,8 @@ def app(tmp_path_factory):
             print(f"\nserve run of {RECIPE.name}: RUNNING after {time.monotonic() - started:.0f}s")
             ray.init(address=address, namespace="rayapp-sglang-lane", logging_level="error", log_to_driver=False)
             try:
-                yield {"manager": serve.get_app_handle("rayapp"), "roots": roots, "ray": ray,
-                       "engine": serve.get_deployment_handle(ENGINE, "rayapp")}
+                yield {"manager": serve.get_app_handle("rayapp"), "roots": roots, "ray": ray, "serve": serve,
+                       "engine": serve.get_deployment_handle(ENGINE, "rayapp"), "args": cfg["applications"][0]["args"]}
             finally:
                 ray.shutdown()
     finally:
@@ -98,8 +102,19 @@ def versions(samples) -> set[str]:
     return {str(t["weight_version"]) for s in samples for t in s.metadata.get("_turn_placement", [])}
 
 
-def in_flight(engine) -> int:
-    return sum(h["in_flight"] for h in engine.broadcast("health").results(timeout_s=30))
+def in_flight(engine, key: str = "in_flight") -> int:
+    """Requests in flight on every replica: the callers its backend answers (``in_flight``), or the
+    requests SGLang itself holds (``engine_in_flight``)."""
+    return sum(h[key] for h in engine.broadcast("health").results(timeout_s=30))
+
+
+def given_up(engine) -> dict[str, int]:
+    """The requests whose caller gave up, on every replica, by how SGLang ended them."""
+    total: dict[str, int] = {}
+    for h in engine.broadcast("health").results(timeout_s=30):
+        for how, n in h["given_up"].items():
+            total[how] = total.get(how, 0) + n
+    return total
 
 
 def wait_in_flight(engine, at_least: int, timeout_s: float = 60) -> None:
@@ -141,14 +156,19 @@ def test_an_abort_reaches_the_replica_that_holds_the_request(app):
     assert sum(engine.broadcast("abort", "lane-abort").results(timeout_s=30)) == 1  # one replica had it
     out = running.result(timeout_s=60)
     assert out.finish_reason == FinishReason.ABORT and 0 < len(out.output_ids) < 900
+    assert in_flight(engine, "engine_in_flight") == 0 and given_up(engine) == {}
 
+    # The caller gives up: Serve cancels the replica's call, whose backend aborts the request in SGLang
+    # and counts how SGLang then ended it. "abort" is SGLang's own answer; a cancel that stayed with
+    # the caller counts nothing, and one the backend did not pass on counts "length" (all 900 tokens).
     cancelled = engine.generate.remote(long_request("lane-cancel"))
     wait_in_flight(engine, 1)
-    cancelled.cancel()  # the caller gives up: Serve cancels the replica's call, which aborts in SGLang
-    deadline = time.monotonic() + 30
-    while in_flight(engine) and time.monotonic() < deadline:
+    cancelled.cancel()
+    deadline = time.monotonic() + 60
+    while not given_up(engine) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert in_flight(engine) == 0
+    assert given_up(engine) == {"abort": 1}
+    assert in_flight(engine) == in_flight(engine, "engine_in_flight") == 0
 
 
 def perturbed_checkpoint(folder: Path) -> Path:
@@ -184,6 +204,73 @@ def test_a_weight_update_between_steps_reaches_every_replica_and_the_next_step(a
     gap = float(((new - b.old_logp).abs() * b.mask).max())
     print(f"log-prob gap, SGLang vs transformers on the new weights: {gap:.2e}")
     assert gap < 1e-2  # sampled from the checkpoint's weights (SGLang's CPU kernels vs transformers')
+
+
+def turn_versions(sample) -> list[str]:
+    return [str(t["weight_version"]) for t in sample.metadata["_turn_placement"]]
+
+
+def test_a_partial_rollout_cuts_a_turn_and_the_next_step_resumes_it(app, tmp_path):
+    """A second manager (recipe/partial.yaml: scheduler.partial, policy resume) over the same two
+    engine replicas: rollout 1 completes with its short group and cuts the long one mid-turn, the
+    checkpoint keeps what the cut turn made; new weights (version 2) load between the steps; rollout
+    2 returns the long group first, each cut sample going on from its carried tokens on the new
+    weights, every sample of either step returned once. Its steps are numbered 1 and 2, as the
+    engines serve version 1 (the update test's), so a version reads as the step it belongs to."""
+    import shutil
+
+    from rayapp.actors.manager import SchedulerRolloutManager
+    from rayapp.training.checkpoint import RolloutCheckpoint
+
+    serve = app["serve"]
+    args = yaml.safe_load(PARTIAL.read_text())
+    args["engines"] = app["args"]["engines"]
+    args["data"]["cut"]["path"] = str(PARTIAL.with_name("partial_rows.jsonl"))
+    args["scheduler"]["checkpoint_dir"] = str(tmp_path / "checkpoint")
+    manager = serve.deployment(SchedulerRolloutManager, name="PartialRolloutManager", num_replicas=1,
+                               ray_actor_options={"num_cpus": 0})
+    handle = serve.run(manager.bind(args, {"student": app["engine"]}, None, "rayapp-partial"),
+                       name="rayapp-partial", route_prefix=None)
+    try:
+        first = handle.generate.remote(1).result(timeout_s=STEP_S)
+        assert [[s.task_id for s in g] for g in first.groups] == [["short-1", "short-1"]]
+        assert first.metrics["rollout/partial/carried"] == 1.0
+        [carried] = RolloutCheckpoint(tmp_path / "checkpoint").carried(1)
+        assert carried.task.task_id == "long-1" and carried.since == 1
+        cut = {s.index: s.episode.resume for s in carried.samples
+               if s.status is Status.PENDING and s.episode.resume is not None and s.episode.resume.partial}
+        assert cut, [(s.status, s.episode.resume) for s in carried.samples]  # a turn cut mid-generation
+        for point in cut.values():
+            assert point.turns == 0 and [t.weight_version for t in point.turn_records] == ["1"]
+            assert len(point.tokens) == point.prompt_len + point.partial
+
+        weights = shutil.copytree(ensure_tiny_model(), app["roots"] / "partial-2")
+        replies = handle.update_weights_from_disk.remote("student", str(weights)).result(timeout_s=STEP_S)
+        assert [r["version"] for r in replies] == [2, 2], replies
+
+        second = handle.generate.remote(2).result(timeout_s=STEP_S)
+        assert [[s.task_id for s in g] for g in second.groups] == [["long-1", "long-1"]]
+        resumed = {s.index: s for s in second.groups[0]}
+        assert sorted(resumed) == [0, 1]
+        for index, point in cut.items():
+            s = resumed[index]
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED), s.metadata
+            assert s.tokens[:len(point.tokens)] == point.tokens  # the carried tokens begin the turn
+            assert s.response_length >= point.partial
+            assert s.rollout_log_probs[:point.partial] == point.rollout_log_probs[-point.partial:]
+            assert turn_versions(s) == ["1", "2"]  # cut on the weights of step 1, finished on step 2's
+        for s in carried.samples:  # a sample that had ended in rollout 1 comes back as it was
+            if s.index not in cut and s.status is not Status.PENDING:
+                assert resumed[s.index].tokens == s.tokens and turn_versions(resumed[s.index]) == ["1"]
+        assert second.metrics["rollout/partial/resumed"] == 1.0
+        assert second.metrics["rollout/partial/staleness_max"] == 1.0  # step 2 returns turns of step 1
+        keys = [(s.task_id, s.index) for r in (first, second) for g in r.groups for s in g]
+        assert len(keys) == len(set(keys)) == 4
+        print(f"partial rollout: {len(cut)} sample(s) of long-1 cut in rollout 1 after "
+              f"{sorted(p.partial for p in cut.values())} tokens, resumed in rollout 2 to "
+              f"{sorted(resumed[i].response_length for i in cut)}")
+    finally:
+        serve.delete("rayapp-partial")
 
 
 def test_an_engine_replica_killed_mid_step_still_returns_every_sample_once(app):

@@ -32,6 +32,7 @@ from rayapp.inference.client import (
     GenerateOutput,
     GenerateRequest,
     GenerationCut,
+    context_filled,
     generate_abortable,
 )
 from rayapp.record import ResumePoint, TerminationReason
@@ -113,11 +114,14 @@ class ChatAgent(AgentHandler):
             sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
         out, _ = await self.turn(tok, prompt_ids, cut_tail(point), sampling, 1, sample, ctx)
         truncated = out.finish_reason is FinishReason.LENGTH
+        reason = TerminationReason.STOP
+        if truncated:  # the engine's context full (its window may be smaller than max_context_len), or the budget
+            reason = TerminationReason.MAX_CONTEXT_LEN if context_filled(out, sampling.max_new_tokens) \
+                else TerminationReason.LENGTH
         return AgentResult(
             tokens=prompt_ids + list(out.output_ids), response_length=len(out.output_ids),
             response=out.text, rollout_log_probs=list(out.logprobs), loss_mask=[1] * len(out.output_ids),
-            turns=1, termination_reason=TerminationReason.LENGTH if truncated else TerminationReason.STOP,
-            truncated=truncated,
+            turns=1, termination_reason=reason, truncated=truncated,
         )
 
     async def turn(self, tok: Any, context: list[int], tail: Tail, sampling: Any, turn: int, sample: Sample,

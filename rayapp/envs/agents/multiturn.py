@@ -45,7 +45,7 @@ from rayapp.envs.agents.tools import (
     with_tool_stops,
 )
 from rayapp.episode import EpisodeContext
-from rayapp.inference.client import FinishReason, GenerateOutput
+from rayapp.inference.client import FinishReason, GenerateOutput, context_filled
 from rayapp.record import ResumePoint, TerminationReason, ToolReplay
 from rayapp.types import AgentResult, Sample
 
@@ -136,9 +136,9 @@ class ToolAgent(ChatAgent):
             tail = ([], [])
             data.add(out.output_ids, weight, out.logprobs)
             final_text = out.text
-            if out.finish_reason is FinishReason.LENGTH:
-                reason = TerminationReason.MAX_CONTEXT_LEN if room is not None and cap == room \
-                    else TerminationReason.LENGTH
+            if out.finish_reason is FinishReason.LENGTH:  # the window full (the agent's or the engine's), or the budget
+                full = (room is not None and cap == room) or context_filled(out, cap)
+                reason = TerminationReason.MAX_CONTEXT_LEN if full else TerminationReason.LENGTH
                 break
             parsed = parse_tool_call(out.text)
             if parsed.final:

@@ -25,6 +25,7 @@ import msgspec
 from rayapp.core.agent import AgentHandler
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
+from rayapp.envs.agents.observation import turn_budget
 from rayapp.episode import EpisodeContext
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -102,15 +103,11 @@ class ChatAgent(AgentHandler):
         else:
             prompt_ids = list(tok.apply_chat_template(self.messages(sample), add_generation_prompt=True,
                                                       tokenize=True, return_dict=False))
-        sampling = ctx.sampling
-        limit = ctx.stopping.max_context_len
-        if limit is not None:
-            room = limit - len(prompt_ids)
-            if room < 1:
-                return AgentResult(tokens=prompt_ids, response_length=0, turns=0,
-                                   termination_reason=TerminationReason.MAX_CONTEXT_LEN, truncated=True)
-            cap = min(room, sampling.max_new_tokens or room)
-            sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
+        budget = turn_budget(ctx.sampling, ctx.stopping.max_context_len, len(prompt_ids))
+        if budget is None:
+            return AgentResult(tokens=prompt_ids, response_length=0, turns=0,
+                               termination_reason=TerminationReason.MAX_CONTEXT_LEN, truncated=True)
+        sampling, _ = budget
         out, _ = await self.turn(tok, prompt_ids, cut_tail(point), sampling, 1, sample, ctx)
         truncated = out.finish_reason is FinishReason.LENGTH
         return AgentResult(

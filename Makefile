@@ -37,9 +37,14 @@ lint: $(STAMP)
 
 # Tests that start their own Ray cluster run each in a pytest process of its own; the SGLang lane is
 # `make test-sglang`.
-test: lint
+test: lint $(VENV)/.gym
 	$(BIN)/python -m pytest --ignore=tests/isolated --ignore=tests/sglang_engine
 	for f in tests/isolated/test_*.py; do $(BIN)/python -m pytest $$f || exit 1; done
+
+# the 'gym' extra (SkyRL-gym, for tests/test_agent_gym.py), out of $(STAMP) so that `make demo` installs no pandas
+$(VENV)/.gym: pyproject.toml | $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[hf,test,plot,gym]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/python -c 'import skyrl_gym' && touch $@
 
 # The tiny model ships built (rayapp/inference/tiny-llama-v1); these rebuild it (minutes): `tiny-model` in
 # place, after a change to its recipe; `check-tiny-model` aside, comparing it file by file with the shipped one.

@@ -36,6 +36,7 @@ from rayapp.core.termination import (
 )
 from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.agents.dagger import DAggerAgent, DAggerRollIn
+from rayapp.envs.agents.gym import GymAgent, skyrl_gym_env
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.datasets.files import FieldMap
@@ -102,6 +103,7 @@ __all__ = [
     "FieldMap",
     "FinishOnlyFilter",
     "FunctionAgent",
+    "GymAgent",
     "HeldBatch",
     "Iteration",
     "LayoutError",
@@ -158,4 +160,5 @@ __all__ = [
     "resolve_stopping",
     "roll_in_metrics",
     "run_virtual",
+    "skyrl_gym_env",
 ]

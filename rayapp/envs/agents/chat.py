@@ -25,6 +25,7 @@ import msgspec
 from rayapp.core.agent import AgentHandler
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
+from rayapp.envs.agents.observation import length_reason, turn_budget
 from rayapp.episode import EpisodeContext
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -32,7 +33,6 @@ from rayapp.inference.client import (
     GenerateOutput,
     GenerateRequest,
     GenerationCut,
-    context_filled,
     generate_abortable,
 )
 from rayapp.record import ResumePoint, TerminationReason
@@ -103,21 +103,14 @@ class ChatAgent(AgentHandler):
         else:
             prompt_ids = list(tok.apply_chat_template(self.messages(sample), add_generation_prompt=True,
                                                       tokenize=True, return_dict=False))
-        sampling = ctx.sampling
-        limit = ctx.stopping.max_context_len
-        if limit is not None:
-            room = limit - len(prompt_ids)
-            if room < 1:
-                return AgentResult(tokens=prompt_ids, response_length=0, turns=0,
-                                   termination_reason=TerminationReason.MAX_CONTEXT_LEN, truncated=True)
-            cap = min(room, sampling.max_new_tokens or room)
-            sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
+        budget = turn_budget(ctx.sampling, ctx.stopping.max_context_len, len(prompt_ids))
+        if budget is None:
+            return AgentResult(tokens=prompt_ids, response_length=0, turns=0,
+                               termination_reason=TerminationReason.MAX_CONTEXT_LEN, truncated=True)
+        sampling, room = budget
         out, _ = await self.turn(tok, prompt_ids, cut_tail(point), sampling, 1, sample, ctx)
         truncated = out.finish_reason is FinishReason.LENGTH
-        reason = TerminationReason.STOP
-        if truncated:  # the engine's context full (its window may be smaller than max_context_len), or the budget
-            reason = TerminationReason.MAX_CONTEXT_LEN if context_filled(out, sampling.max_new_tokens) \
-                else TerminationReason.LENGTH
+        reason = length_reason(sampling, room, out) if truncated else TerminationReason.STOP
         return AgentResult(
             tokens=prompt_ids + list(out.output_ids), response_length=len(out.output_ids),
             response=out.text, rollout_log_probs=list(out.logprobs), loss_mask=[1] * len(out.output_ids),

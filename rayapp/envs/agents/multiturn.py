@@ -21,8 +21,8 @@ its kept tokens, or generated again when none were kept (a DAgger roll-in's turn
 label is the teacher's answer to the turn's whole state).
 
 Environment tokens come from the model's own chat template: the text the template adds for a tool
-message (plus the next generation prompt) after a closed assistant turn. This assumes a template
-that renders each message on its own, as chat templates do.
+message (plus the next generation prompt) after a closed assistant turn (``observation_tokens``, which
+the gym agent shares).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import msgspec
 
 from rayapp.core.termination import SandboxError
 from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, cut_tail, run_inline
+from rayapp.envs.agents.observation import TokenData, length_reason, observation_tokens, turn_budget
 from rayapp.envs.agents.tools import (
     SANDBOX_TOOLS,
     TOOLS,
@@ -45,14 +46,13 @@ from rayapp.envs.agents.tools import (
     with_tool_stops,
 )
 from rayapp.episode import EpisodeContext
-from rayapp.inference.client import FinishReason, GenerateOutput, context_filled
+from rayapp.inference.client import FinishReason, GenerateOutput
 from rayapp.record import ResumePoint, TerminationReason, ToolReplay
 from rayapp.types import AgentResult, Sample
 
 # sandbox_factory(sample, ctx) -> an open Sandbox (closed after the run phase, or with keep_sandbox
 # when the episode context closes)
 SandboxFactory = Callable[[Sample, EpisodeContext], Awaitable[Any]]
-_PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 
 class ToolAgent(ChatAgent):
@@ -76,14 +76,6 @@ class ToolAgent(ChatAgent):
         # keep_sandbox: the episode's sandbox stays open for the verify phase (``verify_in``); the
         # episode context holds it and closes it when the episode ends, however it ends.
         self.keep_sandbox = keep_sandbox
-
-    def env_tokens(self, tok: Any, message: dict[str, str]) -> list[int]:
-        """The template's tokens for ``message`` and the next generation prompt, after a closed turn."""
-        before = tok.apply_chat_template(_PROBE, tokenize=False)
-        after = tok.apply_chat_template([*_PROBE, message], add_generation_prompt=True, tokenize=False)
-        if not after.startswith(before):
-            raise ValueError("the chat template does not render messages one by one")
-        return tok.encode(after[len(before):], add_special_tokens=False)
 
     async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
         tok = await self.tokenizer()
@@ -110,7 +102,7 @@ class ToolAgent(ChatAgent):
 
     async def _episode(self, tok: Any, prompt: list[int], sample: Sample, ctx: EpisodeContext,
                        sandbox: Any, point: ResumePoint | None = None) -> AgentResult:
-        data, calls, tail = _TokenData(list(prompt)), [], cut_tail(point)
+        data, calls, tail = TokenData(list(prompt)), [], cut_tail(point)
         if point is not None:  # the kept turns, as they were (the cut turn's tokens go on in ``tail``)
             kept = len(point.tokens) - point.partial
             data.ids, data.mask = point.tokens[:kept], point.loss_mask[:len(point.loss_mask) - point.partial]
@@ -123,22 +115,17 @@ class ToolAgent(ChatAgent):
         sampling = msgspec.structs.replace(ctx.sampling, stop=with_tool_stops(ctx.sampling.stop))
         reason, final_text = TerminationReason.MAX_TURNS, ""
         for turn in range(point.turns + 1 if point is not None else 1, max_turns + 1):
-            room = None if limit is None else limit - len(data.ids)
-            if room is not None and room < 1:
+            budget = turn_budget(sampling, limit, len(data.ids))
+            if budget is None:
                 reason = TerminationReason.MAX_CONTEXT_LEN
                 break
-            cap = sampling.max_new_tokens or room
-            if room is not None:
-                cap = min(room, cap or room)
-            # a copy: the request is this turn's state, whoever keeps it (a DAgger label records it)
-            turn_sampling = msgspec.structs.replace(sampling, max_new_tokens=cap)
+            turn_sampling, room = budget
             out, weight = await self.turn(tok, list(data.ids), tail, turn_sampling, turn, sample, ctx)
             tail = ([], [])
             data.add(out.output_ids, weight, out.logprobs)
             final_text = out.text
             if out.finish_reason is FinishReason.LENGTH:  # the window full (the agent's or the engine's), or the budget
-                full = (room is not None and cap == room) or context_filled(out, cap)
-                reason = TerminationReason.MAX_CONTEXT_LEN if full else TerminationReason.LENGTH
+                reason = length_reason(turn_sampling, room, out)
                 break
             parsed = parse_tool_call(out.text)
             if parsed.final:
@@ -165,12 +152,8 @@ class ToolAgent(ChatAgent):
         """The environment's tokens after a turn that asked for a tool (the tool's answer in the
         chat template), and whether they had to be cut to the ``room`` left in the context."""
         observation = parsed.error or await self._call_tool(parsed.call, sandbox)
-        env = self.env_tokens(tok, tool_result_message(parsed.call.name if parsed.call else "error", observation))
-        if out.output_ids[-1:] != [tok.eos_token_id]:
-            env = [tok.eos_token_id, *env]  # close the model's turn the way the template does
-        if room is not None and len(env) > room:
-            return env[:room], True
-        return env, False
+        message = tool_result_message(parsed.call.name if parsed.call else "error", observation)
+        return observation_tokens(tok, [message], out.output_ids, room)
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
         if not self.keep_sandbox:
@@ -190,14 +173,3 @@ class ToolAgent(ChatAgent):
             return f"error: unknown tool {call.name!r}; available: {', '.join(self.tools)}"
         return await self.tool_fns[call.name](call.arguments, sandbox)
 
-
-class _TokenData:
-    """The episode's token data as it grows: ids (prompt first), and the response's mask and log-probs."""
-
-    def __init__(self, prompt: list[int]):
-        self.ids, self.mask, self.logprobs = prompt, [], []
-
-    def add(self, ids: list[int], weight: int, logprobs: list[float] | None = None) -> None:
-        self.ids += ids
-        self.mask += [weight] * len(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)

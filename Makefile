@@ -12,10 +12,15 @@ $(BIN)/python:
 
 # torch first, pinned: 2.13.0 is a local CPU wheel here, so nothing pulls a multi-GB CUDA build.
 # pip's "Location ... is ignored" notes about this machine's extra indexes are filtered out.
+# --no-compile: pip would byte-compile every file of torch, ray and transformers up front (over a minute
+# on 2 cores); Python compiles the modules a run imports, once, as it imports them.
+PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q torch==2.13.0 2>&1 | grep -v 'is ignored: it is neither' || true
-	$(BIN)/python -m pip install -q -e '.[hf,test,plot]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	@echo "installing torch 2.13.0 (CPU), then rayapp with Ray, transformers, the test tools and matplotlib ..."
+	$(PIP_INSTALL) torch==2.13.0 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(PIP_INSTALL) -e '.[hf,test,plot]' 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(BIN)/python -c 'import rayapp, ray, torch, transformers, matplotlib' && touch $(STAMP)
+	@echo "installed into $(VENV)"
 
 demo: $(STAMP)
 	$(BIN)/rayapp demo
@@ -43,7 +48,7 @@ test: lint $(VENV)/.gym
 
 # the 'gym' extra (SkyRL-gym, for tests/test_agent_gym.py), out of $(STAMP) so that `make demo` installs no pandas
 $(VENV)/.gym: pyproject.toml | $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[hf,test,plot,gym]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(PIP_INSTALL) -e '.[hf,test,plot,gym]' 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(BIN)/python -c 'import skyrl_gym' && touch $@
 
 # The tiny model ships built (rayapp/inference/tiny-llama-v1); these rebuild it (minutes): `tiny-model` in
@@ -56,7 +61,7 @@ check-tiny-model: $(STAMP)
 
 # the 'bench' extra (matplotlib, which the 'plot' extra of every install brings already).
 $(VENV)/.bench: pyproject.toml | $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[hf,test,bench]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(PIP_INSTALL) -e '.[hf,test,bench]' 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(BIN)/python -c 'import matplotlib' && touch $@
 
 bench: $(STAMP) $(VENV)/.bench

@@ -327,3 +327,27 @@ def test_validate_makes_a_source_plug_ins_rows_and_names_the_field_when_they_fai
     assert problems(recipe) == [
         f'recipe "{recipe}": $.applications[0].args.data.mine.source: data source \'my_rows:rows\': its rows '
         "failed: AttributeError: 'DatasetConfig' object has no attribute 'prompts'"]
+
+
+def test_waiting_for_the_app_says_each_change_of_its_deployments_states(tmp_path, monkeypatch, capsys):
+    """A deploy takes about a minute here: each new state of its deployments is one line, a repeat none."""
+    import json as _json
+    import subprocess as sp
+
+    import rayapp.cli.local as local
+
+    answers = iter([["DEPLOYING", "", {"pool": "UPDATING", "manager": "UPDATING"}],
+                    ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}],
+                    ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}],
+                    ["RUNNING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}]])
+
+    class Proc:
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(local.subprocess, "run",
+                        lambda *a, **k: sp.CompletedProcess(a, 0, _json.dumps(next(answers)) + "\n", ""))
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    local.wait_for_app("127.0.0.1:1", "rayapp", 60, Proc(), tmp_path / "log")
+    lines = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines()]
+    assert lines == ["  serve: manager updating, pool updating", "  serve: manager updating, pool healthy"]

@@ -140,24 +140,32 @@ def deploy_error(message: str) -> str:
 
 
 def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subprocess.Popen, log: Path) -> None:
+    """Until ``app`` is RUNNING (its deployments' states said on stdout as they change: a deploy takes
+    about a minute on 2 cores), or one error naming the cause and the log."""
     code = ("import json, ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
             "log_to_driver=False); s = serve.status().applications.get(sys.argv[2]); "
-            "print(json.dumps([str(getattr(s.status, 'value', s.status)), "
-            "'\\n'.join([s.message, *(d.message for d in s.deployments.values())])] if s else ['MISSING', '']))")
-    deadline = time.monotonic() + timeout_s
+            "st = lambda x: str(getattr(x, 'value', x)); "
+            "print(json.dumps([st(s.status), '\\n'.join([s.message, *(d.message for d in s.deployments.values())]), "
+            "{n: st(d.status) for n, d in s.deployments.items()}] if s else ['MISSING', '', {}]))")
+    start = time.monotonic()
+    deadline, said = start + timeout_s, None
     while time.monotonic() < deadline:
         if serve_proc.poll() is not None:
             raise RuntimeError(f"serve run exited with {serve_proc.returncode}; see {log}")
         out = subprocess.run([sys.executable, "-c", code, address, app], capture_output=True, text=True,
                              timeout=120).stdout.strip()
         try:
-            status, message = json.loads(out.splitlines()[-1]) if out else ("", "")
+            status, message, deployments = json.loads(out.splitlines()[-1]) if out else ("", "", {})
         except ValueError:  # not the line printed above: ask again
-            status, message = "", ""
+            status, message, deployments = "", "", {}
         if status.endswith("RUNNING"):
             return
         if status.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
             raise RuntimeError(f"application {app} is {status}: {deploy_error(message)}\n(full log: {log})")
+        state = ", ".join(f"{name} {value.lower()}" for name, value in sorted(deployments.items()))
+        if state and state != said:
+            print(f"  serve: {state} ({time.monotonic() - start:.0f}s)", flush=True)
+            said = state
         time.sleep(2)
     raise TimeoutError(f"application {app} not RUNNING within {timeout_s}s; see {log}")
 

@@ -47,6 +47,19 @@ def sample():
     return Sample("t", 0, "What is 2 + 2?", "4")
 
 
+class InProcessEngine:
+    """The engine client's shape over a backend in this process (the real hf engine in tests)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    async def info(self):
+        return self.backend.info()
+
+    async def generate(self, req, timeout_s=None):
+        return await self.backend.generate(req)
+
+
 def recording(engine):
     engine.outputs, engine.texts, engine.logprobs, engine.sent = [], [], [], []
     real = engine.generate

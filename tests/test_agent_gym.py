@@ -5,7 +5,7 @@ episode of SkyRL-gym's multi-turn GSM8K environment, installed from PyPI (the ``
 import asyncio
 
 import pytest
-from agent_helpers import ScriptedEngine, ctx, recording
+from agent_helpers import InProcessEngine, ScriptedEngine, ctx, recording
 from conftest import run
 
 from rayapp.envs.agents.gym import GymAgent, skyrl_gym_env
@@ -209,14 +209,7 @@ def test_a_skyrl_gym_episode_on_the_real_hf_engine(tok, model_dir):
 
     backend = HFBackend(str(model_dir), seed=0)
 
-    class Local:  # the engine client's shape, in process
-        async def info(self):
-            return backend.info()
-
-        async def generate(self, req, timeout_s=None):
-            return await backend.generate(req)
-
-    engine = recording(Local())
+    engine = recording(InProcessEngine(backend))
     agent = GymAgent(engine, skyrl_gym_env("gsm8k_multi_turn"))
     s = Sample("gsm8k", 0, "What is 40 + 2?", "42")
     c = ctx(max_turns=3, max_context_len=400)

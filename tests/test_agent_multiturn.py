@@ -5,7 +5,7 @@ the real hf engine."""
 import asyncio
 
 import pytest
-from agent_helpers import CALL, ScriptedEngine, ctx, recording, sample
+from agent_helpers import CALL, InProcessEngine, ScriptedEngine, ctx, recording, sample
 from conftest import run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -143,15 +143,8 @@ def test_an_episode_on_the_real_hf_engine(tok, model_dir):
 
     backend = HFBackend(str(model_dir), seed=0)
 
-    class Local:  # the engine client's shape, in process
-        async def info(self):
-            return backend.info()
-
-        async def generate(self, req, timeout_s=None):
-            return await backend.generate(req)
-
     def episode(c):
-        engine = recording(Local())
+        engine = recording(InProcessEngine(backend))
         return engine, run(asyncio.wait_for(ToolAgent(engine, verify).run(sample(), c), 120))
 
     try:

@@ -7,6 +7,7 @@ import importlib.util
 
 import msgspec
 import pytest
+from agent_helpers import InProcessEngine
 from conftest import run
 
 from rayapp.cli import ROOT
@@ -16,19 +17,6 @@ from rayapp.inference.tiny_model import SHIPPED
 from rayapp.recipe import build_step_runner, load_recipe
 
 RECIPE = ROOT / "recipes" / "local" / "rollout.yaml"
-
-
-class LocalEngine:
-    """The hf backend in this process, as the agents call an engine."""
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    async def generate(self, req, timeout_s=None):
-        return await self.backend.generate(req)
-
-    async def info(self):
-        return self.backend.info()
 
 
 def driver():
@@ -51,7 +39,7 @@ def evaluated():
 
     backend = HFBackend(str(SHIPPED), max_concurrency=4, seed=0)
     try:
-        runner = build_step_runner(cfg, {"student": LocalEngine(backend)}, None, executor=inline,
+        runner = build_step_runner(cfg, {"student": InProcessEngine(backend)}, None, executor=inline,
                                    open_sandbox=no_sandbox)
         yield run(runner.evaluate(0))
     finally:

@@ -172,8 +172,10 @@ def test_fallbacks_are_logged_and_named(monkeypatch, caplog):
 
 
 @strong
-def test_a_runtime_outside_usr_named_by_path_is_there_read_only():
-    prefix = Path(tempfile.mkdtemp(prefix=".rayapp-runtime-", dir=CHECKOUT.parent))
+@pytest.mark.parametrize("where", ["beside the checkout", "/tmp"])
+def test_a_runtime_outside_usr_named_by_path_is_there_read_only(where):
+    """A venv beside the checkout, or under /tmp (which the sandbox's own tmp covers), is there read-only."""
+    prefix = Path(tempfile.mkdtemp(prefix=".rayapp-runtime-", dir=CHECKOUT.parent if where != "/tmp" else "/tmp"))
     try:
         prefix.chmod(0o755)
         (prefix / "bin").mkdir(mode=0o755)

@@ -184,7 +184,7 @@ def runtime_prefixes(path: str) -> list[str]:
     """Folders outside the system's own that commands need read-only: the prefix (the folder above
     ``bin``) of each PATH entry and of the python3 it finds (a pyenv or conda Python is a symlink
     chain out of PATH). The default PATH needs none; a venv or conda PATH opens exactly that prefix
-    (one under /tmp or /var/tmp stays covered by the sandbox's own tmp)."""
+    (one under /tmp or /var/tmp too: it is placed inside the sandbox's own tmp)."""
     entries = [entry for entry in path.split(os.pathsep) if entry]
     python = shutil.which("python3", path=path)
     if python:

@@ -25,7 +25,7 @@ import stat
 LIBC = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 0x400, 0x800, 0x1000, 0x4000, 0x40000, 0x200000
-MNT_DETACH = 2
+MNT_DETACH, MS_MOVE = 2, 0x2000
 # A bind mount's remount must keep the flags the kernel locked on its source (in a user namespace
 # it refuses to clear them): statvfs flag -> mount flag.
 _LOCKED = ((os.ST_RDONLY, MS_RDONLY), (os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV),
@@ -123,6 +123,27 @@ def _sandbox_folders(root, base, tmp):
     mount(base, root + base, MS_BIND)
 
 
+def _place_in_tmp(source, root):
+    """A host folder under /tmp or /var/tmp (a venv there), read-only at its own path inside the
+    sandbox's tmp, which covers those (mount points made as ``_mount_point`` makes them). Bound and
+    made read-only at a stage only root sees, then moved there: a mount reached through its fd
+    cannot be remounted read-only in place."""
+    top = "/tmp" if source.startswith("/tmp/") else "/var/tmp"
+    if not os.path.isdir(source):
+        return
+    stage = f"{root}/.rayapp-ro-stage"
+    os.mkdir(stage, 0o700)
+    try:
+        _bind(source, stage, readonly=True)
+        target = _mount_point(root + top, source[len(top) + 1:])
+        try:
+            mount(stage, f"/proc/self/fd/{target}", MS_MOVE)
+        finally:
+            os.close(target)
+    finally:
+        os.rmdir(stage)
+
+
 def build_root(spec, own_proc):
     """Build the new root at ``spec["stage"]`` (an empty folder) and enter it. ``own_proc``: this
     process is the first of a new PID namespace, so a fresh /proc shows that namespace only."""
@@ -132,8 +153,11 @@ def build_root(spec, own_proc):
     mount("tmpfs", root, MS_NOSUID | MS_NODEV, "tmpfs", "mode=0755,size=1m")
     for name in SYSTEM:
         _place(f"/{name}", root)
+    # A prefix under /tmp or /var/tmp would be covered by the sandbox's own tmp: it goes in after that.
+    late = [p for p in spec.get("ro", ()) if spec.get("base") and p.startswith(("/tmp/", "/var/tmp/"))]
     for path in spec.get("ro", ()):
-        _place(path, root)
+        if path not in late:
+            _place(path, root)
     for name in sorted(os.listdir("/etc")):
         if name in ETC or name.startswith("python"):
             _place(f"/etc/{name}", root)
@@ -152,6 +176,8 @@ def build_root(spec, own_proc):
         _bind("/proc", f"{root}/proc", readonly=False)
     if spec.get("base"):
         _sandbox_folders(root, spec["base"], spec["tmp"])
+        for path in late:
+            _place_in_tmp(path, root)
     _pivot(root)
 
 

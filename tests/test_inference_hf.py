@@ -87,16 +87,22 @@ def test_generates_real_text_with_logprobs(backend, greedy, prompt):
     assert (greedy.prompt_len, greedy.engine, greedy.weight_version) == (len(prompt), "hf", "0")
 
 
+def same(a, b) -> bool:
+    """The same tokens, and log-probs equal but for float rounding: a request that reuses an earlier
+    one's KV cache (``prefix_cache``) prefills in two pieces, which rounds differently (about 1e-7)."""
+    return a.output_ids == b.output_ids and all(abs(x - y) < 1e-5 for x, y in zip(a.logprobs, b.logprobs, strict=True))
+
+
 def test_greedy_is_deterministic_and_seeded_sampling_reproducible(backend, greedy, prompt):
     again = run(backend.generate(GenerateRequest(prompt, GREEDY)))
-    assert (again.output_ids, again.logprobs) == (greedy.output_ids, greedy.logprobs)
+    assert same(again, greedy)
 
     def sampled(seed):
         params = SamplingParams(temperature=1.5, top_p=0.95, top_k=50, max_new_tokens=12, seed=seed)
         return run(backend.generate(GenerateRequest(prompt, params, ignore_eos=True)))
 
     first, second = sampled(7), sampled(7)
-    assert (first.output_ids, first.logprobs) == (second.output_ids, second.logprobs)
+    assert same(first, second)
     assert len({tuple(sampled(s).output_ids) for s in range(1, 6)}) > 1
 
 

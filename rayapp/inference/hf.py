@@ -37,6 +37,7 @@ from rayapp.inference.client import (
     GenerateRequest,
     validate_request,
 )
+from rayapp.inference.prefix_cache import PrefixCache
 from rayapp.inference.sampling import sample_next
 from rayapp.inference.tiny_model import ensure_tiny_model, load_tokenizer, quiet_progress
 from rayapp.inference.weight_paths import checkpoint_files
@@ -124,13 +125,15 @@ class HFBackend:
     ``model_path``: a local model folder (default: the tiny model, built under ``cache_dir``).
     ``max_concurrency``: requests decoding at once. ``seed``: makes unseeded requests reproducible
     in arrival order (a request's own ``sampling.seed`` always wins). ``num_threads``: torch
-    intra-op threads (1 suits the tiny model). ``steps_per_call``: tokens per worker turn."""
+    intra-op threads (1 suits the tiny model). ``steps_per_call``: tokens per worker turn.
+    ``prefix_cache``: finished requests' KV caches kept for a next turn that starts with their tokens
+    (``rayapp.inference.prefix_cache``; 0: off)."""
 
     name = "hf"
 
     def __init__(self, model_path: str | None = None, device: str = "cpu", max_concurrency: int = 4,
                  dtype: str = "float32", seed: int | None = None, num_threads: int | None = None,
-                 cache_dir: str | None = None, steps_per_call: int = 8):
+                 cache_dir: str | None = None, steps_per_call: int = 8, prefix_cache: int = 64):
         if not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
         if dtype not in _DTYPES:
@@ -165,6 +168,7 @@ class HFBackend:
         self._running, self._waiting = 0, deque()  # decoding now; admission futures in arrival order
         self._gate = _Gate()
         self._version, self._weights_path, self._closed = 0, self.model_path, False
+        self._prefix = PrefixCache(max_entries=prefix_cache)  # the worker thread's alone
 
     # -- the interface ----------------------------------------------------------------------------
 
@@ -225,6 +229,7 @@ class HFBackend:
             "in_flight": len(self._requests), "running": self._running,
             "waiting": sum(1 for f in self._waiting if not f.done()), "max_concurrency": self.max_concurrency,
             "weight_version": self._version, "weights_path": self._weights_path, "updating": self._gate.writer,
+            "prefix_cache": self._prefix.stats(),
         }
 
     async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
@@ -306,12 +311,17 @@ class HFBackend:
                     state.finish = FinishReason.LENGTH  # the prompt alone fills the context
                 elif state.next_logits is None:
                     state.weight_version = self._version  # the weights this request runs on
-                    self._forward(state, state.input_ids)
+                    hit = self._prefix.take(state.input_ids, self._version)
+                    if hit is not None:  # an earlier turn's KV cache: prefill only what is new since
+                        state.past, done = hit
+                    self._forward(state, state.input_ids[done:] if hit is not None else state.input_ids)
                     continue
                 else:
                     self._decode_one(state)
                 if state.finish is not None:
-                    state.past = state.next_logits = None  # free the KV cache now
+                    if state.past is not None:  # kept for the episode's next turn, which starts with these tokens
+                        self._prefix.put(state.input_ids + state.output_ids, state.past, state.weight_version)
+                    state.past = state.next_logits = None
                     text = self.tokenizer.decode(state.output_ids, skip_special_tokens=True)
                     state.text = text[:state.stop_at] if state.stop_at is not None else text
                     return
@@ -369,5 +379,6 @@ class HFBackend:
         with torch.no_grad():
             for name, tensor in weights.items():
                 live[name].copy_(tensor)
+        self._prefix.clear()  # keys and values of the old weights
         self._version, self._weights_path = self._version + 1 if version is None else version, path
         return self._version

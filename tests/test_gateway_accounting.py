@@ -19,11 +19,18 @@ CALC = [{"type": "function", "function": {
 # ChatML-like: a newline after the end-of-turn token, which the engine never generates (it stops there)
 NEWLINE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}\n{% endfor %}"
            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-# like Qwen3's: the reasoning of every assistant message but the last is dropped from the history
+# the reasoning of every assistant message but the last is dropped from the history
 DROPS_REASONING = (
     "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'assistant' %}"
     "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>"
     "{% if m.role == 'assistant' and loop.index0 != ns.last and '</think>' in m.content %}"
+    "{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# Qwen3's rule: the reasoning of assistant messages before the last user message is dropped
+DROPS_REASONING_BEFORE_QUERY = (
+    "{% set ns = namespace(query=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.query = loop.index0 %}{% endif %}{% endfor %}{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>"
+    "{% if m.role == 'assistant' and loop.index0 < ns.query and '</think>' in m.content %}"
     "{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -46,8 +53,11 @@ class FakeEngine:
     def __init__(self, tok):
         self.tok, self.outputs, self.prompts, self.n = tok, [], [], 0
 
-    def __call__(self, prompt_ids, reply, eos=True):
-        ids = self.tok.encode(reply, add_special_tokens=False) + ([self.tok.eos_token_id] if eos else [])
+    def __call__(self, prompt_ids, reply, eos=True, by_char=False):
+        # by_char: ids that are not the tokenizer's own tokenisation of the text (as sampled ids may be)
+        pieces = list(reply) if by_char else [reply]
+        ids = [t for p in pieces for t in self.tok.encode(p, add_special_tokens=False)]
+        ids += [self.tok.eos_token_id] if eos else []
         lps = [-(self.n * 100 + i + 1) / 1000 for i in range(len(ids))]
         self.n += 1
         self.prompts.append(list(prompt_ids))
@@ -143,8 +153,10 @@ def test_a_stop_string_stop_gets_the_end_of_turn_token_at_mask_0(tiny, template,
     assert tok.decode(seg.ids, skip_special_tokens=False) + after_eos == tok.apply_chat_template(msgs, tokenize=False)
 
 
-def test_a_template_that_drops_earlier_reasoning_starts_counted_self_consistent_segments(tiny):
-    tok = with_template(tiny, DROPS_REASONING)
+@pytest.mark.parametrize("template", [DROPS_REASONING, DROPS_REASONING_BEFORE_QUERY],
+                         ids=["all-but-last-assistant", "before-last-user"])
+def test_a_template_that_drops_earlier_reasoning_starts_counted_self_consistent_segments(tiny, template):
+    tok = with_template(tiny, template)
     convo, engine = Conversation(tok), FakeEngine(tok)
     msgs = [{"role": "user", "content": "what is 12+30?"}]
     requests = []
@@ -155,9 +167,9 @@ def test_a_template_that_drops_earlier_reasoning_starts_counted_self_consistent_
 
     call("<think>add them</think>calc 12+30")
     msgs.append({"role": "tool", "tool_call_id": "c1", "content": "42"})
-    call("<think>the tool said 42</think>42")  # the first reasoning is still the last one's: extends
+    call("<think>the tool said 42</think>42")  # the first reasoning is still kept: extends
     msgs.append({"role": "user", "content": "doubled?"})
-    call("<think>42*2</think>84")  # now both earlier reasonings are dropped: a rewrite
+    call("<think>42*2</think>84")  # now earlier reasoning is dropped: a rewrite
     msgs.append({"role": "user", "content": "halved?"})
     call("<think>84/2</think>42")
 
@@ -173,6 +185,20 @@ def test_a_template_that_drops_earlier_reasoning_starts_counted_self_consistent_
             want = tok.apply_chat_template(requests[c], add_generation_prompt=True, tokenize=False)
             assert tok.decode(seg.ids[:start], skip_special_tokens=False) == want
             assert seg.ids[:start] == engine.prompts[c]
+
+
+def test_the_engine_ids_are_kept_as_generated_never_retokenised(tiny):
+    convo, engine = Conversation(tiny), FakeEngine(tiny)
+    msgs = [{"role": "user", "content": "12+30?"}]
+    for reply in ("computing the sum", "the answer is 42"):
+        call = convo.prepare(msgs)
+        ids, lps = engine(call.ids, reply, by_char=True)
+        assert ids != tiny.encode(tiny.decode(ids, skip_special_tokens=False), add_special_tokens=False)
+        convo.record(call, ids, lps, {"role": "assistant", "content": reply})
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
+    seg, = convo.segments
+    assert_engine_exact(seg, engine.outputs)
+    assert tiny.decode(seg.ids, skip_special_tokens=False) == tiny.apply_chat_template(msgs[:-1], tokenize=False)
 
 
 def test_an_edited_history_starts_a_counted_segment_from_the_request(tiny):
@@ -210,6 +236,24 @@ def test_resent_tool_calls_and_tools_in_another_json_spelling_still_extend(tiny)
     # the typed request body the gateway parses is taken as well as plain dicts
     req = parse_chat(json.dumps({"messages": msgs, "tools": reordered}).encode())
     assert not convo.prepare(req.messages, req.tools).fresh
+
+
+def test_reasoning_the_agent_does_not_send_back_is_not_an_edit(tiny):
+    # OpenAI's API takes no reasoning back: the recorded reply (what the engine generated) stands for it
+    tok = with_template(tiny, "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}"
+                              "<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}{{ eos_token }}"
+                              "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    convo, engine = Conversation(tok), FakeEngine(tok)
+    msgs = [{"role": "user", "content": "12+30?"}]
+    call = convo.prepare(msgs)
+    convo.record(call, *engine(call.ids, "<think>add</think>42"),
+                 {"role": "assistant", "content": "42", "reasoning_content": "add"})
+    msgs += [{"role": "assistant", "content": "42"}, {"role": "user", "content": "doubled?"}]
+    call = convo.prepare(msgs)
+    assert not call.fresh
+    assert tok.decode(call.ids, skip_special_tokens=False) == tok.apply_chat_template(
+        [msgs[0], {"role": "assistant", "content": "42", "reasoning_content": "add"}, msgs[2]],
+        add_generation_prompt=True, tokenize=False)
 
 
 def test_changed_tools_start_a_counted_segment(tiny):

@@ -1,0 +1,231 @@
+"""One episode's conversation as the trainer will see it: the gateway's token accounting.
+
+An agent speaking the OpenAI API sends its whole message history on every call; the trainer needs
+one token sequence in which every token is either an id the engine generated (loss mask 1, with the
+engine's log-prob) or a token the chat template rendered (mask 0), never a re-tokenisation of
+generated text. ``Conversation`` keeps that sequence as the calls come, in two steps per call, so a
+call the engine never answers leaves nothing behind:
+
+- ``prepare(messages, tools)`` plans a call: the ids the engine continues from. It decides at message
+  level whether the request extends the recording: its first messages equal the recorded ones (the
+  agent's earlier messages and the assistant messages the gateway returned, compared on role, text,
+  name, tool-call id, and tool calls with their arguments compared as JSON) and the tools are
+  unchanged. If so, the engine goes on from the exact recorded ids plus the template's tokens for
+  what the request adds: first the rest of the template's end of an assistant turn that the engine
+  did not generate (the end-of-turn token after a stop-string stop, and what the template puts after
+  it, such as ChatML's newline after ``<|im_end|>``), then the new messages and the generation
+  prompt. These come from the template's own text: the rendering of the recorded messages, closed,
+  must start with the previous call's prompt text, and the rendering of all messages with the
+  generation prompt must start with it; the new tokens are the difference. A template that fails
+  this rewrites earlier turns (Qwen3 drops earlier reasoning): appending there would give the model
+  a context its template never renders.
+- ``record(call, output_ids, logprobs, message)`` commits it: the template's tokens with mask 0 and
+  log-prob 0.0, the engine's ids with mask 1 and its log-probs as given, and the assistant message
+  returned to the agent as the recorded history for the next comparison.
+
+When a request does not extend the recording, a new segment starts from the request's full
+rendering (a fresh token sequence); the old one is kept, closed, and the reason is counted:
+``history_edited`` (earlier messages changed, dropped or summarised), ``tools_changed``,
+``template_rewrite`` (above), ``concurrent`` (a reply to a call planned before another call's reply
+was recorded: its prompt is what the engine saw, but no longer the recording's continuation). Every
+segment is self-consistent: each reply's context in it is exactly what the engine was given. How
+segments reach the trainer (each a sample sharing the episode's reward, or the last one only) is the
+recipe's choice; this module only keeps them (``segments``, and ``reasons``: the counts).
+
+Pure: no Ray, no HTTP; a Hugging Face tokenizer (``apply_chat_template``, ``encode``, ``decode``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from jinja2 import TemplateError
+
+from rayapp.gateway.openai_api import ApiError
+
+__all__ = ["Call", "Conversation", "Segment", "SegmentReason"]
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SENTINEL = "\u2063rayapp-turn-end-probe\u2063"  # content whose rendering shows the template's turn end
+
+
+class SegmentReason(enum.StrEnum):
+    """Why a new segment started instead of the recording being extended."""
+
+    HISTORY_EDITED = "history_edited"
+    TOOLS_CHANGED = "tools_changed"
+    TEMPLATE_REWRITE = "template_rewrite"
+    CONCURRENT = "concurrent"
+
+
+class Segment(msgspec.Struct):
+    """One token sequence for the trainer: ``ids`` (the prompt's ``prompt_len`` first), and for the
+    response ``mask`` (1: engine ids, 0: template tokens) and ``logprobs`` (0.0 on template tokens).
+    ``turns`` holds ``(call, start, end)`` per reply: the episode's call index and where its ids sit
+    in ``ids``. ``reason`` says why the segment started (None: the episode's first)."""
+
+    ids: list[int]
+    prompt_len: int
+    reason: SegmentReason | None = None
+    mask: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    turns: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+
+
+class Call(msgspec.Struct, frozen=True):
+    """A planned call: the engine continues from ``ids``. ``added`` is what the plan puts after the
+    recording (the whole prompt when ``fresh``: a new segment, for ``reason``); ``text`` is the
+    template's text of the prompt; ``base`` the recording's version it was planned on."""
+
+    ids: list[int]
+    added: list[int]
+    fresh: bool
+    reason: SegmentReason | None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    text: str
+    base: int
+
+
+class Conversation:
+    """One episode's token accounting (module docstring)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self.segments: list[Segment] = []  # all but the last are closed
+        self.reasons: Counter[str] = Counter()
+        self._messages: list[dict[str, Any]] = []  # recorded: the last call's messages and its reply
+        self._tools: list[dict[str, Any]] | None = None
+        self._text = ""  # the last recorded call's prompt text
+        self._version = 0  # bumped by every record
+        self._turn_end: tuple[str, list[int]] | None = None
+
+    def prepare(self, messages: Sequence[Any], tools: Sequence[Any] | None = None) -> Call:
+        """The plan of a chat call with these messages (OpenAI's, as dicts or ``Message``s) and tools."""
+        msgs = [_message(m, i) for i, m in enumerate(messages)]
+        tools = [_tool(t) for t in tools] if tools else None
+        if not self.segments:
+            return self._fresh(msgs, tools, None)
+        if _canon(tools) != _canon(self._tools):
+            return self._fresh(msgs, tools, SegmentReason.TOOLS_CHANGED)
+        n = len(self._messages)
+        if len(msgs) < n or any(_key(a) != _key(b) for a, b in zip(msgs, self._messages, strict=False)):
+            return self._fresh(msgs, tools, SegmentReason.HISTORY_EDITED)
+        # the recorded messages stand for the request's equal ones: what the gateway returned is what
+        # the engine generated from (an agent's copy may lack e.g. the reasoning it was sent)
+        convo = self._messages + msgs[n:]
+        closed, full = self._render(self._messages, tools, False), self._render(convo, tools, True)
+        end_text, end_ids = self._end()
+        if not (closed.startswith(self._text) and closed.endswith(end_text) and full.startswith(closed)):
+            return self._fresh(msgs, tools, SegmentReason.TEMPLATE_REWRITE)
+        ids = self.segments[-1].ids
+        # the part of the turn end the engine generated itself (its end-of-turn token), if any
+        done = max(k for k in range(len(end_ids) + 1) if k == 0 or ids[-k:] == end_ids[:k])
+        rest = end_text[len(self.tok.decode(end_ids[:done], skip_special_tokens=False)):]
+        added = self._encode(rest + full[len(closed):])
+        return Call(ids=ids + added, added=added, fresh=False, reason=None, messages=convo, tools=tools,
+                    text=full, base=self._version)
+
+    def record(self, call: Call, output_ids: Sequence[int], logprobs: Sequence[float], message: Any) -> Segment:
+        """The engine's reply to ``call``: its ``output_ids`` and their ``logprobs`` as the engine gave
+        them, and ``message``, the assistant message returned to the agent. Returns its segment."""
+        if len(logprobs) != len(output_ids):
+            raise ValueError(f"record: {len(output_ids)} output ids but {len(logprobs)} log-probs")
+        reply = _message(message, len(call.messages))
+        if reply["role"] != "assistant":
+            raise ValueError(f"record: the reply is an assistant message, not {reply['role']!r}")
+        reason = call.reason
+        if call.base != self._version:  # another call's reply was recorded since this one was planned
+            reason = reason or SegmentReason.CONCURRENT
+        if call.fresh or call.base != self._version:
+            self.segments.append(Segment(ids=list(call.ids), prompt_len=len(call.ids), reason=reason))
+            if reason is not None:
+                self.reasons[reason] += 1
+        seg = self.segments[-1]
+        if not call.fresh and call.base == self._version:
+            seg.ids += call.added
+            seg.mask += [0] * len(call.added)
+            seg.logprobs += [0.0] * len(call.added)
+        seg.turns.append((self._version, len(seg.ids), len(seg.ids) + len(output_ids)))
+        seg.ids += output_ids
+        seg.mask += [1] * len(output_ids)
+        seg.logprobs += [float(x) for x in logprobs]
+        self._messages, self._tools, self._text = [*call.messages, reply], call.tools, call.text
+        self._version += 1
+        return seg
+
+    def _fresh(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               reason: SegmentReason | None) -> Call:
+        text = self._render(msgs, tools, True)
+        ids = self._encode(text)
+        return Call(ids=ids, added=ids, fresh=True, reason=reason, messages=msgs, tools=tools, text=text,
+                    base=self._version)
+
+    def _end(self) -> tuple[str, list[int]]:
+        """What the template puts after an assistant message's content (e.g. ``<|im_end|>\\n``): its
+        text and ids, from the rendering of a probe conversation."""
+        if self._turn_end is None:
+            probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+            closed = self._render(probe, None, False)
+            if _SENTINEL not in closed:
+                raise ValueError("the chat template does not render an assistant message's content as given")
+            text = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]
+            self._turn_end = text, self._encode(text)
+        return self._turn_end
+
+    def _render(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=prompt, tokenize=False)
+        except TemplateError as e:
+            raise ApiError(400, f"the model's chat template refused the messages: {e}", param="messages") from None
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))  # the template writes its own markers
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """An OpenAI message as the chat template takes it: text content, unset fields left out."""
+    d = msgspec.to_builtins(m) if isinstance(m, msgspec.Struct) else m
+    if not isinstance(d, dict) or d.get("role") not in _ROLES:
+        raise ApiError(400, f"messages[{i}]: expected a message with a role in {_ROLES}", param=f"messages[{i}]")
+    content = d.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ApiError(400, f"messages[{i}].content: text parts only", param=f"messages[{i}].content")
+        content = "".join(p.get("text", "") for p in content)
+    out = {"role": d["role"], "content": content or ""}
+    out.update((k, d[k]) for k in ("name", "tool_call_id", "reasoning_content") if d.get(k) is not None)
+    if d.get("tool_calls"):
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+                             for c in d["tool_calls"]]
+    return out
+
+
+def _tool(t: Any) -> dict[str, Any]:
+    """An OpenAI tool as the chat template takes it (a typed one's unset fields left out)."""
+    d = msgspec.to_builtins(t)
+    return {**d, "function": {k: v for k, v in d.get("function", {}).items() if v is not None}}
+
+
+def _key(m: dict[str, Any]) -> tuple:
+    """What must be equal for a message to count as the recorded one (reasoning is not compared:
+    agents need not send it back, and the recorded copy is the one the engine continues from)."""
+    calls = tuple((c["id"], c["function"]["name"], _canon(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+    return m["role"], m["content"], m.get("name"), m.get("tool_call_id"), calls
+
+
+def _canon(value: Any) -> str:
+    """JSON text with sorted keys (a JSON string is parsed first): a client re-serialising tool-call
+    arguments or tool schemas with other spacing or key order sends the same thing."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value, sort_keys=True)

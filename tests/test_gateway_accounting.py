@@ -293,3 +293,23 @@ def test_bad_input_is_one_clear_error(tiny):
         convo.prepare([{"role": "developer", "content": "be brief"}])
     assert e.value.status == 400
     assert not convo.segments
+
+
+@pytest.mark.parametrize(("template", "after_eos"), [(None, ""), (NEWLINE, "\n")], ids=["tiny", "newline-after-eos"])
+@pytest.mark.parametrize("eos", [True, False], ids=["eos", "stop-string"])
+def test_the_native_agents_observation_tokens_close_the_turn_as_the_template_does(tiny, template, after_eos, eos):
+    """ToolAgent and GymAgent append an environment turn the same way: the whole sequence decodes to the
+    template's rendering of the conversation (a ChatML newline after the end-of-turn included)."""
+    from rayapp.envs.agents.observation import observation_tokens
+
+    tok = with_template(tiny, template) if template else tiny
+    user = [{"role": "user", "content": "2+2?"}]
+    prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
+    turn = tok.encode("calc(2+2)", add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+    tool = [{"role": "tool", "content": "4"}]
+    env, cut = observation_tokens(tok, tool, turn, None)
+    want = tok.apply_chat_template([*user, {"role": "assistant", "content": "calc(2+2)"}, *tool],
+                                   add_generation_prompt=True, tokenize=False)
+    assert not cut and tok.decode(list(prompt) + turn + env, skip_special_tokens=False) == want
+    closing = ("" if eos else tok.eos_token) + after_eos
+    assert tok.decode(env, skip_special_tokens=False).startswith(closing + "<|tool|>")

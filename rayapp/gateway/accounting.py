@@ -46,12 +46,12 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
+from rayapp.envs.agents.observation import closing_text, turn_end
 from rayapp.gateway.openai_api import ApiError
 
 __all__ = ["Call", "Conversation", "Segment", "SegmentReason"]
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_SENTINEL = "\u2063rayapp-turn-end-probe\u2063"  # content whose rendering shows the template's turn end
 
 
 class SegmentReason(enum.StrEnum):
@@ -103,7 +103,6 @@ class Conversation:
         self._tools: list[dict[str, Any]] | None = None
         self._text = ""  # the last recorded call's prompt text
         self._version = 0  # bumped by every record
-        self._turn_end: tuple[str, list[int]] | None = None
 
     def prepare(self, messages: Sequence[Any], tools: Sequence[Any] | None = None) -> Call:
         """The plan of a chat call with these messages (OpenAI's, as dicts or ``Message``s) and tools."""
@@ -120,14 +119,12 @@ class Conversation:
         # the engine generated from (an agent's copy may lack e.g. the reasoning it was sent)
         convo = self._messages + msgs[n:]
         closed, full = self._render(self._messages, tools, False), self._render(convo, tools, True)
-        end_text, end_ids = self._end()
+        end_text, _ = turn_end(self.tok)
         if not (closed.startswith(self._text) and closed.endswith(end_text) and full.startswith(closed)):
             return self._fresh(msgs, tools, SegmentReason.TEMPLATE_REWRITE)
         ids = self.segments[-1].ids
-        # the part of the turn end the engine generated itself (its end-of-turn token), if any
-        done = max(k for k in range(len(end_ids) + 1) if k == 0 or ids[-k:] == end_ids[:k])
-        rest = end_text[len(self.tok.decode(end_ids[:done], skip_special_tokens=False)):]
-        added = self._encode(rest + full[len(closed):])
+        # what closes the engine's turn as the template does (less what the engine generated of it)
+        added = self._encode(closing_text(self.tok, ids) + full[len(closed):])
         return Call(ids=ids + added, added=added, fresh=False, reason=None, messages=convo, tools=tools,
                     text=full, base=self._version)
 
@@ -165,18 +162,6 @@ class Conversation:
         ids = self._encode(text)
         return Call(ids=ids, added=ids, fresh=True, reason=reason, messages=msgs, tools=tools, text=text,
                     base=self._version)
-
-    def _end(self) -> tuple[str, list[int]]:
-        """What the template puts after an assistant message's content (e.g. ``<|im_end|>\\n``): its
-        text and ids, from the rendering of a probe conversation."""
-        if self._turn_end is None:
-            probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
-            closed = self._render(probe, None, False)
-            if _SENTINEL not in closed:
-                raise ValueError("the chat template does not render an assistant message's content as given")
-            text = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]
-            self._turn_end = text, self._encode(text)
-        return self._turn_end
 
     def _render(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: bool) -> str:
         try:

@@ -11,6 +11,7 @@ templates do; one that does not is refused with an error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,27 +23,47 @@ from rayapp.types import SamplingParams
 
 # a closed conversation to render after: the delta after it is what the template adds for the new messages
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_SENTINEL = "\u2063rayapp-turn-end-probe\u2063"  # content whose rendering shows the template's turn end
 
 
-def template_delta(tok: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """The chat template's tokens for ``messages`` and the next generation prompt, after a closed
+def template_delta(tok: Any, messages: Sequence[dict[str, Any]]) -> str:
+    """The chat template's text for ``messages`` and the next generation prompt, after a closed
     assistant turn (``messages`` may be empty: the generation prompt alone)."""
     before = tok.apply_chat_template(_PROBE, tokenize=False)
     after = tok.apply_chat_template([*_PROBE, *messages], add_generation_prompt=True, tokenize=False)
     if not after.startswith(before):
         raise ValueError("the chat template does not render messages one by one: an environment turn "
                          "cannot be appended to the model's tokens")
-    return tok.encode(after[len(before):], add_special_tokens=False)
+    return after[len(before):]
+
+
+@functools.lru_cache(maxsize=16)
+def turn_end(tok: Any) -> tuple[str, tuple[int, ...]]:
+    """What the template writes after an assistant message's content (``<|im_end|>\\n``, or the eos
+    alone): its text and ids, from the rendering of a probe conversation."""
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+    closed = tok.apply_chat_template(probe, tokenize=False)
+    if _SENTINEL not in closed:
+        raise ValueError("the chat template does not render an assistant message's content as given")
+    text = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]
+    return text, tuple(tok.encode(text, add_special_tokens=False))
+
+
+def closing_text(tok: Any, turn_ids: Sequence[int]) -> str:
+    """The part of the template's turn end that a model turn of ``turn_ids`` left out: all of it when
+    the engine stopped before the end-of-turn token (at a stop string), what follows that token (a
+    ChatML template's newline) when the engine generated it."""
+    text, ids = turn_end(tok)
+    done = max(k for k in range(len(ids) + 1) if k == 0 or tuple(turn_ids[-k:]) == ids[:k])
+    return text[len(tok.decode(list(ids[:done]), skip_special_tokens=False)):]
 
 
 def observation_tokens(tok: Any, messages: Sequence[dict[str, Any]], turn_ids: Sequence[int],
                        room: int | None) -> tuple[list[int], bool]:
-    """The environment's tokens after a model turn that produced ``turn_ids``: the eos that closes
-    the turn where the engine stopped short of it (at a stop string), then ``template_delta``. Cut
-    to the ``room`` left in the context (None: no limit); the flag says whether it was cut."""
-    env = template_delta(tok, messages)
-    if list(turn_ids[-1:]) != [tok.eos_token_id]:
-        env = [tok.eos_token_id, *env]  # close the model's turn the way the template does
+    """The environment's tokens after a model turn that produced ``turn_ids``: what closes the turn
+    as the template does (``closing_text``), then ``template_delta``, tokenized together. Cut to the
+    ``room`` left in the context (None: no limit); the flag says whether it was cut."""
+    env = tok.encode(closing_text(tok, turn_ids) + template_delta(tok, messages), add_special_tokens=False)
     if room is not None and len(env) > room:
         return env[:room], True
     return env, False

@@ -45,7 +45,8 @@ MAX_MEMORY_GB = 1048576.0  # 1 PB
 MAX_REPLICAS = 1024
 MAX_ROWS = 1_000_000  # rows a generated dataset makes (n_prompts): more takes minutes to build
 # HFBackend's keyword arguments (rayapp.inference.hf: a test holds this list to its signature).
-HF_OPTIONS = ("model_path", "device", "max_concurrency", "dtype", "seed", "num_threads", "cache_dir", "steps_per_call")
+HF_OPTIONS = ("model_path", "device", "max_concurrency", "dtype", "seed", "num_threads", "cache_dir", "steps_per_call",
+              "prefix_cache")
 # SGLangBackend's own keyword arguments; the rest go to sglang's ServerArgs.
 SGLANG_OPTIONS = ("model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "placement_group", "request_timeout_s")
 _SYSTEM = ("/proc", "/sys", "/dev", "/etc", "/boot", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")

@@ -167,6 +167,9 @@ class RayappRolloutFunc:
         if not trainer.model.training:
             raise ValueError("RayappRolloutFunc: TRL's eval loop is not served by rayapp yet; set "
                              "eval_strategy='no' and run rayapp's eval steps (manager.evaluate)")
+        if getattr(trainer, "tools", None):
+            raise ValueError("RayappRolloutFunc: unset GRPOTrainer's tools/environment_factory; rayapp's agents run "
+                             "the tools, and TRL reads the env mask only without its own")
         rollout_id = self.rollout_id(trainer)
         self.asked.append((trainer.state.global_step, rollout_id))
         result = _call(self.source.rollout, (rollout_id,), _LOOP, self.timeout_s, f"rollout {rollout_id}")

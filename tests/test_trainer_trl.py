@@ -5,7 +5,9 @@ its loss is finite, the engine loads the trainer's weights after each step, and 
 follow the trainer's steps. The training tests are skipped where trl is not importable; the rows'
 tests need no trl."""
 
+import asyncio
 import shutil
+from types import SimpleNamespace as NS
 
 import msgspec
 import pytest
@@ -18,7 +20,7 @@ from rayapp.core.contracts import RolloutResult
 from rayapp.inference.hf import HFBackend
 from rayapp.inference.tiny_model import SHIPPED
 from rayapp.recipe import build_step_runner, load_recipe
-from rayapp.trainers.trl import RayappRolloutFunc, WeightSyncCallback, rayapp_reward, to_trl
+from rayapp.trainers.trl import RayappRolloutFunc, ServeManager, WeightSyncCallback, rayapp_reward, to_trl
 from rayapp.types import Sample, Status
 
 GROUPS, G, STEPS = 2, 2, 2
@@ -161,3 +163,48 @@ def test_groups_off_num_generations_and_bad_samples_are_one_clear_error():
         to_trl(RolloutResult(7, [[sample(0, [1, 2, 3], 2, [1])]]), 1, 1)
     with pytest.raises(ValueError, match=r"no reward\['score'\]"):
         to_trl(RolloutResult(7, [[sample(0, [1, 2, 3], 1, [1], score=None)]]), 1, 1)
+
+
+def fake_trainer(global_step=0, per_generation=1, iterations=1, accumulation=1):
+    args = NS(steps_per_generation=per_generation, num_iterations=iterations, gradient_accumulation_steps=accumulation)
+    return NS(args=args, state=NS(global_step=global_step), accelerator=NS(num_processes=1), model=NS(training=True),
+              num_generations=1, processing_class=NS(pad_token_id=0), tools=None)
+
+
+def test_a_restarted_trainer_asks_for_the_rollout_of_the_step_it_is_at():
+    func = RayappRolloutFunc(NS(rollout=lambda i: None), first_rollout_id=10)
+    # 4 micro-steps per generation, 2 per optimizer step: one rollout feeds 2 optimizer steps
+    assert [func.rollout_id(fake_trainer(s, 4, 1, 2)) for s in range(6)] == [10, 10, 11, 11, 12, 12]
+    assert [func.rollout_id(fake_trainer(s, 1, 2, 1)) for s in range(4)] == [10, 10, 11, 11]  # num_iterations 2
+    with pytest.raises(ValueError, match=r"steps_per_generation \* num_iterations \(3\) must be a multiple of "
+                                         r"gradient_accumulation_steps \(2\)"):
+        func.rollout_id(fake_trainer(0, 3, 1, 2))
+
+
+def test_a_source_that_does_not_answer_in_time_is_a_timeout_naming_the_step():
+    class Stuck:
+        async def rollout(self, rollout_id):
+            await asyncio.sleep(60)
+
+    with pytest.raises(TimeoutError, match=r"rollout 5 did not finish within 0\.2s"):
+        RayappRolloutFunc(Stuck(), first_rollout_id=5, timeout_s=0.2)([], fake_trainer())
+
+
+def test_the_serve_manager_wrapper_puts_a_timeout_on_every_call():
+    calls = []
+
+    def method(name):
+        def remote(*args):
+            return NS(result=lambda timeout_s: calls.append((name, args, timeout_s)) or [{"ok": True}])
+        return NS(remote=remote)
+
+    manager = ServeManager(NS(generate=method("generate"), update_weights_from_disk=method("update")),
+                           engine="student", timeout_s=42)
+    manager.rollout(3)
+    manager.update_weights("/w/step-000001")
+    assert calls == [("generate", (3,), 42), ("update", ("student", "/w/step-000001"), 42)]
+
+
+def test_a_step_runner_with_survivorship_filters_is_refused():
+    with pytest.raises(ValueError, match="survivorship filters"):
+        RayappRolloutFunc(NS(rollout=lambda i: None, filters=["rejection"]))

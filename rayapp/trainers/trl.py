@@ -69,14 +69,13 @@ class _Loop:
             raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
 
 
-
 _LOOP = _Loop()
 
 
-def _call(fn: Callable[..., Any], args: tuple, loop: _Loop, timeout_s: float, what: str) -> Any:
-    """``fn(*args)``, awaited on ``loop`` when it returns an awaitable."""
+def _call(fn: Callable[..., Any], args: tuple, timeout_s: float, what: str) -> Any:
+    """``fn(*args)``, awaited on ``_LOOP`` when it returns an awaitable."""
     out = fn(*args)
-    return loop.run(out, timeout_s, what) if inspect.isawaitable(out) else out
+    return _LOOP.run(out, timeout_s, what) if inspect.isawaitable(out) else out
 
 
 class ServeManager:
@@ -100,7 +99,7 @@ def steps_per_rollout(trainer: Any) -> int:
     if micro % args.gradient_accumulation_steps:
         raise ValueError(f"GRPOConfig: steps_per_generation * num_iterations ({micro}) must be a multiple of "
                          f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) for rayapp's rollout "
-                         "ids to follow the trainer's steps")
+                         "ids to follow the trainer's steps (one rollout feeds one or more whole optimizer steps)")
     return micro // args.gradient_accumulation_steps
 
 
@@ -172,7 +171,7 @@ class RayappRolloutFunc:
                              "the tools, and TRL reads the env mask only without its own")
         rollout_id = self.rollout_id(trainer)
         self.asked.append((trainer.state.global_step, rollout_id))
-        result = _call(self.source.rollout, (rollout_id,), _LOOP, self.timeout_s, f"rollout {rollout_id}")
+        result = _call(self.source.rollout, (rollout_id,), self.timeout_s, f"rollout {rollout_id}")
         pad_id = getattr(trainer.processing_class, "pad_token_id", None)
         return to_trl(result, trainer.num_generations, len(prompts), pad_id if pad_id is not None else 0)
 
@@ -194,7 +193,7 @@ class WeightSyncCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         path = self.folder / f"step-{state.global_step:06d}"
         model.save_pretrained(path, safe_serialization=True)
-        replies = _call(self.update, (str(path),), _LOOP, self.timeout_s, f"weight update to {path}")
+        replies = _call(self.update, (str(path),), self.timeout_s, f"weight update to {path}")
         # the manager answers one reply per replica, an engine in process one reply
         replies = replies if isinstance(replies, list) else [replies]
         failed = [r for r in replies if isinstance(r, dict) and not r.get("ok", True)]

@@ -1,0 +1,202 @@
+"""TRL's ``GRPOTrainer`` (trl==1.16.0) taking its rollouts from rayapp (docs/trainers.md, TRL).
+
+The one-line change: ``GRPOTrainer(..., rollout_func=RayappRolloutFunc(source),
+reward_funcs=[rayapp_reward], callbacks=[WeightSyncCallback(update, folder)])``.
+
+``source`` is anything with ``rollout(rollout_id)`` returning a ``RolloutResult``, sync or async: an
+in-process ``StepRunner`` (``rayapp.recipe.build_step_runner``) or the Serve manager's handle through
+``ServeManager``. What the adapter decides where TRL's contract and rayapp's differ:
+
+- prompts: rayapp's data source chooses them. The trainer's prompt slice only sets how many groups
+  a step has (``len(prompts) / num_generations``); its text is not sent (``StepRunner.rollout`` takes
+  no tasks yet). ``prompt_ids`` are the tokens rayapp's episodes really started from.
+- groups: every group must hold ``num_generations`` samples and the step exactly the slice's count,
+  so survivorship filters (rejection, finish-only) and partial rollouts must be off; a step that
+  breaks this is one ValueError naming the step. A sample with no completion (an abort) stays in its
+  group, fully masked, with no reward (TRL gives it no advantage and leaves it out of the baseline).
+- rewards: per sample, the score rayapp's verifier gave (``reward["score"]``), handed to
+  ``rayapp_reward`` through the ``rayapp_score`` field TRL forwards to reward functions.
+- loss mask: rayapp's ``loss_mask`` becomes TRL's ``env_mask`` (tool and environment tokens of a
+  multi-turn episode are out of the loss).
+- log-probs: the rollout's own, as ``logprobs``; TRL 1.16 reads them for its off-policy mask
+  (``off_policy_mask_threshold``) and, with vLLM only, for importance-sampling correction; otherwise
+  its ratio uses log-probs it recomputes.
+- rollout ids: ``global_step // optimizer steps per generation`` (plus ``first_rollout_id``), so a
+  restarted trainer asks for the step it was at and gets that step's saved result (steps are
+  idempotent in rayapp).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from rayapp.core.contracts import RolloutResult
+from rayapp.types import Sample, Status
+
+SCORE_FIELD = "rayapp_score"
+
+
+class _Loop:
+    """One event loop in a daemon thread for async sources: the trainer's loop is synchronous, and an
+    in-process StepRunner's locks and engine must stay on one loop across steps and weight updates
+    (hence one per process, ``_LOOP``)."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def run(self, awaitable: Any, timeout_s: float, what: str) -> Any:
+        with self._lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, name="rayapp-trl-loop", daemon=True).start()
+
+        async def wrapped() -> Any:
+            return await awaitable
+        future = asyncio.run_coroutine_threadsafe(wrapped(), self.loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
+
+
+_LOOP = _Loop()
+
+
+def _call(fn: Callable[..., Any], args: tuple, timeout_s: float, what: str) -> Any:
+    """``fn(*args)``, awaited on ``_LOOP`` when it returns an awaitable."""
+    out = fn(*args)
+    return _LOOP.run(out, timeout_s, what) if inspect.isawaitable(out) else out
+
+
+class ServeManager:
+    """The Serve manager's handle as a source and a weight updater, with a timeout on every call."""
+
+    def __init__(self, handle: Any, *, engine: str = "student", timeout_s: float = 600.0):
+        self.handle, self.engine, self.timeout_s = handle, engine, timeout_s
+
+    def rollout(self, rollout_id: int) -> RolloutResult:
+        return self.handle.generate.remote(rollout_id).result(timeout_s=self.timeout_s)
+
+    def update_weights(self, path: str) -> list[dict]:
+        return self.handle.update_weights_from_disk.remote(self.engine, path).result(timeout_s=self.timeout_s)
+
+
+def steps_per_rollout(trainer: Any) -> int:
+    """How many optimizer steps one generation feeds: TRL generates every ``steps_per_generation *
+    num_iterations`` micro-steps, ``gradient_accumulation_steps`` to an optimizer step."""
+    args = trainer.args
+    micro = args.steps_per_generation * args.num_iterations
+    if micro % args.gradient_accumulation_steps:
+        raise ValueError(f"GRPOConfig: steps_per_generation * num_iterations ({micro}) must be a multiple of "
+                         f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) for rayapp's rollout "
+                         "ids to follow the trainer's steps (one rollout feeds one or more whole optimizer steps)")
+    return micro // args.gradient_accumulation_steps
+
+
+def _completion(sample: Sample, where: str,
+                pad_id: int) -> tuple[list[int], list[int], list[float], list[int], float | None]:
+    """One sample as (prompt ids, completion ids, log-probs, env mask, score)."""
+    n = sample.response_length
+    if not 0 <= n <= len(sample.tokens):
+        raise ValueError(f"{where}: response_length {n} outside its {len(sample.tokens)} tokens")
+    split = len(sample.tokens) - n
+    prompt, completion = list(sample.tokens[:split]), list(sample.tokens[split:])
+    if n == 0 or sample.remove_sample or sample.status is Status.ABORTED:
+        # nothing the trainer may learn from, but its group keeps num_generations rows: fully masked
+        # (TRL rejects an empty completion: one pad token then) and unscored (TRL: advantage 0)
+        completion = completion or [pad_id]
+        return prompt, completion, [0.0] * len(completion), [0] * len(completion), None
+    if not len(sample.loss_mask) == len(sample.rollout_log_probs) == n:
+        raise ValueError(f"{where}: response_length {n}, {len(sample.loss_mask)} loss_mask entries and "
+                         f"{len(sample.rollout_log_probs)} log-probs do not match")
+    if "score" not in sample.reward:
+        raise ValueError(f"{where}: no reward['score'] (rewards {sorted(sample.reward)})")
+    return prompt, completion, list(sample.rollout_log_probs), list(sample.loss_mask), float(sample.reward["score"])
+
+
+def to_trl(result: RolloutResult, num_generations: int, n_prompts: int, pad_id: int = 0) -> dict[str, list]:
+    """A rollout step as ``rollout_func``'s output: one row per sample, groups in order (TRL's
+    advantages group consecutive rows by ``num_generations``)."""
+    sizes = [len(g) for g in result.groups]
+    if any(s != num_generations for s in sizes) or sum(sizes) != n_prompts:
+        raise ValueError(f"rollout {result.rollout_id}: groups of {sizes} samples, but the trainer wants "
+                         f"{n_prompts // num_generations} groups of num_generations={num_generations}; set the "
+                         "recipe's n_samples_per_prompt to num_generations, rollout_batch_size to the trainer's "
+                         "prompts per step, and turn survivorship filters and partial rollouts off")
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], SCORE_FIELD: []}
+    for g, group in enumerate(result.groups):
+        for sample in group:
+            row = _completion(sample, f"rollout {result.rollout_id}, group {g}, sample {sample.task_id}"
+                                      f"#{sample.index}", pad_id)
+            for key, value in zip(out, row, strict=True):
+                out[key].append(value)
+    return out
+
+
+class RayappRolloutFunc:
+    """``rollout_func`` for ``GRPOTrainer``: each generation is rayapp's rollout step for the
+    trainer's step (module docstring). ``asked`` records (global_step, rollout_id) per call."""
+
+    def __init__(self, source: Any, *, first_rollout_id: int = 0, timeout_s: float = 600.0):
+        if not callable(getattr(source, "rollout", None)):
+            raise TypeError(f"RayappRolloutFunc: source needs a rollout(rollout_id) method, got {type(source)!r}")
+        if getattr(source, "filters", None):  # an in-process StepRunner; the Serve app's are checked by count
+            raise ValueError(f"RayappRolloutFunc: the step runner has survivorship filters {source.filters}; "
+                             "TRL needs every group at num_generations, turn them off in the recipe")
+        self.source, self.first_rollout_id, self.timeout_s = source, first_rollout_id, timeout_s
+        self.asked: list[tuple[int, int]] = []
+
+    def rollout_id(self, trainer: Any) -> int:
+        return self.first_rollout_id + trainer.state.global_step // steps_per_rollout(trainer)
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        if trainer.accelerator.num_processes != 1:
+            raise ValueError("RayappRolloutFunc: one training process only (each process would ask for the "
+                             "whole step)")
+        if not trainer.model.training:
+            raise ValueError("RayappRolloutFunc: TRL's eval loop is not served by rayapp yet; set "
+                             "eval_strategy='no' and run rayapp's eval steps (manager.evaluate)")
+        if getattr(trainer, "tools", None):
+            raise ValueError("RayappRolloutFunc: unset GRPOTrainer's tools/environment_factory; rayapp's agents run "
+                             "the tools, and TRL reads the env mask only without its own")
+        rollout_id = self.rollout_id(trainer)
+        self.asked.append((trainer.state.global_step, rollout_id))
+        result = _call(self.source.rollout, (rollout_id,), self.timeout_s, f"rollout {rollout_id}")
+        pad_id = getattr(trainer.processing_class, "pad_token_id", None)
+        return to_trl(result, trainer.num_generations, len(prompts), pad_id if pad_id is not None else 0)
+
+
+def rayapp_reward(completions: list, rayapp_score: list[float | None], **kwargs: Any) -> list[float | None]:
+    """The reward function for ``reward_funcs``: rayapp's score of each completion (None: unscored)."""
+    return list(rayapp_score)
+
+
+class WeightSyncCallback(TrainerCallback):
+    """After each optimizer step: the model saved with ``save_pretrained`` into
+    ``folder/step-NNNNNN``, then ``update(path)`` (e.g. ``ServeManager.update_weights``: every
+    replica loads it between steps). ``synced`` records (global_step, path)."""
+
+    def __init__(self, update: Callable[[str], Any], folder: str | Path, *, timeout_s: float = 600.0):
+        self.update, self.folder, self.timeout_s = update, Path(folder), timeout_s
+        self.synced: list[tuple[int, str]] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        path = self.folder / f"step-{state.global_step:06d}"
+        model.save_pretrained(path, safe_serialization=True)
+        replies = _call(self.update, (str(path),), self.timeout_s, f"weight update to {path}")
+        # the manager answers one reply per replica, an engine in process one reply
+        replies = replies if isinstance(replies, list) else [replies]
+        failed = [r for r in replies if isinstance(r, dict) and not r.get("ok", True)]
+        if failed:
+            raise RuntimeError(f"step {state.global_step}: weight update to {path} failed on {failed}")
+        self.synced.append((state.global_step, str(path)))

@@ -81,3 +81,23 @@ def test_two_hundred_steps_plateau(make_pool, tmp_path):
     assert len(jobs._jobs) <= jobs.keep and runner.details.open_streams == []
     assert sorted(p.name for p in (tmp_path / "step_results").iterdir()) == [
         "eval_000198.msgpack", "eval_000199.msgpack", "rollout_000198.msgpack", "rollout_000199.msgpack"]
+
+
+def test_two_hundred_steps_of_verifier_tasks_add_no_task_names():
+    """Ray keeps nine ``ray_tasks{Name=...}`` series per task name for good, in the manager's core worker
+    and the node's metrics agent: the work a manager starts for 200 steps of episodes goes by one name."""
+    from rayapp.actors.pool import work_name
+    from rayapp.episode import EPISODE
+
+    def verify():
+        pass
+
+    names = set()
+    for step in range(STEPS):
+        for sample in range(4):
+            token = EPISODE.set(f"rollout{step}/math-{sample}#0")
+            try:
+                names.add(work_name(verify))
+            finally:
+                EPISODE.reset(token)
+    assert names == {"verify"}

@@ -369,9 +369,10 @@ def test_an_owner_that_stops_renewing_has_its_batches_freed_after_the_lease(ray_
         ray.kill(actor)
 
 
-def test_work_for_a_sample_is_named_after_its_episode_in_the_dashboard(ray_session, pool):
-    # the verifier's task and the sandbox host a sample starts carry its episode (EPISODE, set by the
-    # evaluator), so a person can follow the sample in the dashboard's task and actor lists
+def test_a_sandbox_host_carries_its_episode_and_a_task_only_its_functions_name(ray_session, pool):
+    # the sandbox host a sample starts shows its episode (EPISODE, set by the evaluator) in the dashboard's
+    # actor list; a task is named after its function alone: Ray keeps nine ray_tasks series per task name
+    # for good, and one name per episode grew the manager with every step (issue 19 point 8)
     ray = ray_session
     from rayapp.actors.pool import run_in_bundle
     from rayapp.actors.sandbox import open_sandbox
@@ -383,16 +384,17 @@ def test_work_for_a_sample_is_named_after_its_episode_in_the_dashboard(ray_sessi
     budget = Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1)
     tokens = ray.get(pool.acquire_batch.remote(BatchRequest(budget, QUARTER, 1, label="named")), timeout=30)
     try:
-        async def episode():
-            EPISODE.set("rollout3/swe-2#1")
-            name = await run_in_bundle(tokens[0], task_name, timeout_s=60)
+        async def episode(name):
+            EPISODE.set(name)
+            names = {await run_in_bundle(tokens[0], task_name, timeout_s=60) for _ in range(2)}
             sandbox = await open_sandbox(tokens[0])
             try:
                 host = await sandbox.actor.__ray_call__.remote(lambda self: repr(self))
             finally:
                 await sandbox.close()
-            return name, host
+            return names, host
 
-        assert asyncio.run(episode()) == ("task_name rollout3/swe-2#1", "SandboxHost(rollout3/swe-2#1)")
+        assert asyncio.run(episode("rollout3/swe-2#1")) == ({"task_name"}, "SandboxHost(rollout3/swe-2#1)")
+        assert asyncio.run(episode("rollout4/swe-7#0")) == ({"task_name"}, "SandboxHost(rollout4/swe-7#0)")
     finally:
         ray.get(pool.release_batch.remote(tokens), timeout=30)

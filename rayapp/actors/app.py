@@ -36,12 +36,6 @@ POOL_MAX_ONGOING = 100_000
 CONTROL_HEALTH_CHECK_S = 2.0
 # The pool and the manager live on the head node: losing a worker node must not take the ledger along.
 HEAD = "node:__internal_head__"
-# glibc's malloc gives each thread that allocates its own arena (up to 8 per core) and keeps what is freed
-# there for that arena: the manager allocates from its loop thread, Ray's threads and the thread pool, and
-# its RSS grew ~2.4 MB a step while what it had in use grew ~0.3 MB (the rest freed but held by 20 arenas).
-# With two arenas its RSS follows what it uses. Read by glibc when the replica's process starts; a recipe's
-# runtime_env cannot override it (Serve merges a deployment's env_vars over the application's).
-MANAGER_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -74,6 +68,5 @@ def build_app(args: dict[str, Any]) -> Application:
             p.cluster_layout, p.num_cpus, p.memory_gb, p.pg_ready_timeout_s)
     manager = serve.deployment(SchedulerRolloutManager, name="SchedulerRolloutManager", num_replicas=1,
                                max_ongoing_requests=1_000, health_check_period_s=CONTROL_HEALTH_CHECK_S,
-                               ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001},
-                                                  "runtime_env": {"env_vars": MANAGER_ENV}})
+                               ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
     return manager.bind(args, engines, pool)

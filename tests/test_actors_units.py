@@ -72,3 +72,41 @@ def test_the_demo_finds_and_stops_exactly_its_own_cluster_processes(tmp_path, mo
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("call", ["run_in_bundle", "open_sandbox"])
+def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeypatch, call):
+    """Finding a token's placement group asks the GCS twice; the manager's loop runs every episode of the
+    step meanwhile, so the asking happens in a thread (a slow GCS here: 0.3 s)."""
+    import asyncio
+    import time
+
+    from rayapp.actors import pool, sandbox
+    from rayapp.core.termination import SandboxError
+    from rayapp.types import Token
+
+    def slow_gcs(token):
+        time.sleep(0.3)
+        raise SandboxError("bundle gone")
+
+    monkeypatch.setattr(pool, "work_options", slow_gcs)
+    monkeypatch.setattr(sandbox, "bundle_strategy", slow_gcs)
+    token = Token(1, "n0", (), 0.0, 1.0, 0.0, placement_group="rayapp-n0", bundle_index=0)
+
+    async def main() -> int:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        work = pool.run_in_bundle(token, sum, [1]) if call == "run_in_bundle" else sandbox.open_sandbox(token)
+        with pytest.raises(SandboxError, match="bundle gone"):
+            await work
+        ticker.cancel()
+        return ticks
+
+    assert asyncio.run(main()) >= 10

@@ -210,7 +210,9 @@ async def run_in_bundle(token: Token | None, fn: Any, *args: Any, timeout_s: flo
     the task still waits for its bundle (``bundle_watch``); a timeout kills the task."""
     if token is None or not token.placement_group:
         return await asyncio.to_thread(fn, *args)
-    options = work_options(token)
+    # two GCS round trips (the group by name, its state): off the replica's event loop, which runs every
+    # episode of the step
+    options = await asyncio.to_thread(work_options, token)
     ref = _call.options(**options, name=work_name(fn)).remote(fn, *args)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
     work = bounded(ref, timeout_s, force=True, late=lambda: AgentTimeout(f"work in {where} ran past {timeout_s}s"),

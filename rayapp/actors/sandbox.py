@@ -13,6 +13,7 @@ placement group (an ungated recipe, a unit test) the sandbox runs in the calling
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import ray
@@ -106,7 +107,7 @@ async def open_sandbox(token: Token | None, kind: str = "local", limits: Sandbox
     if token is None or not token.placement_group:
         return await make_sandbox(kind, limits, **kw)
     where = f"bundle {token.placement_group}[{token.bundle_index}] on {token.node}"
-    strategy = bundle_strategy(token)
+    strategy = await asyncio.to_thread(bundle_strategy, token)  # GCS calls: off the event loop
     actor = SandboxHost.options(scheduling_strategy=strategy).remote(EPISODE.get())
     try:
         return await BundleSandbox(actor, limits, where, strategy.placement_group.id.hex()).start(

@@ -49,6 +49,7 @@ from rayapp.training.artifacts import read_jsonl
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
 from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
 from rayapp.training.partial import PartialConfig, PartialRollouts
+from rayapp.training.trainer_tasks import tasks_from_rows
 from rayapp.types import (
     AgentResult,
     Batch,
@@ -161,4 +162,5 @@ __all__ = [
     "roll_in_metrics",
     "run_virtual",
     "skyrl_gym_env",
+    "tasks_from_rows",
 ]

@@ -32,17 +32,26 @@ class Recorded:
     def __init__(self, runner):
         self.runner, self.results, self.filters = runner, [], runner.filters
 
-    async def rollout(self, rollout_id):
-        result = await self.runner.rollout(rollout_id)
+    async def rollout(self, rollout_id, tasks=None):
+        result = await self.runner.rollout(rollout_id, tasks)
+        self.results.append(result)
+        return result
+
+    async def evaluate(self, rollout_id):
+        result = await self.runner.evaluate(rollout_id)
         self.results.append(result)
         return result
 
 
-def step_runner(backend):
+def step_runner(backend, eval_copies=None):
+    """The local recipe's math-read data, 4 groups of 4 a step; with ``eval_copies``, its math-read
+    eval set (4 prompts) that many copies each."""
     cfg = load_recipe(ROOT / "recipes" / "local" / "rollout.yaml")[1]
     data = {"math-read": msgspec.structs.replace(cfg.data["math-read"], n_samples_per_prompt=G)}
-    scheduler = msgspec.structs.replace(cfg.scheduler, rollout_batch_size=GROUPS, save_eval_details=None)
-    cfg = msgspec.structs.replace(cfg, data=data, eval={}, scheduler=scheduler)
+    scheduler = msgspec.structs.replace(cfg.scheduler, rollout_batch_size=GROUPS, save_eval_details=None,
+                                        n_samples_per_eval_prompt=eval_copies or 1)
+    evals = {"math-read": cfg.eval["math-read"]} if eval_copies else {}
+    cfg = msgspec.structs.replace(cfg, data=data, eval=evals, scheduler=scheduler)
 
     async def inline(token, fn, *args):
         return fn(*args)
@@ -199,11 +208,14 @@ def test_the_serve_manager_wrapper_puts_a_timeout_on_every_call():
             return NS(result=lambda timeout_s: calls.append((name, args, timeout_s)) or [{"ok": True}])
         return NS(remote=remote)
 
-    manager = ServeManager(NS(generate=method("generate"), update_weights_from_disk=method("update")),
-                           engine="student", timeout_s=42)
+    manager = ServeManager(NS(generate=method("generate"), evaluate=method("evaluate"),
+                              update_weights_from_disk=method("update")), engine="student", timeout_s=42)
     manager.rollout(3)
+    manager.rollout(4, ["task"])
+    manager.evaluate(4)
     manager.update_weights("/w/step-000001")
-    assert calls == [("generate", (3,), 42), ("update", ("student", "/w/step-000001"), 42)]
+    assert calls == [("generate", (3,), 42), ("generate", (4, ["task"]), 42), ("evaluate", (4,), 42),
+                     ("update", ("student", "/w/step-000001"), 42)]
 
 
 def test_a_step_runner_with_survivorship_filters_is_refused():

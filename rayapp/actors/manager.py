@@ -1,6 +1,6 @@
 """The SchedulerRolloutManager: the Serve ingress hosting the TaskScheduler (docs/scheduler.md §1).
 
-The trainer calls ``generate(rollout_id)`` / ``evaluate(rollout_id)`` through a handle; the same
+The trainer calls ``generate(rollout_id[, tasks])`` / ``evaluate(rollout_id)`` through a handle; the same
 replica answers a small HTTP control surface under the app's route. This file only translates:
 the recipe is parsed and wired by ``rayapp.recipe``, and each step runs through the pure
 ``StepRunner`` (``rayapp.training.step``: one step at a time, its order and artifacts); here the
@@ -84,12 +84,13 @@ class SchedulerRolloutManager:
             placement = self.pool_client.placement if self.pool_client is not None else None
             self._gauges = asyncio.ensure_future(poll(self.metrics, self.steps.status, placement))
 
-    async def generate(self, rollout_id: int) -> RolloutResult:
+    async def generate(self, rollout_id: int, tasks: list[Any] | None = None) -> RolloutResult:
         """Rollout step ``rollout_id``: run once; a repeated or concurrent call gets the same result
-        (``rayapp.training.step_results``)."""
+        (``rayapp.training.step_results``). ``tasks`` (Tasks, or dicts of a Task's fields): the
+        trainer's, run as the step's groups instead of the data source's (``StepRunner.rollout``)."""
         self._watch()
         await self._restore_weights()
-        return await self.steps.rollout(rollout_id)
+        return await self.steps.rollout(rollout_id, tasks)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         self._watch()

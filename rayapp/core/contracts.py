@@ -152,12 +152,15 @@ class RolloutPlan(msgspec.Struct, frozen=True):
       ``RolloutResult.unfinished`` (0: nothing runs, every fetched group is unfinished);
     - ``step_log``: the groups finished before (not run again) and the record of each finished now;
     - ``carry``: called with the step's result, what it leaves to the next step; a resumable
-      wrapper saves it with the step's end (the scheduler has nothing to save it in)."""
+      wrapper saves it with the step's end (the scheduler has nothing to save it in);
+    - ``digest``: names what ``fetch`` returns when the trainer chose it (``training.trainer_tasks``);
+      a resumable wrapper saves it with the step's start and resumes only a step begun with the same."""
 
     fetch: Fetch | None = None
     complete_after: int | None = None
     step_log: StepLog | None = None
     carry: Carry | None = None
+    digest: str | None = None
 
 
 PLAIN = RolloutPlan()

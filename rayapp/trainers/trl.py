@@ -3,13 +3,21 @@
 The one-line change: ``GRPOTrainer(..., rollout_func=RayappRolloutFunc(source),
 reward_funcs=[rayapp_reward], callbacks=[WeightSyncCallback(update, folder)])``.
 
-``source`` is anything with ``rollout(rollout_id)`` returning a ``RolloutResult``, sync or async: an
-in-process ``StepRunner`` (``rayapp.recipe.build_step_runner``) or the Serve manager's handle through
-``ServeManager``. What the adapter decides where TRL's contract and rayapp's differ:
+``source`` is anything with ``rollout(rollout_id, tasks=None)`` returning a ``RolloutResult`` (and, for
+TRL's eval loop, ``evaluate(rollout_id)``), sync or async: an in-process ``StepRunner``
+(``rayapp.recipe.build_step_runner``) or the Serve manager's handle through ``ServeManager``. What the
+adapter decides where TRL's contract and rayapp's differ:
 
-- prompts: rayapp's data source chooses them. The trainer's prompt slice only sets how many groups
-  a step has (``len(prompts) / num_generations``); its text is not sent (``StepRunner.rollout`` takes
-  no tasks yet). ``prompt_ids`` are the tokens rayapp's episodes really started from.
+- prompts: by default rayapp's data source chooses them, and the trainer's prompt slice only sets how
+  many groups a step has (``len(prompts) / num_generations``). With ``prompts=TrainerPrompts(...)``
+  (``trl_tasks.py``) the trainer's prompts are the step's tasks, in order, each with the columns of
+  its dataset row (the label for rayapp's verifier); row i of the step is then a completion of
+  ``prompts[i]``. Either way ``prompt_ids`` are the tokens rayapp's episodes really started from.
+- eval: TRL's eval loop calls ``rollout_func`` once per eval batch (the model in eval mode); each is
+  served from rayapp's eval step for the trainer's step (``evaluate(rollout_id)``: the recipe's eval
+  sets, run once and then handed out batch by batch), and its metrics (accuracy, pass@k per eval set)
+  reach TRL's eval log through ``rayapp_reward`` (``eval_rayapp/...``). TRL's eval dataset only counts:
+  it must hold as many prompts as rayapp's eval step has, ``rayapp_eval_prompts(...)``.
 - groups: every group must hold ``num_generations`` samples and the step exactly the slice's count,
   so survivorship filters (rejection, finish-only) and partial rollouts must be off; a step that
   breaks this is one ValueError naming the step. A sample with no completion (an abort) stays in its
@@ -36,12 +44,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from transformers import TrainerCallback
 
-from rayapp.core.contracts import RolloutResult
+from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.trainers.trl_tasks import TrainerPrompts
 from rayapp.types import Sample, Status
 
 SCORE_FIELD = "rayapp_score"
+TASK_FIELD = "rayapp_task"  # each row's rayapp task id
+EVAL_FIELD = "rayapp_eval"  # the eval step's metrics, on every row of an eval batch
 
 
 class _Loop:
@@ -84,8 +96,12 @@ class ServeManager:
     def __init__(self, handle: Any, *, engine: str = "student", timeout_s: float = 600.0):
         self.handle, self.engine, self.timeout_s = handle, engine, timeout_s
 
-    def rollout(self, rollout_id: int) -> RolloutResult:
-        return self.handle.generate.remote(rollout_id).result(timeout_s=self.timeout_s)
+    def rollout(self, rollout_id: int, tasks: list | None = None) -> RolloutResult:
+        args = (rollout_id,) if tasks is None else (rollout_id, tasks)
+        return self.handle.generate.remote(*args).result(timeout_s=self.timeout_s)
+
+    def evaluate(self, rollout_id: int) -> EvalResult:
+        return self.handle.evaluate.remote(rollout_id).result(timeout_s=self.timeout_s)
 
     def update_weights(self, path: str) -> list[dict]:
         return self.handle.update_weights_from_disk.remote(self.engine, path).result(timeout_s=self.timeout_s)
@@ -126,7 +142,8 @@ def _completion(sample: Sample, where: str,
 
 def to_trl(result: RolloutResult, num_generations: int, n_prompts: int, pad_id: int = 0) -> dict[str, list]:
     """A rollout step as ``rollout_func``'s output: one row per sample, groups in order (TRL's
-    advantages group consecutive rows by ``num_generations``)."""
+    advantages group consecutive rows by ``num_generations``); ``rayapp_task`` names each row's task
+    for the trainer's own reward functions."""
     sizes = [len(g) for g in result.groups]
     if any(s != num_generations for s in sizes) or sum(sizes) != n_prompts:
         raise ValueError(f"rollout {result.rollout_id}: groups of {sizes} samples, but the trainer wants "
@@ -140,44 +157,127 @@ def to_trl(result: RolloutResult, num_generations: int, n_prompts: int, pad_id: 
                                       f"#{sample.index}", pad_id)
             for key, value in zip(out, row, strict=True):
                 out[key].append(value)
+    out[TASK_FIELD] = [s.task_id for group in result.groups for s in group]
     return out
+
+
+def eval_rows(result: EvalResult, num_generations: int, pad_id: int = 0) -> dict[str, list]:
+    """An eval step as TRL rows: each eval set's samples in order, the copies of one prompt
+    (``n_samples_per_eval_prompt`` of them, which must be TRL's ``num_generations_eval``) a group."""
+    groups = []
+    for name, samples in result.samples.items():
+        for k in range(0, len(samples), num_generations):
+            group = samples[k:k + num_generations]
+            if len(group) != num_generations or len({s.task_id for s in group}) != 1:
+                raise ValueError(f"eval {result.rollout_id}: eval set {name!r} does not come in groups of "
+                                 f"num_generations_eval={num_generations} copies of a prompt; set the recipe's "
+                                 f"scheduler.n_samples_per_eval_prompt to num_generations_eval")
+            groups.append(group)
+    n = sum(map(len, groups))
+    return to_trl(RolloutResult(result.rollout_id, groups), num_generations, n, pad_id)
+
+
+def rayapp_eval_prompts(n_prompts: int, placeholder: str = "(rayapp's eval)") -> list[dict[str, str]]:
+    """TRL's eval dataset rows (``Dataset.from_list``) for an eval served by rayapp: its size counts
+    the eval step's prompts (every eval set's ``n_prompts`` together); the text is not used."""
+    return [{"prompt": placeholder}] * n_prompts
+
+
+class _HeldEval(msgspec.Struct):
+    """The eval step one TRL evaluation hands out, batch by batch."""
+
+    eval_id: int
+    rows: dict[str, list]
+    metrics: dict[str, float]
+    cursor: int = 0
 
 
 class RayappRolloutFunc:
     """``rollout_func`` for ``GRPOTrainer``: each generation is rayapp's rollout step for the
-    trainer's step (module docstring). ``asked`` records (global_step, rollout_id) per call."""
+    trainer's step, each eval batch the next rows of its eval step (module docstring). ``prompts``
+    unset: rayapp's data source chooses the tasks; a ``TrainerPrompts``: the trainer's prompts are
+    the tasks. ``asked`` records (global_step, rollout_id) per rollout, ``evaluated`` per eval step."""
 
-    def __init__(self, source: Any, *, first_rollout_id: int = 0, timeout_s: float = 600.0):
+    def __init__(self, source: Any, *, prompts: TrainerPrompts | None = None, first_rollout_id: int = 0,
+                 timeout_s: float = 600.0):
         if not callable(getattr(source, "rollout", None)):
             raise TypeError(f"RayappRolloutFunc: source needs a rollout(rollout_id) method, got {type(source)!r}")
         if getattr(source, "filters", None):  # an in-process StepRunner; the Serve app's are checked by count
             raise ValueError(f"RayappRolloutFunc: the step runner has survivorship filters {source.filters}; "
                              "TRL needs every group at num_generations, turn them off in the recipe")
-        self.source, self.first_rollout_id, self.timeout_s = source, first_rollout_id, timeout_s
+        if prompts is not None and not isinstance(prompts, TrainerPrompts):
+            raise TypeError(f"RayappRolloutFunc: prompts must be a TrainerPrompts or None, got {type(prompts)!r}")
+        self.source, self.prompts = source, prompts
+        self.first_rollout_id, self.timeout_s = first_rollout_id, timeout_s
         self.asked: list[tuple[int, int]] = []
+        self.evaluated: list[tuple[int, int]] = []
+        self._eval: _HeldEval | None = None
 
     def rollout_id(self, trainer: Any) -> int:
         return self.first_rollout_id + trainer.state.global_step // steps_per_rollout(trainer)
 
-    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
         if trainer.accelerator.num_processes != 1:
             raise ValueError("RayappRolloutFunc: one training process only (each process would ask for the "
                              "whole step)")
-        if not trainer.model.training:
-            raise ValueError("RayappRolloutFunc: TRL's eval loop is not served by rayapp yet; set "
-                             "eval_strategy='no' and run rayapp's eval steps (manager.evaluate)")
         if getattr(trainer, "tools", None):
             raise ValueError("RayappRolloutFunc: unset GRPOTrainer's tools/environment_factory; rayapp's agents run "
                              "the tools, and TRL reads the env mask only without its own")
+        pad_id = getattr(trainer.processing_class, "pad_token_id", None)
+        pad_id = pad_id if pad_id is not None else 0
+        if not trainer.model.training:
+            return self._eval_batch(len(prompts), trainer, pad_id)
         rollout_id = self.rollout_id(trainer)
         self.asked.append((trainer.state.global_step, rollout_id))
-        result = _call(self.source.rollout, (rollout_id,), self.timeout_s, f"rollout {rollout_id}")
-        pad_id = getattr(trainer.processing_class, "pad_token_id", None)
-        return to_trl(result, trainer.num_generations, len(prompts), pad_id if pad_id is not None else 0)
+        g = trainer.num_generations
+        tasks = self.prompts.tasks(prompts, g) if self.prompts is not None else None
+        args = (rollout_id,) if tasks is None else (rollout_id, tasks)
+        result = _call(self.source.rollout, args, self.timeout_s, f"rollout {rollout_id}")
+        got = [group[0].task_id if group else None for group in result.groups]
+        if tasks is not None and got != [t.task_id for t in tasks]:
+            raise ValueError(f"rollout {rollout_id}: its groups are tasks {got}, not the trainer's "
+                             f"{[t.task_id for t in tasks]}")
+        return to_trl(result, g, len(prompts), pad_id)
+
+    def _eval_batch(self, n: int, trainer: Any, pad_id: int) -> dict[str, Any]:
+        """The next ``n`` rows of the eval step for the trainer's step: asked for at an evaluation's
+        first batch (a new step, or the last one handed out whole), then handed out in order."""
+        eval_id, g = self.rollout_id(trainer), trainer.num_generations_eval
+        held = self._eval
+        if held is None or held.eval_id != eval_id or held.cursor >= len(held.rows[SCORE_FIELD]):
+            if not callable(getattr(self.source, "evaluate", None)):
+                raise TypeError(f"RayappRolloutFunc: TRL's eval loop needs a source with evaluate(rollout_id), "
+                                f"got {type(self.source)!r}")
+            self.evaluated.append((trainer.state.global_step, eval_id))
+            result = _call(self.source.evaluate, (eval_id,), self.timeout_s, f"eval {eval_id}")
+            rows = eval_rows(result, g, pad_id)
+            prompts = len(rows[SCORE_FIELD]) // g
+            dataset = getattr(trainer, "eval_dataset", None)
+            if isinstance(dataset, dict):
+                raise ValueError("RayappRolloutFunc: TRL's eval is served by rayapp's eval step; give GRPOTrainer "
+                                 f"one eval dataset, rayapp_eval_prompts({prompts}), not several")
+            if hasattr(dataset, "__len__") and len(dataset) != prompts:
+                raise ValueError(f"eval {eval_id}: TRL's eval dataset has {len(dataset)} prompts and rayapp's eval "
+                                 f"step {prompts}; make it rayapp_eval_prompts({prompts})")
+            metrics = {f"rayapp/{k.removeprefix('eval/')}": v for k, v in result.metrics.items()}
+            held = self._eval = _HeldEval(eval_id, rows, metrics)
+        total = len(held.rows[SCORE_FIELD])
+        if held.cursor + n > total:
+            raise ValueError(f"eval {eval_id}: TRL asked for rows {held.cursor}..{held.cursor + n - 1} of the eval "
+                             f"step's {total}; its eval dataset must hold rayapp_eval_prompts({total // g})")
+        out: dict[str, Any] = {k: v[held.cursor:held.cursor + n] for k, v in held.rows.items()}
+        held.cursor += n
+        out[EVAL_FIELD] = held.metrics  # not a list: TRL puts it on every row, and rayapp_reward logs it
+        return out
 
 
-def rayapp_reward(completions: list, rayapp_score: list[float | None], **kwargs: Any) -> list[float | None]:
-    """The reward function for ``reward_funcs``: rayapp's score of each completion (None: unscored)."""
+def rayapp_reward(completions: list, rayapp_score: list[float | None], rayapp_eval: list | None = None,
+                  log_metric: Callable[[str, float], None] | None = None, **kwargs: Any) -> list[float | None]:
+    """The reward function for ``reward_funcs``: rayapp's score of each completion (None: unscored).
+    In an eval batch, also the eval step's metrics, through TRL's ``log_metric`` (``eval_rayapp/...``)."""
+    if rayapp_eval and log_metric is not None:
+        for name, value in rayapp_eval[0].items():
+            log_metric(name, value)
     return list(rayapp_score)
 
 

@@ -2,7 +2,8 @@
 
 ``RolloutCheckpoint`` keeps a rollout's progress on disk, one folder per rollout::
 
-    {dir}/rollout_{id:06d}/state.msgpack          data source state at begin() (written first)
+    {dir}/rollout_{id:06d}/state.msgpack          data source state at begin() (written first), and
+                                                  the digest of the trainer's tasks when it chose them
     {dir}/rollout_{id:06d}/group_{i:06d}.msgpack  one per finished group (i: its fetch index), each
                                                   written atomically; pruned once two later
                                                   rollouts began
@@ -18,6 +19,8 @@ is decoded straight into that type (``core.convert.decode``), so a damaged or fo
 state (the saved one when the step resumes, else where the previous finished step left the stream)
 and saves it; the step's ``StepLog`` hands back the groups finished before (checked against the
 re-fetched tasks) and records each group as it finishes; after the step, ``finish`` marks it done.
+A step whose tasks the trainer chose (``RolloutPlan.digest``) resumes only with the same tasks: other
+ones (or the data source's, or the reverse) are one ValueError naming the step, before anything runs.
 The scheduler itself knows nothing of checkpoints.
 """
 
@@ -51,6 +54,7 @@ from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.converters import stored_sample
 from rayapp.training.files import atomic_write, fsync_dir
+from rayapp.training.trainer_tasks import tasks_named
 from rayapp.types import Sample, Task
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ class CheckpointState(msgspec.Struct, tag_field="format", tag="rayapp.rollout_ch
     rollout_id: RolloutId
     run: str  # the begin() this folder's groups belong to
     source_state: dict[str, Any]
+    tasks_digest: str | None = None  # the trainer-chosen tasks it runs (training.trainer_tasks); None: fetched
 
 
 class CheckpointGroup(msgspec.Struct, tag_field="format", tag="rayapp.rollout_checkpoint.group",
@@ -119,6 +124,7 @@ class ResumeState:
     rollout_id: int
     source_state: dict
     groups: dict[int, list[Sample]] = field(default_factory=dict)  # finished groups by fetch index, sorted
+    tasks_digest: str | None = None  # what begin() was given
 
 
 class RolloutCheckpoint:
@@ -143,10 +149,11 @@ class RolloutCheckpoint:
             raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
         return self.dir / f"rollout_{rollout_id:06d}"
 
-    def begin(self, rollout_id: int, source_state: dict) -> None:
-        """Start ``rollout_id`` afresh, discarding any earlier checkpoint of it."""
+    def begin(self, rollout_id: int, source_state: dict, tasks_digest: str | None = None) -> None:
+        """Start ``rollout_id`` afresh, discarding any earlier checkpoint of it; ``tasks_digest`` names
+        the tasks the trainer chose for it (None: the step fetches them)."""
         folder = self.folder(rollout_id)
-        state = CheckpointState(VERSION, rollout_id, uuid.uuid4().hex, source_state)
+        state = CheckpointState(VERSION, rollout_id, uuid.uuid4().hex, source_state, tasks_digest)
         try:
             data = msgspec.msgpack.encode(state)
         except TypeError as e:
@@ -237,7 +244,7 @@ class RolloutCheckpoint:
                 continue
             groups[g.index] = [stored_sample(s) for s in g.samples]  # one an earlier version wrote, too
         self._run[rollout_id], self._done[rollout_id] = state.run, set(groups)
-        return ResumeState(rollout_id, state.source_state, dict(sorted(groups.items())))
+        return ResumeState(rollout_id, state.source_state, dict(sorted(groups.items())), state.tasks_digest)
 
     def _forget(self, rollout_id: int) -> None:
         self._run.pop(rollout_id, None)
@@ -310,7 +317,7 @@ class ResumableRollouts:
         saved with its end (``carried``)."""
         if plan.step_log is not None:
             raise ValueError("a resumable step keeps its own step log (its checkpoint); pass none in the plan")
-        restored = await self._open(rollout_id)
+        restored = await self._open(rollout_id, plan.digest)
         step_log = _Recorder(self.checkpoint, rollout_id, restored)
         result = await self.rollouts.execute_rollout(
             rollout_id, on_task_done, msgspec.structs.replace(plan, step_log=step_log, carry=None))
@@ -348,12 +355,19 @@ class ResumableRollouts:
         """What finished rollout ``rollout_id`` carried on (``RolloutCheckpoint.carried``)."""
         return await in_thread(self.checkpoint.carried, rollout_id)
 
-    async def _open(self, rollout_id: int) -> dict[int, list[Sample]]:
+    async def _open(self, rollout_id: int, digest: str | None) -> dict[int, list[Sample]]:
         """Resume ``rollout_id`` (its source state back, its finished groups), or begin it where the
         data stream stood after rollout ``rollout_id - 1`` when that one finished here: a restarted
-        process, or a trainer that went back to an earlier step, gets the same tasks again."""
+        process, or a trainer that went back to an earlier step, gets the same tasks again. A step
+        the trainer chose the tasks of (``digest``) resumes only with the same tasks."""
         ck, source = self.checkpoint, self.source
         resumed = await in_thread(ck.resume, rollout_id)
+        if resumed is not None and resumed.tasks_digest != digest:
+            raise ValueError(f"rollout {rollout_id}: its unfinished checkpoint ({ck.folder(rollout_id)}) began with "
+                             f"{tasks_named(resumed.tasks_digest)}, and the step is now asked for with "
+                             f"{tasks_named(digest)}: "
+                             f"a step's tasks cannot change; pass the same tasks, or delete that folder to run the "
+                             f"step afresh")
         if resumed is not None:
             source.load_state_dict(resumed.source_state)
             log.warning("rollout %d resumes from its checkpoint: %d groups finished before", rollout_id,
@@ -365,5 +379,5 @@ class ResumableRollouts:
         elif rollout_id > 0:
             log.info("rollout %d: no finished checkpoint of rollout %d; the data stream goes on from where the "
                      "source stands", rollout_id, rollout_id - 1)
-        await in_thread(ck.begin, rollout_id, source.state_dict())
+        await in_thread(ck.begin, rollout_id, source.state_dict(), digest)
         return {}

@@ -9,6 +9,15 @@
 - eval: a run whose finished groups stream into ``eval_details/``, then the complete files and the
   timeline; a failed eval closes its streamed files, and a later run of the same id rewrites them.
 
+A rollout step's tasks come from the data source, or from the trainer (``rollout(id, tasks)``,
+``trainer_tasks.py``): then the step runs exactly those tasks as its groups, in that order, each with
+its own ``n_samples``, and the data source's position is untouched. Its durable record keeps their
+digest, so the same id with the same tasks is served again and with other tasks refused
+(``step_results.py``). Survivorship filters apply to it as to any step (each group's samples carry
+``_group_id`` ``"<id>/<i>"``, i its task's index, so the trainer sees which survived); partial
+rollouts and reused trajectories choose the step's groups themselves, so with either a trainer's
+tasks are refused before anything runs.
+
 What a step returns is the trainer's door (``converters.for_trainer``): each sample's episode record
 is written there as the spec's metadata keys; observers, filters and artifacts see the typed record
 before it. Steps are idempotent (``step_results.py``): a repeated or concurrent request for a rollout or eval
@@ -28,12 +37,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
 
-from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult, Rollouts
+from rayapp.core.contracts import PLAIN, EvalResult, OnTaskDone, RolloutPlan, RolloutResult, Rollouts
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
@@ -42,7 +51,8 @@ from rayapp.training.dagger import roll_in_metrics
 from rayapp.training.filters import AbortCap, Filter, FilterReport, apply_filters
 from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
-from rayapp.training.step_results import StepResults
+from rayapp.training.step_results import StepResults, check_step_id
+from rayapp.training.trainer_tasks import step_tasks, tasks_digest
 from rayapp.types import Sample, Status, Task
 
 log = logging.getLogger(__name__)
@@ -66,6 +76,13 @@ def filter_step(result: RolloutResult, filters: Sequence[Filter],
                 "filter/abort_share": float(report.abort_share),
                 "filter/abort_share_exceeded": float(report.abort_share_exceeded)}
     return msgspec.structs.replace(result, groups=report.groups, metrics=metrics), report
+
+
+def _given(tasks: list[Task]) -> Callable[[], Awaitable[list[Task]]]:
+    """A step's fetch that hands it the trainer's tasks (a new list each time: the scheduler owns it)."""
+    async def fetch() -> list[Task]:
+        return list(tasks)
+    return fetch
 
 
 class StepObserver(Protocol):
@@ -132,18 +149,28 @@ class StepRunner:
                 log.warning("freed %d batches left by a previous host of this pool owner", freed)
             self.release_previous = None  # once; a failed release is tried again before the next step
 
-    async def rollout(self, rollout_id: int) -> RolloutResult:
-        """Rollout step ``rollout_id``'s result: run once, then served again (module docstring)."""
-        return await self.results.once("rollout", rollout_id, self._rollout)
+    async def rollout(self, rollout_id: int, tasks: Sequence[Task | Mapping[str, Any]] | None = None) -> RolloutResult:
+        """Rollout step ``rollout_id``'s result: run once, then served again (module docstring).
+        ``tasks``: the trainer's choice (Tasks, or dicts of a Task's fields), run instead of fetching."""
+        if tasks is None:
+            return await self.results.once("rollout", rollout_id, self._rollout)
+        check_step_id(rollout_id)
+        if isinstance(self._rollouts, PartialRollouts):
+            raise ValueError(f"rollout {rollout_id}: partial rollouts choose a step's groups themselves (carried "
+                             "ones first, more than the step returns), so they cannot run the trainer's tasks; "
+                             "turn scheduler.partial off, or pass no tasks")
+        chosen = step_tasks(rollout_id, tasks)
+        plan = RolloutPlan(fetch=_given(chosen), digest=tasks_digest(chosen))
+        return await self.results.once("rollout", rollout_id, lambda rid: self._rollout(rid, plan), digest=plan.digest)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         """Eval step ``rollout_id``'s result: run once, then served again (module docstring)."""
         return await self.results.once("eval", rollout_id, self._evaluate)
 
-    async def _rollout(self, rollout_id: int) -> RolloutResult:
+    async def _rollout(self, rollout_id: int, plan: RolloutPlan = PLAIN) -> RolloutResult:
         async with self._lock:
             await self._begin()
-            ran = await self._run_or_reuse(rollout_id)
+            ran = await self._run_or_reuse(rollout_id, plan)
             ran.metrics.update(roll_in_metrics(ran.groups))  # before the filters: every roll-in counts
             result, report = filter_step(ran, self.filters, self.abort_cap)
             self._step_ran("rollout", rollout_id, [s for g in ran.groups for s in g], result.metrics)
@@ -193,17 +220,23 @@ class StepRunner:
             return {}
         return {k: str(p) for k, p in paths.items()}
 
-    async def _run_or_reuse(self, rollout_id: int) -> RolloutResult:
-        """A fresh rollout, or the saved one the reuse policy (docs/scheduler.md §5) points at."""
+    async def _run_or_reuse(self, rollout_id: int, plan: RolloutPlan) -> RolloutResult:
+        """A fresh rollout, or the saved one the reuse policy (docs/scheduler.md §5) points at; the
+        trainer's tasks (``plan.fetch``) always run fresh, and a policy that would reuse is refused."""
         if self.trajectory_dir is None:
-            return await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"))
+            return await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"), plan)
         ran: list[RolloutResult] = []
+        policy = self.reuse or ReusePolicy.from_env()
+        if plan.fetch is not None and not (decision := policy.decide(rollout_id, self.trajectory_dir)).fresh:
+            raise ValueError(f"rollout {rollout_id}: the reuse policy would load {decision.load_path} "
+                             f"({decision.mode}) instead of running the trainer's tasks; set "
+                             f"STACX_FORCE_FRESH_ROLLOUT=1, or unset scheduler.trajectory_dir")
 
         async def run() -> list[list[Sample]]:
-            ran.append(await self._rollouts.execute_rollout(rollout_id, self._observed("rollout")))
+            ran.append(await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"), plan))
             return ran[0].groups
 
-        groups, decision = await rollout_or_reuse(rollout_id, self.trajectory_dir, run, self.reuse)
+        groups, decision = await rollout_or_reuse(rollout_id, self.trajectory_dir, run, policy)
         if ran:
             saved = {kind.value: str(path) for kind, path in decision.save_paths.items()}
             return msgspec.structs.replace(ran[0], artifacts=saved)

@@ -16,6 +16,11 @@ is served again rather than run again.
   trainer that went back to an earlier step gets new samples for it; with a checkpoint the
   rollout fetches the same tasks as before (``ResumableRollouts``). A repeat of one of the latest
   steps, the retry after a lost answer or a restart, is always served.
+- A rollout step may run tasks the trainer chose (``StepRunner.rollout(id, tasks)``): its record
+  keeps their digest (``training.trainer_tasks``; None: the data source chose), in memory and in its
+  file. The same id with the same tasks is served as above; the same id with other tasks, or tasks
+  where the step had none (or the reverse), is one ValueError naming the step, whether that step
+  is kept, saved or in flight, and nothing runs.
 - A step that failed or was cancelled leaves nothing behind: the next request runs it afresh. A
   damaged or foreign result file is skipped with a warning, and the step runs.
 - With a folder, a step whose result cannot be saved (a full disk) fails with an error naming the
@@ -41,6 +46,7 @@ from msgspec import Meta
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.convert import InputError, decode
 from rayapp.training.files import atomic_write
+from rayapp.training.trainer_tasks import tasks_named
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class _Stored(msgspec.Struct, tag_field="format", tag="rayapp.step_result", forb
 # One file type per kind: the two result types are untagged Structs, which cannot share a union field.
 class StoredRollout(_Stored):
     result: RolloutResult
+    tasks_digest: str | None = None  # the trainer's tasks it ran; None: the data source's (and files before it)
 
 
 class StoredEval(_Stored):
@@ -86,6 +93,7 @@ class StepResults:
         self.dir = Path(folder) / "step_results" if folder is not None else None
         self.keep = keep
         self._memo: dict[str, dict[int, Any]] = {kind: {} for kind in _ENVELOPES}
+        self._digests: dict[tuple[str, int], str | None] = {}  # of each step kept or in flight
         self._flight: dict[tuple[str, int], asyncio.Task] = {}
         self._waiters: dict[tuple[str, int], int] = {}
         # requests by kind: how many ran a step, how many got one kept or in flight (the status page's)
@@ -95,20 +103,24 @@ class StepResults:
     def path(self, kind: StepKindName, rollout_id: int) -> Path | None:
         return self.dir / f"{kind}_{check_step_id(rollout_id):06d}.msgpack" if self.dir is not None else None
 
-    async def once(self, kind: StepKindName, rollout_id: int, run: Callable[[int], Awaitable[R]]) -> R:
-        """Step ``kind``/``rollout_id``'s result: the kept one, the one in flight, else ``run(rollout_id)``."""
+    async def once(self, kind: StepKindName, rollout_id: int, run: Callable[[int], Awaitable[R]], *,
+                   digest: str | None = None) -> R:
+        """Step ``kind``/``rollout_id``'s result: the kept one, the one in flight, else ``run(rollout_id)``.
+        ``digest`` names the tasks the trainer chose for it (None: the data source chooses)."""
         if kind not in _ENVELOPES:
             raise ValueError(f"kind must be one of {sorted(_ENVELOPES)}, got {kind!r}")
         check_step_id(rollout_id)
         key = (kind, rollout_id)
         while (task := self._flight.get(key)) is not None and task.cancelling():
             await asyncio.wait([task])  # a step its last requester gave up: let it end, then run afresh
+        if rollout_id in self._memo[kind] or task is not None:
+            _same_tasks(kind, rollout_id, digest, self._digests[key], "ran" if task is None else "is running")
         if rollout_id in self._memo[kind]:
             self.served[kind] += 1
             return self._memo[kind][rollout_id]
         if task is None:
-            task = asyncio.ensure_future(self._load_or_run(kind, rollout_id, run))
-            self._flight[key] = task
+            task = asyncio.ensure_future(self._load_or_run(kind, rollout_id, run, digest))
+            self._flight[key], self._digests[key] = task, digest
         else:
             self.served[kind] += 1
         return await self._wait(key, task)
@@ -131,13 +143,17 @@ class StepResults:
             if not self._waiters[key]:
                 del self._waiters[key]
 
-    async def _load_or_run(self, kind: str, rollout_id: int, run: Callable[[int], Awaitable[Any]]) -> Any:
+    async def _load_or_run(self, kind: str, rollout_id: int, run: Callable[[int], Awaitable[Any]],
+                           digest: str | None) -> Any:
         try:
-            result = await asyncio.to_thread(self._load, kind, rollout_id) if self.dir is not None else None
+            stored = await asyncio.to_thread(self._load, kind, rollout_id) if self.dir is not None else None
+            if stored is not None:
+                _same_tasks(kind, rollout_id, digest, getattr(stored, "tasks_digest", None), "was saved")
+            result = stored.result if stored is not None else None
             if result is None:
                 self.ran[kind] += 1
                 result = await run(rollout_id)
-                await asyncio.to_thread(self._store, kind, rollout_id, result)
+                await asyncio.to_thread(self._store, kind, rollout_id, result, digest)
             else:
                 self.served[kind] += 1
                 log.info("%s %d: served from %s, not run again", kind, rollout_id, self.path(kind, rollout_id))
@@ -145,14 +161,18 @@ class StepResults:
             return result
         finally:
             self._flight.pop((kind, rollout_id), None)
+            if rollout_id not in self._memo[kind]:
+                self._digests.pop((kind, rollout_id), None)
 
     def _remember(self, kind: str, rollout_id: int, result: Any) -> None:
         memo = self._memo[kind]
         memo[rollout_id] = result
         for old in sorted(memo)[:-self.keep]:
             del memo[old]
+            if (kind, old) not in self._flight:
+                self._digests.pop((kind, old), None)
 
-    def _load(self, kind: str, rollout_id: int) -> Any:
+    def _load(self, kind: str, rollout_id: int) -> StoredRollout | StoredEval | None:
         path = self.path(kind, rollout_id)  # type: ignore[arg-type]
         if path is None or not path.exists():
             return None
@@ -164,9 +184,9 @@ class StepResults:
         except (OSError, InputError) as e:
             log.warning("%s %d: ignoring its saved result, the step runs again: %s", kind, rollout_id, e)
             return None
-        return stored.result
+        return stored
 
-    def _store(self, kind: str, rollout_id: int, result: Any) -> None:
+    def _store(self, kind: str, rollout_id: int, result: Any, digest: str | None) -> None:
         """Save the result, then drop the files of all but the ``keep`` highest ids of this kind. A
         result that cannot be saved fails the step (a ``WriteError`` naming the file, or the
         TypeError of a value msgpack cannot hold): the trainer never holds a result that a restart
@@ -175,7 +195,8 @@ class StepResults:
         if path is None:
             return
         try:
-            data = msgspec.msgpack.encode(_ENVELOPES[kind](1, kind, rollout_id, result))
+            extra = {"tasks_digest": digest} if digest is not None else {}
+            data = msgspec.msgpack.encode(_ENVELOPES[kind](1, kind, rollout_id, result, **extra))
         except (TypeError, ValueError) as e:
             raise TypeError(f"{kind} {rollout_id}: its result cannot be saved to {path}: {e}") from None
         atomic_write(path, lambda f: f.write(data), what="step result")
@@ -186,3 +207,12 @@ class StepResults:
                 old.unlink(missing_ok=True)
         except OSError as e:
             log.warning("%s %d: could not remove older step results in %s: %s", kind, rollout_id, self.dir, e)
+
+
+def _same_tasks(kind: str, rollout_id: int, asked: str | None, had: str | None, how: str) -> None:
+    """Nothing, when step ``kind``/``rollout_id`` is asked for with the tasks it ``how`` with; else one
+    ValueError naming the step and both (a step's tasks never change: steps are idempotent)."""
+    if asked != had:
+        raise ValueError(f"{kind} {rollout_id} {how} with {tasks_named(had)}, and is now asked for with "
+                         f"{tasks_named(asked)}: a step's tasks cannot change (its result is served again "
+                         f"as it is); ask for a new rollout id")

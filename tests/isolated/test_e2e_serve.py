@@ -213,3 +213,44 @@ def test_the_app_stops_cleanly(app):
     assert "Shutting down" in app["log"].read_text() or proc.returncode in (0, -signal.SIGINT, 130)
     assert stop_cluster(app["temp_dir"]) == []
     assert ray_processes(app["temp_dir"]) == []
+
+
+TASKS_DRIVER = r"""
+import json, sys, ray
+from ray import serve
+from rayapp.training.trainer_tasks import tasks_from_rows
+ray.init(address=sys.argv[1], namespace="rayapp-e2e", logging_level="error", log_to_driver=False)
+h = serve.get_app_handle("rayapp")
+tasks = tasks_from_rows([{"prompt": "What is 2 + 3?", "label": "5"}], task_type="arithmetic", n_samples=2)
+tasks.append({"task_id": "mine", "prompt": "What is 4 * 4?", "config": {"task_type": "arithmetic"}, "label": "16"})
+def ran():
+    return h.status.remote().result(timeout_s=60)["steps_run"]["rollout"]
+before = ran()
+first = h.generate.remote(20, tasks).result(timeout_s=600)
+again = h.generate.remote(20, tasks).result(timeout_s=600)
+errors = []
+for args in ((20, [tasks[1]]), (20,), (21, [{"task_id": "x", "prompt": "p"}])):  # each refused, nothing runs
+    try:
+        h.generate.remote(*args).result(timeout_s=600)
+    except Exception as e:
+        errors.append(str(e))
+def rows(r):
+    return [[(s.task_id, s.index, s.label, s.metadata["_group_id"], s.response) for s in g] for g in r.groups]
+print("RESULT " + json.dumps({"first": rows(first), "again": rows(again), "errors": errors, "ran": ran() - before}))
+"""
+
+
+def test_the_trainer_chooses_a_steps_tasks_through_the_handle(app):
+    proc = subprocess.run([sys.executable, "-c", TASKS_DRIVER, app["address"]], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    first = out["first"]
+    assert [[s[:4] for s in g] for g in first] == [[["trainer-0", 0, "5", "20/0"], ["trainer-0", 1, "5", "20/0"]],
+                                                   [["mine", 0, "16", "20/1"]]]
+    assert out["again"] == first  # the same id with the same tasks: served, not run again
+    other, none, bad = out["errors"]
+    assert "rollout 20 ran with trainer-chosen tasks" in other and "now asked for with trainer-chosen" in other
+    assert "rollout 20 ran with trainer-chosen tasks" in none and "the data source's tasks" in none
+    assert "rollout 21: tasks[0]: $.config: missing required field" in bad
+    assert out["ran"] == 1  # rollout 20, once

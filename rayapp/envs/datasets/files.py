@@ -82,7 +82,8 @@ def row_schema(fields: FieldMap) -> type[msgspec.Struct]:
     return msgspec.defstruct("Row", spec, rename=rename)
 
 
-def _task(row: Any, index: int, name: str, fields: FieldMap, task_type: str) -> Task:
+def row_task(row: Any, index: int, name: str, fields: FieldMap, task_type: str) -> Task:
+    """A row of ``row_schema(fields)`` as a Task; without a task id column its id is ``<name>-<index>``."""
     prompt = row.prompt if isinstance(row.prompt, str) else [msgspec.structs.asdict(m) for m in row.prompt]
     task_id = getattr(row, "task_id", None)
     return Task(f"{name}-{index}" if task_id is None else str(task_id), prompt,
@@ -140,7 +141,7 @@ def load_file(path: str | Path, name: str, fields: FieldMap, *, task_type: str) 
         rows = _jsonl_rows(path, name, schema, unique)
     if not rows:
         raise DatasetError(where, None, "no rows")
-    return [_task(row, i, name, fields, task_type) for i, row in rows]
+    return [row_task(row, i, name, fields, task_type) for i, row in rows]
 
 
 def _check_unique(rows: list[tuple[int, Any]], unique: str | None, where: str) -> None:

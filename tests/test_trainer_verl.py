@@ -7,7 +7,8 @@ dataloader, the uid it gives each prompt, ``_get_gen_batch``, ``repeat(n, interl
 adapter's source is an in-process StepRunner (the real hf engine, the shipped tiny model, the local
 recipe's math evaluator). Stand-ins, for what needs GPUs and torch.distributed: the actor's worker
 group (it records what fit() sends it, and saves Hugging Face weights of a model whose head it scales,
-so the engine's load is checked) and the resource pool (its GPU count, for a throughput metric).
+so the engine's load is checked) and the resource pool (its GPU count, for a throughput metric). A
+second trainer resumed from fit()'s own checkpoint asks for the same step and is served its result.
 Skipped without verl (docs/trainers.md says how it is installed beside the project)."""
 
 from pathlib import Path
@@ -76,6 +77,9 @@ class ActorStandIn:
         self.saved.append((local_path, global_step, max_ckpt_to_keep))
         self.model.save_pretrained(Path(local_path) / "huggingface")
 
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        self.model = AutoModelForCausalLM.from_pretrained(Path(local_path) / "huggingface")
+
 
 def verl_config(tmp, data):
     cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
@@ -90,7 +94,7 @@ def verl_config(tmp, data):
                         "checkpoint_manager_class": "rayapp.trainers.verl.RayappCheckpointManager"}},
         "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False,
                       "rollout_correction": {"bypass_mode": True}},
-        "trainer": {"total_epochs": 1, "val_before_train": False, "test_freq": -1, "save_freq": -1,
+        "trainer": {"total_epochs": 1, "val_before_train": False, "test_freq": -1, "save_freq": 1,
                     "logger": ["console"], "balance_batch": False, "resume_mode": "disable",
                     "default_local_dir": str(tmp / "ckpt"), "device": "cpu"},
         "rayapp": {"task_type": "math"},
@@ -107,43 +111,49 @@ def write_rows(path):
     return tasks
 
 
+class Trainer(RayPPOTrainer):
+    """verl's own trainer; two of its methods wrapped only to keep what they were given."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def _get_gen_batch(self, batch):
+        self.seen.append({"batch_uids": list(batch.non_tensor_batch["uid"])})
+        return super()._get_gen_batch(batch)
+
+    def _update_actor(self, batch):
+        self.seen[-1]["batch"] = batch
+        return super()._update_actor(batch)
+
+
+def run_fit(cfg, source, actor):
+    """fit() after what init_workers does once the (GPU) worker groups exist: the rollout and
+    weight-sync managers built from the config's dotted paths, verl's replicas put to sleep."""
+    trainer = Trainer(cfg, AutoTokenizer.from_pretrained(SHIPPED), role_worker_mapping={Role.ActorRollout: object},
+                      resource_pool_manager=NS(get_n_gpus=lambda: 1))
+    trainer.actor_rollout_wg = actor
+    manager_cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager")
+    trainer.async_rollout_manager = manager_cls.create(config=cfg, llm_client=None, teacher_client=None,
+                                                       reward_loop_worker_handles=None, source=source)
+    sync_cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.checkpoint_manager_class, "CheckpointEngineManager")
+    trainer.checkpoint_manager = sync_cls(config=None, actor_wg=actor, replicas=[])
+    trainer.checkpoint_manager.sleep_replicas()
+    trainer.fit()
+    return trainer
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verl")
     tasks = write_rows(tmp / "train.parquet")
     backend = HFBackend(str(SHIPPED), max_concurrency=4, seed=0)
-    seen = []
-
-    class Trainer(RayPPOTrainer):  # verl's own methods, wrapped only to keep what they were given and gave
-        def _get_gen_batch(self, batch):
-            gen = super()._get_gen_batch(batch)
-            seen.append({"batch_uids": list(batch.non_tensor_batch["uid"])})
-            return gen
-
-        def _update_actor(self, batch):
-            seen[-1]["batch"] = batch
-            return super()._update_actor(batch)
-
     try:
         cfg = verl_config(tmp, tmp / "train.parquet")
-        source = Recorded(step_runner(backend), backend)
-        tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
-        trainer = Trainer(cfg, tokenizer, role_worker_mapping={Role.ActorRollout: object},
-                          resource_pool_manager=NS(get_n_gpus=lambda: 1))
-        # what init_workers does after building the (GPU) worker groups: the classes by the config's paths
-        actor = ActorStandIn()
-        trainer.actor_rollout_wg = actor
-        manager_cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class,
-                                          "AgentLoopManager")
-        trainer.async_rollout_manager = manager_cls.create(config=cfg, llm_client=None, teacher_client=None,
-                                                           reward_loop_worker_handles=None, source=source)
-        sync_cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.checkpoint_manager_class,
-                                       "CheckpointEngineManager")
-        trainer.checkpoint_manager = sync_cls(config=None, actor_wg=actor, replicas=[])
-        trainer.checkpoint_manager.sleep_replicas()
-        trainer.fit()
-        yield {"trainer": trainer, "source": source, "actor": actor, "backend": backend, "seen": seen,
-               "tasks": tasks}
+        source, actor = Recorded(step_runner(backend), backend), ActorStandIn()
+        trainer = run_fit(cfg, source, actor)
+        yield {"trainer": trainer, "source": source, "actor": actor, "backend": backend, "seen": trainer.seen,
+               "tasks": tasks, "cfg": cfg, "tmp": tmp}
     finally:
         backend.shutdown()
 
@@ -204,7 +214,8 @@ def test_rewards_reach_verls_advantages_grouped_by_rayapps_groups(fitted):
 def test_weights_reach_the_engine_at_every_step_and_the_next_step_runs_on_them(fitted):
     sync, actor, backend = fitted["trainer"].checkpoint_manager, fitted["actor"], fitted["backend"]
     # fit() syncs before training (step 0) and after each update; verl's rotation never sees these saves
-    assert [step for step, _ in sync.synced] == [0, 1, 2] and all(keep is None for *_, keep in actor.saved)
+    assert [step for step, _ in sync.synced] == [0, 1, 2]
+    assert [keep for path, _, keep in actor.saved if "rayapp_weights" in path] == [None] * 3
     assert backend.info()["weight_version"] == 3
     served, live = backend.model.state_dict(), actor.model.state_dict()
     assert all(torch.equal(served[k], live[k]) for k in load_file(Path(sync.synced[-1][1]) / "model.safetensors"))
@@ -212,6 +223,20 @@ def test_weights_reach_the_engine_at_every_step_and_the_next_step_runs_on_them(f
     versions = [{t["weight_version"] for s in g for t in s.metadata["_turn_placement"]}
                 for r in fitted["source"].results for g in r.groups]
     assert set().union(*versions[:PROMPTS]) == {"1"} and set().union(*versions[PROMPTS:]) == {"2"}
+
+
+def test_a_trainer_resumed_from_its_checkpoint_asks_for_the_same_step_and_is_served_its_result(fitted):
+    # fit() saved global_step_1 (its actor and its dataloader's position); a new trainer resumes from it
+    cfg = fitted["cfg"].copy()
+    cfg.trainer.resume_mode = "resume_path"
+    cfg.trainer.resume_from_path = str(fitted["tmp"] / "ckpt" / "global_step_1")
+    source = fitted["source"]
+    resumed = run_fit(cfg, source, ActorStandIn())
+    assert resumed.async_rollout_manager.asked == [(2, 1)]  # the step it was at: rollout 1 again
+    assert source.tasks[-1] == source.tasks[1]  # the same rows from the restored dataloader: the same tasks
+    assert source.results[-1] == source.results[1]  # rayapp served the step's result, not a new rollout
+    assert resumed.seen[0]["batch"].batch["token_level_scores"].sum().item() == sum(
+        s.reward["score"] for g in source.results[1].groups for s in g)
 
 
 def sample(task, index, tokens, n, score=1.0, status=Status.COMPLETED, group="3/0"):

@@ -43,6 +43,6 @@ def test_public_api_is_importable_from_the_package_root():
 
 
 def test_the_package_imports_no_trainer_and_the_trl_adapter_not_trl():
-    assert_imports_none_of("rayapp, rayapp.trainers", ("trl", "accelerate", "datasets"))
+    assert_imports_none_of("rayapp, rayapp.trainers, rayapp.trainers.sync", ("trl", "accelerate", "datasets", "verl"))
     # the adapter needs only what TRL's loop hands it, and transformers' callback base (which loads accelerate)
     assert_imports_none_of("rayapp.trainers.trl", ("trl",))

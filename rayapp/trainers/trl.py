@@ -36,11 +36,7 @@ adapter decides where TRL's contract and rayapp's differ:
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import threading
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -48,63 +44,14 @@ import msgspec
 from transformers import TrainerCallback
 
 from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.trainers.sync import ServeManager  # noqa: F401  (the TRL page names it here)
+from rayapp.trainers.sync import call as _call
 from rayapp.trainers.trl_tasks import TrainerPrompts
 from rayapp.types import Sample, Status
 
 SCORE_FIELD = "rayapp_score"
 TASK_FIELD = "rayapp_task"  # each row's rayapp task id
 EVAL_FIELD = "rayapp_eval"  # the eval step's metrics, on every row of an eval batch
-
-
-class _Loop:
-    """One event loop in a daemon thread for async sources: the trainer's loop is synchronous, and an
-    in-process StepRunner's locks and engine must stay on one loop across steps and weight updates
-    (hence one per process, ``_LOOP``)."""
-
-    def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
-
-    def run(self, awaitable: Any, timeout_s: float, what: str) -> Any:
-        with self._lock:
-            if self.loop is None:
-                self.loop = asyncio.new_event_loop()
-                threading.Thread(target=self.loop.run_forever, name="rayapp-trl-loop", daemon=True).start()
-
-        async def wrapped() -> Any:
-            return await awaitable
-        future = asyncio.run_coroutine_threadsafe(wrapped(), self.loop)
-        try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
-            future.cancel()
-            raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
-
-
-_LOOP = _Loop()
-
-
-def _call(fn: Callable[..., Any], args: tuple, timeout_s: float, what: str) -> Any:
-    """``fn(*args)``, awaited on ``_LOOP`` when it returns an awaitable."""
-    out = fn(*args)
-    return _LOOP.run(out, timeout_s, what) if inspect.isawaitable(out) else out
-
-
-class ServeManager:
-    """The Serve manager's handle as a source and a weight updater, with a timeout on every call."""
-
-    def __init__(self, handle: Any, *, engine: str = "student", timeout_s: float = 600.0):
-        self.handle, self.engine, self.timeout_s = handle, engine, timeout_s
-
-    def rollout(self, rollout_id: int, tasks: list | None = None) -> RolloutResult:
-        args = (rollout_id,) if tasks is None else (rollout_id, tasks)
-        return self.handle.generate.remote(*args).result(timeout_s=self.timeout_s)
-
-    def evaluate(self, rollout_id: int) -> EvalResult:
-        return self.handle.evaluate.remote(rollout_id).result(timeout_s=self.timeout_s)
-
-    def update_weights(self, path: str) -> list[dict]:
-        return self.handle.update_weights_from_disk.remote(self.engine, path).result(timeout_s=self.timeout_s)
 
 
 def steps_per_rollout(trainer: Any) -> int:

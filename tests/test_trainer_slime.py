@@ -22,6 +22,7 @@ import asyncio
 import importlib.util
 import inspect
 import itertools
+import json
 import logging
 import shutil
 from argparse import Namespace
@@ -44,6 +45,7 @@ from slime.utils.types import Sample as SlimeSample
 
 from rayapp.cli import ROOT
 from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.envs.math import tool_result_rows
 from rayapp.inference.hf import HFBackend
 from rayapp.inference.tiny_model import SHIPPED
 from rayapp.recipe import build_step_runner, load_recipe
@@ -101,9 +103,9 @@ class InProcess:
     def __init__(self, runner, backend):
         self.runner, self.backend, self.asked = runner, backend, []
 
-    async def rollout(self, rollout_id):
-        self.asked.append(("rollout", rollout_id))
-        return await self.runner.rollout(rollout_id)
+    async def rollout(self, rollout_id, tasks=None):
+        self.asked.append(("rollout", rollout_id) if tasks is None else ("rollout", rollout_id, tasks))
+        return await self.runner.rollout(rollout_id, tasks)
 
     async def evaluate(self, rollout_id):
         self.asked.append(("eval", rollout_id))
@@ -114,7 +116,17 @@ class InProcess:
         return await self.backend.update_weights_from_disk(path)
 
 
-def step_runner(backend):
+class Counting(InProcessEngine):
+    """The engine, counting the turns it generated."""
+
+    turns = 0
+
+    async def generate(self, req, timeout_s=None):
+        self.turns += 1
+        return await super().generate(req, timeout_s)
+
+
+def step_runner(backend, engine=None):
     cfg = load_recipe(ROOT / "recipes" / "local" / "rollout.yaml")[1]
     data = {"math-read": msgspec.structs.replace(cfg.data["math-read"], n_samples_per_prompt=N)}
     evals = {"math-read": msgspec.structs.replace(cfg.eval["math-read"], n_prompts=2)}
@@ -127,7 +139,7 @@ def step_runner(backend):
     async def no_sandbox(*args, **kwargs):
         raise AssertionError("math opens no sandbox")
 
-    return build_step_runner(cfg, {"student": InProcessEngine(backend)}, None, executor=inline,
+    return build_step_runner(cfg, {"student": engine or InProcessEngine(backend)}, None, executor=inline,
                              open_sandbox=no_sandbox)
 
 
@@ -239,6 +251,77 @@ def test_eval_output_is_what_slimes_eval_logging_reads(driven):
         assert data["rewards"] == [s.reward for s in data["samples"]]
         assert [s.index for s in data["samples"]] == list(range(len(data["samples"])))
     assert driven["version_after"] == 2
+
+
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory):
+    """slime's own data source (``RolloutDataSourceWithBuffer`` over a JSONL file of math-read
+    prompts, as ``--prompt-data`` reads it) chooses the prompts: ``rayapp_prompts: slime``."""
+    tmp = tmp_path_factory.mktemp("slime-prompts")
+    rows = tool_result_rows(NS(n_prompts=6, seed=7))
+    data = tmp / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": t.prompt, "label": t.label, "metadata": t.metadata}) + "\n"
+                            for t in rows))
+    backend = HFBackend(str(SHIPPED), max_concurrency=4, seed=0)
+    engine = Counting(backend)
+
+    def manager():
+        args = slime_args(tmp, source)
+        vars(args).update(rollout_global_dataset=True, prompt_data=str(data), hf_checkpoint=str(SHIPPED),
+                          rollout_max_prompt_len=None, input_key="messages", multimodal_keys=None,
+                          label_key="label", metadata_key="metadata", tool_key=None, apply_chat_template=False,
+                          apply_chat_template_kwargs=None, rollout_seed=42, rollout_shuffle=False,
+                          dump_details=None, rayapp_prompts="slime", rayapp_task_type="math",
+                          rayapp_sync_weights=False)
+        return Manager(args)
+
+    try:
+        source = InProcess(step_runner(backend, engine), backend)
+        first = manager()
+        out = {"rows": rows, "source": source, "first": first, "steps": [first._get_rollout_data(i)[0] for i in (0, 1)]}
+        out["turns"] = engine.turns
+        out["resumed"] = manager()._get_rollout_data(0)[0]  # a restarted run: its data source back at the start
+        out["turns_resumed"] = engine.turns
+        yield out
+    finally:
+        backend.shutdown()
+
+
+def test_slimes_data_source_chooses_the_prompts_and_the_ids(chosen):
+    rows, asked = chosen["rows"], chosen["source"].asked
+    for step, samples in enumerate(chosen["steps"]):
+        assert [s.group_index for s in samples] == [2 * step + k // N for k in range(GROUPS * N)]
+        assert [s.index for s in samples] == list(range(GROUPS * N * step, GROUPS * N * (step + 1)))
+        for s in samples:
+            row = rows[s.group_index]
+            assert (s.prompt, s.label) == (row.prompt, row.label)
+            assert s.metadata["question"] == row.metadata["question"]
+            assert s.response_length > 0 and s.reward in (0.0, 1.0)
+        tasks = asked[step][2]
+        assert [t["task_id"] for t in tasks] == [f"slime-{2 * step + g}" for g in range(GROUPS)]
+        assert all(t["config"] == {"task_type": "math", "n_samples": N} for t in tasks)
+
+
+def test_a_resumed_run_gets_the_stored_step_and_other_prompts_are_refused(chosen):
+    assert [s.to_dict() for s in chosen["resumed"]] == [s.to_dict() for s in chosen["steps"][0]]
+    assert chosen["turns_resumed"] == chosen["turns"]  # served, not run again
+    # the first run's data source has moved on: its next prompts are not step 0's
+    with pytest.raises(ValueError, match=r"rollout 0 .*trainer-chosen tasks .* a step's tasks cannot change"):
+        chosen["first"]._get_rollout_data(0)
+
+
+def test_slime_prompts_need_a_task_type_and_a_prompt():
+    args = Namespace(rollout_batch_size=1, n_samples_per_prompt=1, rayapp_prompts="slime", rayapp_sync_weights=False,
+                     rayapp_source=NS(rollout=lambda i, tasks=None: None))
+    source = NS(get_samples=lambda n: [[SlimeSample(group_index=0, index=0)]])
+    with pytest.raises(ValueError, match="rollout 2: rayapp_prompts: slime needs rayapp_task_type"):
+        generate_rollout(args, 2, source)
+    args.rayapp_task_type = "math"
+    with pytest.raises(ValueError, match=r"rollout 2: slime's data source gave group 0 no prompt \(set --prompt-data"):
+        generate_rollout(args, 2, source)
+    args.rayapp_prompts = "trainer"
+    with pytest.raises(ValueError, match=r"rayapp_prompts must be one of \('rayapp', 'slime'\), got 'trainer'"):
+        generate_rollout(args, 2, source)
 
 
 def result_of(*groups) -> RolloutResult:

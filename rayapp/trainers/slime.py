@@ -10,10 +10,15 @@ slime ``Sample``s) or, for eval, a ``RolloutFnEvalOutput`` (``data``: per datase
 sets them from YAML; ``SETTINGS`` holds the defaults). What the adapter decides where slime's contract
 and rayapp's differ:
 
-- prompts: rayapp's data source chooses them (``rayapp_prompts: rayapp``); slime's ``data_source``
-  is not read, and its ``group_index``/``index`` are made from the step (``rollout_id *
+- prompts: rayapp's data source chooses them (``rayapp_prompts: rayapp``, the default): slime's
+  ``data_source`` is not read, and ``group_index``/``index`` are made from the step (``rollout_id *
   rollout_batch_size + g``, then ``group_index * n_samples_per_prompt + i``), so the same step gets
-  the same ids.
+  the same ids. Or slime's data source chooses them (``rayapp_prompts: slime``): each of its
+  ``rollout_batch_size`` groups becomes one task of type ``rayapp_task_type`` (its prompt, label and
+  metadata; ``n_samples`` the group's size), run as the step's groups in order, and the samples keep
+  the data source's ``group_index``/``index``. rayapp keeps the tasks' digest with the step, so a
+  resumed run, whose data source slime restored from its checkpoint, gets the stored step, and a
+  step asked for with other prompts is refused.
 - groups: exactly ``rollout_batch_size`` groups of ``n_samples_per_prompt`` (slime's reward
   normalisation and its data-parallel schedule assume it), so rayapp's survivorship filters and
   partial rollouts must be off; any other shape is one ValueError naming the step.
@@ -57,7 +62,10 @@ SETTINGS: dict[str, Any] = {
     "rayapp_pad_token_id": 0,        # the token that stands in for an aborted sample's empty response
     "rayapp_sync_weights": True,     # load slime's --save-hf checkpoint before each step
     "rayapp_source": None,           # an in-process source (tests, a single-process run); else the Serve app
+    "rayapp_prompts": "rayapp",      # whose data source chooses a step's prompts: "rayapp" or "slime"
+    "rayapp_task_type": None,        # with "slime": the task type (evaluator) rayapp runs them as
 }
+PROMPTS = ("rayapp", "slime")
 
 
 def setting(args: Any, name: str) -> Any:
@@ -102,8 +110,8 @@ class ServeSource:
         self.handle, self.engine, self.timeout_s = handle, engine, timeout_s
         self.loaded: str | None = None  # the checkpoint the engine replicas were last told to load
 
-    def rollout(self, rollout_id: int) -> RolloutResult:
-        return self.handle.generate.remote(rollout_id).result(timeout_s=self.timeout_s)
+    def rollout(self, rollout_id: int, tasks: list[dict] | None = None) -> RolloutResult:
+        return self.handle.generate.remote(rollout_id, tasks).result(timeout_s=self.timeout_s)
 
     def evaluate(self, rollout_id: int) -> EvalResult:
         return self.handle.evaluate.remote(rollout_id).result(timeout_s=self.timeout_s)
@@ -195,8 +203,30 @@ def _samples(args: Any, result: RolloutResult, evaluation: bool, where: str) -> 
     return [SlimeSample.from_dict(d) for d in dicts]
 
 
-def train_samples(args: Any, result: RolloutResult) -> list[list[SlimeSample]]:
-    """Rollout step ``result`` as slime's ``samples`` (module docstring: groups, ids, aborts)."""
+def slime_tasks(args: Any, rollout_id: int, data_source: Any) -> tuple[list[dict], list[list[SlimeSample]]]:
+    """The next ``rollout_batch_size`` groups of slime's data source, and each as a rayapp task (a
+    dict of a Task's fields; the manager puts it through its input door)."""
+    task_type = setting(args, "rayapp_task_type")
+    if not isinstance(task_type, str) or not task_type:
+        raise ValueError(f"rollout {rollout_id}: rayapp_prompts: slime needs rayapp_task_type, the task type "
+                         f"(evaluator) rayapp runs slime's prompts as; got {task_type!r}")
+    groups = data_source.get_samples(args.rollout_batch_size)
+    tasks = []
+    for g, group in enumerate(groups):
+        first = group[0]
+        if not first.prompt:
+            raise ValueError(f"rollout {rollout_id}: slime's data source gave group {g} no prompt (set --prompt-data "
+                             "and --input-key, and keep --rollout-global-dataset on)")
+        tasks.append({"task_id": f"slime-{first.group_index}", "prompt": first.prompt, "label": first.label,
+                      "config": {"task_type": task_type, "n_samples": len(group)},
+                      "metadata": dict(first.metadata or {})})
+    return tasks, groups
+
+
+def train_samples(args: Any, result: RolloutResult,
+                  given: list[list[SlimeSample]] | None = None) -> list[list[SlimeSample]]:
+    """Rollout step ``result`` as slime's ``samples`` (module docstring: groups, ids, aborts); with
+    ``given``, the data source's groups the step ran, their ids."""
     n, groups = args.n_samples_per_prompt, args.rollout_batch_size
     sizes = [len(g) for g in result.groups]
     if len(sizes) != groups or any(s != n for s in sizes):
@@ -206,8 +236,11 @@ def train_samples(args: Any, result: RolloutResult) -> list[list[SlimeSample]]:
                          "and partial rollouts off")
     flat = _samples(args, result, False, f"rollout {result.rollout_id}")
     for k, s in enumerate(flat):
-        s.group_index = result.rollout_id * groups + k // n
-        s.index = s.group_index * n + k % n
+        if given is None:
+            s.group_index = result.rollout_id * groups + k // n
+            s.index = s.group_index * n + k % n
+        else:
+            s.group_index, s.index = given[k // n][k % n].group_index, given[k // n][k % n].index
     return [flat[g * n:(g + 1) * n] for g in range(groups)]
 
 
@@ -231,7 +264,11 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any,
                      evaluation: bool = False) -> RolloutFnTrainOutput | RolloutFnEvalOutput:
     """slime's rollout function (``--rollout-function-path``; ``--eval-function-path`` too): rollout
     step ``rollout_id`` (or eval step, with ``evaluation``) of rayapp, after loading the weights slime
-    trained up to it. ``data_source`` is slime's; rayapp's own chooses the prompts."""
+    trained up to it. ``data_source`` is slime's: with ``rayapp_prompts: slime`` it chooses the
+    step's prompts, else rayapp's own does."""
+    prompts = setting(args, "rayapp_prompts")
+    if prompts not in PROMPTS:
+        raise ValueError(f"rayapp_prompts must be one of {PROMPTS}, got {prompts!r}")
     source, timeout_s = source_of(args), float(setting(args, "rayapp_timeout_s"))
     if evaluation:
         step = eval_step(args, rollout_id, source)
@@ -239,6 +276,10 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any,
         return RolloutFnEvalOutput(data=eval_data(args, result), metrics=dict(result.metrics))
     if setting(args, "rayapp_sync_weights") and rollout_id > 0:  # step 0: the weights the engines started from
         load_weights(args, source, checkpoint(args, rollout_id - 1), f"rollout {rollout_id}")
-    result = _LOOP.wait(source.rollout(rollout_id), timeout_s, f"rollout {rollout_id}")
-    return RolloutFnTrainOutput(samples=train_samples(args, result), metrics=dict(result.metrics))
+    if prompts == "rayapp":
+        result = _LOOP.wait(source.rollout(rollout_id), timeout_s, f"rollout {rollout_id}")
+        return RolloutFnTrainOutput(samples=train_samples(args, result), metrics=dict(result.metrics))
+    tasks, groups = slime_tasks(args, rollout_id, data_source)
+    result = _LOOP.wait(source.rollout(rollout_id, tasks), timeout_s, f"rollout {rollout_id}")
+    return RolloutFnTrainOutput(samples=train_samples(args, result, groups), metrics=dict(result.metrics))
 

@@ -49,7 +49,7 @@ from rayapp.envs.math import tool_result_rows
 from rayapp.inference.hf import HFBackend
 from rayapp.inference.tiny_model import SHIPPED
 from rayapp.recipe import build_step_runner, load_recipe
-from rayapp.trainers.slime import eval_step, generate_rollout, train_samples
+from rayapp.trainers.slime import ServeSource, eval_step, generate_rollout, train_samples
 from rayapp.training.converters import to_slime
 from rayapp.types import Sample, Status
 
@@ -391,3 +391,21 @@ def test_a_source_that_does_not_answer_in_time_is_a_timeout_naming_the_step():
                      rayapp_sync_weights=False)
     with pytest.raises(TimeoutError, match=r"rollout 4 did not finish within 0\.2s"):
         generate_rollout(args, 4, None)
+
+
+def test_the_serve_source_calls_the_manager_with_a_timeout_on_every_call():
+    calls = []
+
+    def method(name):
+        def remote(*args):
+            return NS(result=lambda timeout_s: calls.append((name, args, timeout_s)) or [{"ok": True}])
+        return NS(remote=remote)
+
+    source = ServeSource(NS(generate=method("generate"), evaluate=method("evaluate"),
+                            update_weights_from_disk=method("update")), engine="student", timeout_s=42)
+    source.rollout(3)
+    source.rollout(4, [{"task_id": "a"}])
+    source.evaluate(5)
+    source.update_weights("/ckpt/hf/iter_4")
+    assert calls == [("generate", (3, None), 42), ("generate", (4, [{"task_id": "a"}]), 42),
+                     ("evaluate", (5,), 42), ("update", ("student", "/ckpt/hf/iter_4"), 42)]

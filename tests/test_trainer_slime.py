@@ -25,6 +25,8 @@ import itertools
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from argparse import Namespace
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -409,3 +411,10 @@ def test_the_serve_source_calls_the_manager_with_a_timeout_on_every_call():
     source.update_weights("/ckpt/hf/iter_4")
     assert calls == [("generate", (3, None), 42), ("generate", (4, [{"task_id": "a"}]), 42),
                      ("evaluate", (5,), 42), ("update", ("student", "/ckpt/hf/iter_4"), 42)]
+
+
+def test_the_package_imports_no_slime():
+    code = ("import sys, rayapp, rayapp.trainers; "
+            "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] == 'slime') or None)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

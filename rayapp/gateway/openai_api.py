@@ -31,7 +31,8 @@ class ApiError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
              410: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_exceeded",
-             500: "server_error", 503: "server_error"}
+             413: "invalid_request_error", 500: "server_error", 502: "server_error", 503: "server_error",
+             504: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

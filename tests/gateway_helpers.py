@@ -33,7 +33,8 @@ def episode_ctx(max_turns=8, max_context_len=None, max_new_tokens=24, **sampling
 async def served():
     """A Gateway whose routes uvicorn serves on a free 127.0.0.1 port, for as long as the block runs."""
     app = FastAPI()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=2))
     task = asyncio.ensure_future(server.serve())
     try:
         async with asyncio.timeout(30):
@@ -44,12 +45,19 @@ async def served():
         app.include_router(gateway_router(gateway), prefix=PREFIX)
         yield gateway
     finally:
+        while _clients:
+            await _clients.pop().close()
         server.should_exit = True
         await asyncio.wait_for(task, 30)
 
 
+_clients: list[openai.AsyncOpenAI] = []  # closed when the server stops, in the loop that made them
+
+
 def client(base_url: str, key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+    made = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+    _clients.append(made)
+    return made
 
 
 def open_episode(gateway, episode_id, engine, tok, ctx=None):

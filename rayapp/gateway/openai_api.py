@@ -85,9 +85,10 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
     strict: bool | None = None
 
 
-class Tool(msgspec.Struct, forbid_unknown_fields=True):
-    function: FunctionDef
+class Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # fields in the order OpenAI's clients send them: the gateway renders the tools as the agent wrote them
     type: Literal["function"] = "function"
+    function: FunctionDef
 
 
 class NamedTool(msgspec.Struct):

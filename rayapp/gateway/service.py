@@ -88,7 +88,9 @@ class Reply:
 @dataclass
 class EpisodeLog:
     """What ``close`` hands back: every segment (in the order of their first call), the counts of
-    why segments started, the model calls answered (both routes), and the termination a budget set."""
+    why segments started, the model calls answered (chat and text completions: each is a model turn,
+    and ``ctx.record.turns`` counts the same), and the termination a budget set (None: no budget
+    ended the episode; the agent's own ending is the adapter's to classify)."""
 
     segments: list[Segment]
     reasons: dict[str, int]
@@ -120,8 +122,8 @@ class Gateway:
 
     def open(self, binding: EpisodeBinding) -> tuple[str, str]:
         """The episode's base URL (``.../gateway/<id>/v1``) and its key; ValueError for an id in use."""
-        key = self.keys.open(binding.episode_id)
         tok = tools_tokenizer(binding.tokenizer)
+        key = self.keys.open(binding.episode_id)
         self._episodes[binding.episode_id] = _Episode(binding, Conversation(tok))
         return f"{self.base_url}/{binding.episode_id}/v1", key
 

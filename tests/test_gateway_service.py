@@ -5,6 +5,7 @@ same tokens; text completions are segments of their own."""
 
 import asyncio
 
+import openai
 import pytest
 import torch
 from agent_helpers import InProcessEngine, recording
@@ -158,3 +159,39 @@ def test_text_completions_are_segments_of_their_own(tok, backend):
     assert text.choices[0].text == engine.texts[1] and text.usage.completion_tokens == len(engine.outputs[1])
     assert by_ids.choices[0].text == engine.texts[2]
     assert chat.choices[0].message.content == engine.texts[0]
+
+
+class Aborting(InProcessEngine):
+    """The hf engine with the client's ``abort``, which records what it was asked to abort."""
+
+    aborted: list
+
+    async def abort(self, request_id=None):
+        self.aborted.append(request_id)
+        return await self.backend.abort(request_id)
+
+
+def test_closing_an_episode_aborts_its_generation_on_the_hf_engine(tok, backend):
+    async def main():
+        async with served() as gw:
+            engine = Aborting(backend)
+            engine.aborted = []
+            c, ctx = open_episode(gw, "cut", engine, tok, episode_ctx(max_new_tokens=480))
+            call = asyncio.ensure_future(c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Tell a long story."}], seed=0))
+            async with asyncio.timeout(60):
+                while not (await backend.health())["in_flight"]:
+                    await asyncio.sleep(0.005)
+            log = await gw.close("cut")
+            health = await backend.health()
+            try:
+                await asyncio.wait_for(call, 30)
+            except openai.APIStatusError as e:
+                return engine, ctx, log, health, e
+            return engine, ctx, log, health, None
+
+    engine, ctx, log, health, cut = run(asyncio.wait_for(main(), 120))
+    assert cut is not None and cut.status_code == 410 and cut.code == "episode_ended"
+    assert len(engine.aborted) == 1 and engine.aborted[0]  # aborted at the engine, by the request's id
+    assert health["in_flight"] == 0  # and nothing of it is left running there
+    assert log.calls == 0 and log.segments == [] and ctx.record.turns is None

@@ -162,3 +162,19 @@ def test_a_template_that_drops_earlier_reasoning_gives_counted_segments_and_no_c
                 sent[c], tools=[CALC], add_generation_prompt=True, tokenize=False)
         trained = [i for i, m in zip(seg.ids[seg.prompt_len:], seg.mask, strict=True) if m]
         assert trained == [i for c, _, _ in seg.turns for i in engine.outputs[c]]
+
+
+def test_a_stop_string_of_the_request_ends_the_reply_before_it_and_its_tokens_stay_recorded(tok, model_dir):
+    async def main():
+        async with served() as gw:
+            engine = recording(ScriptedEngine(tok, model_dir, ["The answer is 4. Done."]))
+            c, _ = open_episode(gw, "stop", engine, tok, episode_ctx(max_new_tokens=64, stop=["Done"]))
+            r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}], stop="4")
+            return engine, r, await gw.close("stop")
+
+    engine, r, log = run(asyncio.wait_for(main(), 120))
+    assert engine.sent[0].sampling.stop == ["Done", "4"]  # the episode's stop strings stay, the request's join
+    assert r.choices[0].message.content == "The answer is " and r.choices[0].finish_reason == "stop"
+    seg = log.segments[0]
+    assert seg.ids[seg.prompt_len:] == engine.outputs[0]  # the stop string's tokens are the engine's: recorded
+    assert tok.decode(engine.outputs[0]).endswith("4")

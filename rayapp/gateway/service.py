@@ -38,6 +38,7 @@ template copy, ``tool_calls.tools_tokenizer``) are shared. Pure: no Ray, no HTTP
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import Counter
@@ -61,6 +62,8 @@ from rayapp.record import TerminationReason
 from rayapp.types import SamplingParams
 
 __all__ = ["EpisodeBinding", "EpisodeLog", "Gateway", "Reply"]
+
+log = logging.getLogger(__name__)
 
 ROUTES = ("chat/completions", "completions", "models")
 CALL_TIMEOUT_S = 600.0  # one engine call; past it the request is aborted at the engine (504)
@@ -107,6 +110,7 @@ class _Episode:
     termination: TerminationReason | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
     completions: list[Segment] = field(default_factory=list)
+    closed: bool = False  # its log is handed back: nothing may be recorded into it any more
 
     def end(self, reason: TerminationReason) -> None:
         if self.termination is None:  # the first budget that ended it is the episode's reason
@@ -134,6 +138,7 @@ class Gateway:
         if ep is None:
             raise KeyError(f"episode {episode_id!r} is not open on this gateway")
         self.keys.close(episode_id)
+        ep.closed = True
         for task in ep.tasks:
             task.cancel()
         if ep.tasks:
@@ -163,6 +168,10 @@ class Gateway:
                            code="unknown_url")
         except ApiError as e:
             return Reply(e.status, e.body())
+        except Exception as e:  # a bug here: the agent still gets OpenAI's shape, and the log the trace
+            log.exception("gateway: %s for episode %r failed", route[:64], episode_id[:256])
+            return Reply(500, ApiError(500, f"the gateway failed: {type(e).__name__}: {str(e)[:500]}",
+                                       code="gateway_error").body())
 
     async def _tracked(self, ep: _Episode, work: Awaitable[Reply]) -> Reply:
         """Run one call as a task the episode knows, so ``close`` can cancel it; a call cut by
@@ -289,6 +298,8 @@ class Gateway:
             raise ApiError(503, f"the engine failed: {type(e).__name__}: {str(e)[:500]}", code="engine_error") from None
         if out.finish_reason is FinishReason.ABORT:
             raise ApiError(503, f"the engine aborted request {out.request_id}", code="engine_error")
+        if ep.closed:  # answered as the episode ended (its abort came too late): the log is final
+            raise ApiError(410, f"episode {ep.binding.episode_id!r} ended while this call ran", code="episode_ended")
         ep.binding.ctx.record_turn(turn, out.engine, engine_s=loop_time() - started,
                                    weight_version=out.weight_version)
         return out

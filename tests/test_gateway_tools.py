@@ -178,3 +178,42 @@ def test_a_stop_string_of_the_request_ends_the_reply_before_it_and_its_tokens_st
     seg = log.segments[0]
     assert seg.ids[seg.prompt_len:] == engine.outputs[0]  # the stop string's tokens are the engine's: recorded
     assert tok.decode(engine.outputs[0]).endswith("4")
+
+
+# a template that writes the reasoning it is given, and a response template of its own that reads it back
+REASONING = (
+    "{{ bos_token }}{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}{{ eos_token }}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{{ m.content or '' }}{% for t in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ t.function.name }}\", "
+    "\"arguments\": {{ t.function.arguments }}}</tool_call>{% endfor %}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+OWN = {"start_anchor": "<|assistant|>", "fields": {
+    "reasoning_content": {"open": "<think>", "close": "</think>"},
+    "content": {"content": "text", "content_args": {"strip": False}, "repeats": True, "join": ""},
+    "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                   "transform": {"type": "function", "function": {"name": "{content.name}",
+                                                                  "arguments": "{content.arguments}"}}}}}
+
+
+def test_a_tokenizer_with_its_own_response_template_is_parsed_with_it(tok, model_dir):
+    own = tok.__class__.from_pretrained(str(model_dir))
+    own.chat_template, own.response_template = REASONING, OWN
+
+    async def main():
+        async with served() as gw:
+            engine = recording(ScriptedEngine(tok, model_dir, [f"<think>use the tool</think>{CALL}", "4"]))
+            c, _ = open_episode(gw, "own", engine, own, episode_ctx(max_new_tokens=64))
+            msgs = [{"role": "user", "content": "2 + 2?"}]
+            one = await c.chat.completions.create(model="m", messages=msgs, tools=[CALC])
+            reply = one.choices[0].message
+            # an agent need not send the reasoning back: the recorded reply stands for it
+            msgs += [{"role": "assistant", "content": reply.content, "tool_calls": [
+                t.model_dump() for t in reply.tool_calls]}, {"role": "tool", "tool_call_id": "x", "content": "4"}]
+            await c.chat.completions.create(model="m", messages=msgs, tools=[CALC])
+            return one, await gw.close("own")
+
+    one, log = run(asyncio.wait_for(main(), 120))
+    message = one.choices[0].message
+    assert message.model_extra["reasoning_content"] == "use the tool" and message.content is None
+    assert message.tool_calls[0].function.name == "calculator" and one.choices[0].finish_reason == "tool_calls"
+    assert log.reasons == {} and len(log.segments) == 1  # the history extended, reasoning and all

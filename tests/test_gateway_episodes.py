@@ -169,3 +169,18 @@ def test_closing_an_episode_aborts_its_call_in_flight_at_the_engine(tok):
     assert not engine.running  # and nothing is left running there
     assert cut.status_code == 410 and cut.code == "episode_ended"
     assert log.calls == 0 and log.segments == [] and ctx.record.turns is None
+
+
+def test_two_calls_of_one_episode_at_once_give_a_counted_concurrent_segment(tok):
+    async def main():
+        async with served() as gw:
+            c, ctx = open_episode(gw, "both", EchoEngine(tok), tok)
+            asks = [[{"role": "user", "content": "secret-1"}, {"role": "user", "content": q}] for q in "ab"]
+            await asyncio.gather(*(c.chat.completions.create(model="m", messages=m) for m in asks))
+            return ctx, await gw.close("both")
+
+    ctx, log = run(asyncio.wait_for(main(), 120))
+    assert log.calls == 2 and ctx.record.turns in (1, 2) and log.reasons == {"concurrent": 1}
+    assert sorted(c for s in log.segments for c, _, _ in s.turns) == [0, 1]
+    for seg in log.segments:  # each one self-consistent: a prompt and the engine's reply to it
+        assert len(seg.turns) == 1 and seg.mask == [1] * (len(seg.ids) - seg.prompt_len)

@@ -1,4 +1,5 @@
 """The agent gateway: an OpenAI-compatible door per episode, so an agent written against the OpenAI
-API runs unchanged as an episode (docs/agents.md). Pure pieces here: the request door
-(``openai_api``), the keys per episode (``episodes``) and each episode's token accounting
-(``accounting``); the Serve deployment that serves the routes lives in the Ray shell."""
+API runs unchanged as an episode (docs/agents.md). Pure pieces: the request door (``openai_api``),
+the keys per episode (``episodes``), each episode's token accounting (``accounting``), tool calls
+(``tool_calls``) and the service that answers the routes (``service``); ``http`` turns its replies
+into Starlette responses and gives the FastAPI routes the manager's Serve ingress mounts."""

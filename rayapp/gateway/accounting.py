@@ -61,6 +61,7 @@ class SegmentReason(enum.StrEnum):
     TOOLS_CHANGED = "tools_changed"
     TEMPLATE_REWRITE = "template_rewrite"
     CONCURRENT = "concurrent"
+    COMPLETION = "completion"  # a text completion (``/completions``): its own segment, never a chat's continuation
 
 
 class Segment(msgspec.Struct):
@@ -128,9 +129,12 @@ class Conversation:
         return Call(ids=ids + added, added=added, fresh=False, reason=None, messages=convo, tools=tools,
                     text=full, base=self._version)
 
-    def record(self, call: Call, output_ids: Sequence[int], logprobs: Sequence[float], message: Any) -> Segment:
+    def record(self, call: Call, output_ids: Sequence[int], logprobs: Sequence[float], message: Any,
+               index: int | None = None) -> Segment:
         """The engine's reply to ``call``: its ``output_ids`` and their ``logprobs`` as the engine gave
-        them, and ``message``, the assistant message returned to the agent. Returns its segment."""
+        them, and ``message``, the assistant message returned to the agent. Returns its segment.
+        ``index`` is the call's index in the episode for ``Segment.turns`` (default: this
+        conversation's count of records; the gateway passes its own, which counts every route)."""
         if len(logprobs) != len(output_ids):
             raise ValueError(f"record: {len(output_ids)} output ids but {len(logprobs)} log-probs")
         reply = _message(message, len(call.messages))
@@ -148,7 +152,7 @@ class Conversation:
             seg.ids += call.added
             seg.mask += [0] * len(call.added)
             seg.logprobs += [0.0] * len(call.added)
-        seg.turns.append((self._version, len(seg.ids), len(seg.ids) + len(output_ids)))
+        seg.turns.append((self._version if index is None else index, len(seg.ids), len(seg.ids) + len(output_ids)))
         seg.ids += output_ids
         seg.mask += [1] * len(output_ids)
         seg.logprobs += [float(x) for x in logprobs]

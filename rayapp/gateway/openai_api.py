@@ -31,7 +31,8 @@ class ApiError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
              410: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_exceeded",
-             500: "server_error", 503: "server_error"}
+             413: "invalid_request_error", 500: "server_error", 502: "server_error", 503: "server_error",
+             504: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -84,9 +85,10 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
     strict: bool | None = None
 
 
-class Tool(msgspec.Struct, forbid_unknown_fields=True):
-    function: FunctionDef
+class Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # fields in the order OpenAI's clients send them: the gateway renders the tools as the agent wrote them
     type: Literal["function"] = "function"
+    function: FunctionDef
 
 
 class NamedTool(msgspec.Struct):

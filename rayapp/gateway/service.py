@@ -1,0 +1,346 @@
+"""The agent gateway's service: one OpenAI-compatible door per running episode (docs/agents.md).
+
+``Gateway.open`` binds an episode (its engine, tokenizer and ``EpisodeContext``) to a base URL and a
+key of its own; ``handle`` answers its routes; ``close`` ends it and hands back what the trainer
+needs (``EpisodeLog``). What each call does, in order:
+
+1. the key (``episodes``: 401 / 404 / 410) and the body (``openai_api``: 400 naming the field, and
+   options the gateway cannot honour refused by name);
+2. the plan (``accounting.Conversation.prepare``): the exact ids the engine continues from, or a
+   counted new segment;
+3. the episode's budgets, the cascade's meaning: ``max_turns`` counts the calls the engine is asked
+   (unset: 1, as for native agents); ``max_context_len`` bounds the prompt plus the call's
+   ``max_tokens``. A call past either answers 400 (``max_turns_exceeded`` /
+   ``context_length_exceeded``) and sets the episode's termination (MAX_TURNS / MAX_CONTEXT_LEN);
+   without ``max_tokens`` the generation is capped to the room left, and a reply that fills it sets
+   MAX_CONTEXT_LEN as a native turn does (``observation.length_reason``);
+4. sampling: the request's temperature, top_p, seed, stop and max_tokens where it sets them, the
+   episode's ``ctx.sampling`` for the rest (its ``max_new_tokens`` bounds a request's ``max_tokens``,
+   its stop strings stay); with tools, generation also stops after a tool call (``</tool_call>``);
+5. the engine (``generate_abortable``, bounded by ``call_timeout_s``): a call cancelled (the client
+   went away, or ``close``) is aborted at the engine; then ``Conversation.record`` and
+   ``ctx.record_turn`` (engine, weight version, engine seconds), and the OpenAI reply: usage,
+   ``finish_reason`` (stop / length / tool_calls), and with ``logprobs`` the engine's own log-prob of
+   every token it generated.
+
+``stream: true`` answers Server-Sent Events (role, content, tool calls, finish, usage when
+``stream_options.include_usage``, ``[DONE]``) carrying exactly the non-stream reply's tokens. The
+engines are not streaming: the events are sent once the engine's answer is complete.
+
+``/completions`` (a text or token-id prompt) is not part of the chat accounting: each call is a
+segment of its own (reason ``completion``): its prompt as given (text tokenized as the tokenizer
+does by default, its BOS included) and the engine's ids.
+
+An open episode costs its recorded tokens, its messages and a few fields; tokenizers (and the tools
+template copy, ``tool_calls.tools_tokenizer``) are shared. Pure: no Ray, no HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from rayapp.core.clock import loop_time
+from rayapp.envs.agents.chat import Engine
+from rayapp.envs.agents.observation import length_reason, turn_budget
+from rayapp.envs.agents.tools import with_tool_stops
+from rayapp.episode import EpisodeContext
+from rayapp.gateway.accounting import Conversation, Segment, SegmentReason
+from rayapp.gateway.episodes import EpisodeKeys
+from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion
+from rayapp.gateway.tool_calls import parse_reply, tool_mode, tools_tokenizer
+from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest, generate_abortable
+from rayapp.record import TerminationReason
+from rayapp.types import SamplingParams
+
+__all__ = ["EpisodeBinding", "EpisodeLog", "Gateway", "Reply"]
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("chat/completions", "completions", "models")
+CALL_TIMEOUT_S = 600.0  # one engine call; past it the request is aborted at the engine (504)
+CLOSE_TIMEOUT_S = 15.0  # close() waits this long for cancelled calls (their abort is bounded by 10 s)
+
+
+@dataclass(frozen=True)
+class EpisodeBinding:
+    episode_id: str  # unique per running sample, no "/"
+    engine: Engine
+    tokenizer: Any
+    ctx: EpisodeContext
+    model: str = "rayapp"  # the name GET /models lists; any model name in a request is accepted
+
+
+@dataclass
+class Reply:
+    """What a route answers: a JSON ``body`` (OpenAI's shape or its error shape), or an SSE ``stream``."""
+
+    status: int
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[bytes] | None = None
+
+
+@dataclass
+class EpisodeLog:
+    """What ``close`` hands back: every segment (in the order of their first call), the counts of
+    why segments started, the model calls answered (chat and text completions: each is a model turn,
+    and ``ctx.record.turns`` counts the same), and the termination a budget set (None: no budget
+    ended the episode; the agent's own ending is the adapter's to classify)."""
+
+    segments: list[Segment]
+    reasons: dict[str, int]
+    calls: int
+    termination: TerminationReason | None
+
+
+@dataclass(eq=False)
+class _Episode:
+    binding: EpisodeBinding
+    convo: Conversation
+    started: int = 0  # calls the engine was asked (max_turns counts these)
+    answered: int = 0
+    termination: TerminationReason | None = None
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    completions: list[Segment] = field(default_factory=list)
+    closed: bool = False  # its log is handed back: nothing may be recorded into it any more
+
+    def end(self, reason: TerminationReason) -> None:
+        if self.termination is None:  # the first budget that ended it is the episode's reason
+            self.termination = reason
+
+
+class Gateway:
+    def __init__(self, base_url: str, *, call_timeout_s: float = CALL_TIMEOUT_S):
+        self.base_url = base_url.rstrip("/")
+        self.call_timeout_s = call_timeout_s
+        self.keys = EpisodeKeys()
+        self._episodes: dict[str, _Episode] = {}
+
+    def open(self, binding: EpisodeBinding) -> tuple[str, str]:
+        """The episode's base URL (``.../gateway/<id>/v1``) and its key; ValueError for an id in use."""
+        tok = tools_tokenizer(binding.tokenizer)
+        key = self.keys.open(binding.episode_id)
+        self._episodes[binding.episode_id] = _Episode(binding, Conversation(tok))
+        return f"{self.base_url}/{binding.episode_id}/v1", key
+
+    async def close(self, episode_id: str) -> EpisodeLog:
+        """End the episode: its key answers 410 at once, its calls in flight are cancelled (aborted at
+        the engine) and have ended when this returns. KeyError for an episode not open."""
+        ep = self._episodes.pop(episode_id, None)
+        if ep is None:
+            raise KeyError(f"episode {episode_id!r} is not open on this gateway")
+        self.keys.close(episode_id)
+        ep.closed = True
+        for task in ep.tasks:
+            task.cancel()
+        if ep.tasks:
+            await asyncio.wait(set(ep.tasks), timeout=CLOSE_TIMEOUT_S)
+        reasons = Counter(ep.convo.reasons)
+        if ep.completions:
+            reasons[SegmentReason.COMPLETION] += len(ep.completions)
+        segments = sorted([*ep.convo.segments, *ep.completions], key=lambda s: s.turns[0][0])
+        return EpisodeLog(segments, {str(k): v for k, v in reasons.items()}, ep.answered, ep.termination)
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    async def handle(self, episode_id: str, route: str, authorization: str | None, body: bytes) -> Reply:
+        """Answer ``route`` for the episode; bad input is an error Reply, never an exception."""
+        try:
+            self.keys.check(episode_id, authorization)
+            ep = self._episodes[episode_id]
+            if route == "models":
+                return Reply(200, {"object": "list", "data": [
+                    {"id": ep.binding.model, "object": "model", "created": 0, "owned_by": "rayapp"}]})
+            if route == "chat/completions":
+                return await self._tracked(ep, self._chat(ep, body))
+            if route == "completions":
+                return await self._tracked(ep, self._completion(ep, body))
+            raise ApiError(404, f"no route {route[:64]!r} here; the gateway serves {', '.join(ROUTES)}",
+                           code="unknown_url")
+        except ApiError as e:
+            return Reply(e.status, e.body())
+        except Exception as e:  # a bug here: the agent still gets OpenAI's shape, and the log the trace
+            log.exception("gateway: %s for episode %r failed", route[:64], episode_id[:256])
+            return Reply(500, ApiError(500, f"the gateway failed: {type(e).__name__}: {str(e)[:500]}",
+                                       code="gateway_error").body())
+
+    async def _tracked(self, ep: _Episode, work: Awaitable[Reply]) -> Reply:
+        """Run one call as a task the episode knows, so ``close`` can cancel it; a call cut by
+        ``close`` answers 410 (a caller cancelled itself sees its cancellation)."""
+        task = asyncio.ensure_future(work)
+        ep.tasks.add(task)
+        task.add_done_callback(ep.tasks.discard)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
+            raise ApiError(410, f"episode {ep.binding.episode_id!r} ended while this call ran; its "
+                                "generation was aborted", code="episode_ended") from None
+
+    # -- the routes ------------------------------------------------------------------------------
+
+    async def _chat(self, ep: _Episode, body: bytes) -> Reply:
+        req = parse_chat(body)
+        tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req.tools, req.tool_choice) else None
+        call = ep.convo.prepare(req.messages, tools)
+        sampling, room, turn = self._admit(ep, len(call.ids), req, req.budget(), bool(tools))
+        out = await self._generate(ep, call.ids, sampling, turn)
+        tok = ep.convo.tok
+        reply = parse_reply(tok, _reply_text(tok, out, sampling.stop, bool(tools)), call.text, tools)
+        message = reply.message()
+        ep.convo.record(call, out.output_ids, out.logprobs, message, index=turn - 1)
+        self._done(ep, out, sampling, room)
+        finish = "length" if out.finish_reason is FinishReason.LENGTH else "tool_calls" if reply.tool_calls else "stop"
+        logprobs = {"content": _logprobs(tok, out)} if req.logprobs else None
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ep.binding.model}
+        usage = _usage(len(call.ids), out)
+        if not req.stream:
+            return Reply(200, {**head, "object": "chat.completion", "usage": usage, "choices": [
+                {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]})
+        head["object"] = "chat.completion.chunk"
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, lps: Any = None) -> dict[str, Any]:
+            return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}]}
+
+        chunks = [chunk({"role": "assistant", "content": ""})]
+        if message["content"] or logprobs:  # the log-probs of every token ride with the content
+            chunks.append(chunk({"content": message["content"] or ""}, lps=logprobs))
+        if reply.tool_calls:
+            chunks.append(chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(reply.tool_calls)]}))
+        chunks.append(chunk({}, finish))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            chunks.append({**head, "choices": [], "usage": usage})
+        return Reply(200, stream=_sse(chunks))
+
+    async def _completion(self, ep: _Episode, body: bytes) -> Reply:
+        req = parse_completion(body)
+        tok = ep.convo.tok
+        prompt = list(req.prompt) if isinstance(req.prompt, list) else list(tok.encode(req.prompt))
+        sampling, room, turn = self._admit(ep, len(prompt), req, req.max_tokens, False)
+        out = await self._generate(ep, prompt, sampling, turn)
+        n = len(out.output_ids)
+        ep.completions.append(Segment(ids=prompt + list(out.output_ids), prompt_len=len(prompt),
+                                      reason=SegmentReason.COMPLETION, mask=[1] * n,
+                                      logprobs=[float(x) for x in out.logprobs],
+                                      turns=[(turn - 1, len(prompt), len(prompt) + n)]))
+        self._done(ep, out, sampling, room)
+        text = _reply_text(tok, out, sampling.stop, False)
+        finish = "length" if out.finish_reason is FinishReason.LENGTH else "stop"
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": ep.binding.model}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if not req.stream:
+            return Reply(200, {**head, "choices": [choice], "usage": _usage(len(prompt), out)})
+        chunks = [{**head, "choices": [{**choice, "finish_reason": None}]},
+                  {**head, "choices": [{**choice, "text": "", "finish_reason": finish}]}]
+        if req.stream_options is not None and req.stream_options.include_usage:
+            chunks.append({**head, "choices": [], "usage": _usage(len(prompt), out)})
+        return Reply(200, stream=_sse(chunks))
+
+    # -- budgets, the engine ---------------------------------------------------------------------
+
+    def _admit(self, ep: _Episode, prompt_len: int, req: Any, asked: int | None,
+               tools: bool) -> tuple[SamplingParams, int | None, int]:
+        """The call's sampling, the context room it has (None: no limit) and its turn number; or the
+        400 of a budget it is past (which ends the episode with that reason)."""
+        ctx = ep.binding.ctx
+        max_turns = ctx.stopping.max_turns or 1
+        if ep.started >= max_turns:
+            ep.end(TerminationReason.MAX_TURNS)
+            raise ApiError(400, f"this episode's max_turns ({max_turns} model calls) is used up; the episode is over "
+                                "its turn budget", code="max_turns_exceeded")
+        base = ctx.sampling
+        cap = base.max_new_tokens
+        asked = min(asked, cap) if asked is not None and cap is not None else asked
+        limit = ctx.stopping.max_context_len
+        if limit is not None and (prompt_len >= limit or (asked is not None and prompt_len + asked > limit)):
+            ep.end(TerminationReason.MAX_CONTEXT_LEN)
+            raise ApiError(400, f"this episode's max_context_len is {limit} tokens; this call asks for {prompt_len} "
+                                f"in the messages" + (f" and {asked} in the completion" if asked is not None else "") +
+                                "; the episode is over its context budget", param="messages",
+                           code="context_length_exceeded")
+        own = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop = [*(base.stop or []), *(s for s in own if s not in (base.stop or []))]
+        sampling = msgspec.structs.replace(
+            base, temperature=_pick(req.temperature, base.temperature), top_p=_pick(req.top_p, base.top_p),
+            seed=_pick(req.seed, base.seed), max_new_tokens=asked if asked is not None else cap,
+            stop=(with_tool_stops(stop) if tools else stop) or None)
+        sampling, room = turn_budget(sampling, limit, prompt_len)
+        ep.started += 1
+        return sampling, room, ep.started
+
+    async def _generate(self, ep: _Episode, ids: list[int], sampling: SamplingParams, turn: int) -> GenerateOutput:
+        tok, engine = ep.convo.tok, ep.binding.engine
+        req = GenerateRequest(list(ids), sampling, stop_token_ids=[tok.eos_token_id])
+        started = loop_time()
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                out = await generate_abortable(engine, req)
+        except TimeoutError:
+            raise ApiError(504, f"the engine did not answer within {self.call_timeout_s:g} s; the request was "
+                                "aborted at the engine", code="engine_timeout") from None
+        except ValueError as e:
+            raise ApiError(400, f"the engine refused the request: {e}", code="invalid_value") from None
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # the engine's replica failed or could not be reached
+            raise ApiError(503, f"the engine failed: {type(e).__name__}: {str(e)[:500]}", code="engine_error") from None
+        if out.finish_reason is FinishReason.ABORT:
+            raise ApiError(503, f"the engine aborted request {out.request_id}", code="engine_error")
+        if ep.closed:  # answered as the episode ended (its abort came too late): the log is final
+            raise ApiError(410, f"episode {ep.binding.episode_id!r} ended while this call ran", code="episode_ended")
+        ep.binding.ctx.record_turn(turn, out.engine, engine_s=loop_time() - started,
+                                   weight_version=out.weight_version)
+        return out
+
+    def _done(self, ep: _Episode, out: GenerateOutput, sampling: SamplingParams, room: int | None) -> None:
+        ep.answered += 1
+        if out.finish_reason is FinishReason.LENGTH and \
+                length_reason(sampling, room, out) is TerminationReason.MAX_CONTEXT_LEN:
+            ep.end(TerminationReason.MAX_CONTEXT_LEN)
+
+
+def _pick(asked: Any, default: Any) -> Any:
+    return asked if asked is not None else default
+
+
+def _reply_text(tok: Any, out: GenerateOutput, stop: list[str] | None, tools: bool) -> str:
+    """The reply's text from the engine's ids: cut before the stop string that ended it (OpenAI leaves
+    it out), except a tool call's own closing tag, which the tool-call parser reads."""
+    text = tok.decode(list(out.output_ids), skip_special_tokens=True)
+    if out.finish_reason is not FinishReason.STOP or not stop:
+        return text
+    found = [(i, s) for s in stop if (i := text.find(s)) >= 0]
+    if not found:
+        return text  # ended by an end-of-turn token
+    at, s = min(found)
+    return text[:at + len(s)] if tools and s in with_tool_stops(None) else text[:at]
+
+
+def _logprobs(tok: Any, out: GenerateOutput) -> list[dict[str, Any]]:
+    """One entry per generated token, as the engine gave it (the end-of-turn token included)."""
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in out.output_ids]
+    return [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+            for p, lp in zip(pieces, out.logprobs, strict=True)]
+
+
+def _usage(prompt_len: int, out: GenerateOutput) -> dict[str, int]:
+    n = len(out.output_ids)
+    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+
+
+async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -120,7 +120,7 @@ def test_the_serve_source_calls_the_manager_with_a_timeout_on_every_call():
     source.rollout(4, [{"task_id": "a"}])
     source.evaluate(5)
     source.update_weights("/ckpt/hf/iter_4")
-    assert calls == [("generate", (3, None), 42), ("generate", (4, [{"task_id": "a"}]), 42),
+    assert calls == [("generate", (3,), 42), ("generate", (4, [{"task_id": "a"}]), 42),
                      ("evaluate", (5,), 42), ("update", ("student", "/ckpt/hf/iter_4"), 42)]
 
 

@@ -39,17 +39,14 @@ and rayapp's differ:
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import os
-import threading
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.utils.types import Sample as SlimeSample
 
 from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.trainers.sync import ServeManager, wait
 from rayapp.training.converters import to_slime
 from rayapp.types import Status
 
@@ -72,52 +69,13 @@ def setting(args: Any, name: str) -> Any:
     return getattr(args, name, SETTINGS[name])
 
 
-class _Loop:
-    """One event loop in a daemon thread: slime calls the rollout function synchronously in its
-    RolloutManager actor, and an in-process source's engine and locks must stay on one loop across
-    steps and weight updates."""
-
-    def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
-
-    def wait(self, out: Any, timeout_s: float, what: str) -> Any:
-        """``out`` itself, or its result when it is awaitable (within ``timeout_s``)."""
-        if not inspect.isawaitable(out):
-            return out
-        with self._lock:
-            if self.loop is None:
-                self.loop = asyncio.new_event_loop()
-                threading.Thread(target=self.loop.run_forever, name="rayapp-slime-loop", daemon=True).start()
-
-        async def wrapped() -> Any:
-            return await out
-        future = asyncio.run_coroutine_threadsafe(wrapped(), self.loop)
-        try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
-            future.cancel()
-            raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
-
-
-_LOOP = _Loop()
-
-
-class ServeSource:
-    """The Serve manager's handle as the adapter's source, with a timeout on every call."""
+class ServeSource(ServeManager):
+    """The Serve manager's handle as the adapter's source (a timeout on every call), remembering the
+    checkpoint its engine replicas were last told to load."""
 
     def __init__(self, handle: Any, *, engine: str, timeout_s: float):
-        self.handle, self.engine, self.timeout_s = handle, engine, timeout_s
-        self.loaded: str | None = None  # the checkpoint the engine replicas were last told to load
-
-    def rollout(self, rollout_id: int, tasks: list[dict] | None = None) -> RolloutResult:
-        return self.handle.generate.remote(rollout_id, tasks).result(timeout_s=self.timeout_s)
-
-    def evaluate(self, rollout_id: int) -> EvalResult:
-        return self.handle.evaluate.remote(rollout_id).result(timeout_s=self.timeout_s)
-
-    def update_weights(self, path: str) -> list[dict]:
-        return self.handle.update_weights_from_disk.remote(self.engine, path).result(timeout_s=self.timeout_s)
+        super().__init__(handle, engine=engine, timeout_s=timeout_s)
+        self.loaded: str | None = None
 
 
 _SERVE: dict[str, ServeSource] = {}  # one per application, for the life of slime's RolloutManager
@@ -154,7 +112,7 @@ def load_weights(args: Any, source: Any, path: str, what: str) -> bool:
         return False
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{what}: slime's checkpoint {path} is not there (--save-hf {args.save_hf!r})")
-    replies = _LOOP.wait(source.update_weights(path), float(setting(args, "rayapp_timeout_s")),
+    replies = wait(source.update_weights(path), float(setting(args, "rayapp_timeout_s")),
                          f"{what}: weight update to {path}")
     replies = replies if isinstance(replies, list) else [replies]  # one per replica, or an engine's one
     failed = [r for r in replies if isinstance(r, dict) and not r.get("ok", True)]
@@ -272,14 +230,14 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any,
     source, timeout_s = source_of(args), float(setting(args, "rayapp_timeout_s"))
     if evaluation:
         step = eval_step(args, rollout_id, source)
-        result = _LOOP.wait(source.evaluate(step), timeout_s, f"eval {step}")
+        result = wait(source.evaluate(step), timeout_s, f"eval {step}")
         return RolloutFnEvalOutput(data=eval_data(args, result), metrics=dict(result.metrics))
     if setting(args, "rayapp_sync_weights") and rollout_id > 0:  # step 0: the weights the engines started from
         load_weights(args, source, checkpoint(args, rollout_id - 1), f"rollout {rollout_id}")
     if prompts == "rayapp":
-        result = _LOOP.wait(source.rollout(rollout_id), timeout_s, f"rollout {rollout_id}")
+        result = wait(source.rollout(rollout_id), timeout_s, f"rollout {rollout_id}")
         return RolloutFnTrainOutput(samples=train_samples(args, result), metrics=dict(result.metrics))
     tasks, groups = slime_tasks(args, rollout_id, data_source)
-    result = _LOOP.wait(source.rollout(rollout_id, tasks), timeout_s, f"rollout {rollout_id}")
+    result = wait(source.rollout(rollout_id, tasks), timeout_s, f"rollout {rollout_id}")
     return RolloutFnTrainOutput(samples=train_samples(args, result, groups), metrics=dict(result.metrics))
 

@@ -1,4 +1,5 @@
-"""Calling rayapp from a trainer's synchronous loop (TRL's ``rollout_func``, verl's ``fit()``).
+"""Calling rayapp from a trainer's synchronous loop (TRL's ``rollout_func``, verl's ``fit()``,
+slime's rollout function).
 
 An in-process ``StepRunner`` is async, and its locks and engine must stay on one event loop across
 steps and weight updates: so every awaitable runs on one loop per process, in a daemon thread, and
@@ -40,10 +41,14 @@ class _Loop:
 _LOOP = _Loop()
 
 
+def wait(out: Any, timeout_s: float, what: str) -> Any:
+    """``out`` itself, or its result when it is awaitable (awaited on the process's one loop)."""
+    return _LOOP.run(out, timeout_s, what) if inspect.isawaitable(out) else out
+
+
 def call(fn: Callable[..., Any], args: tuple, timeout_s: float, what: str) -> Any:
     """``fn(*args)``, awaited on the process's one loop when it returns an awaitable."""
-    out = fn(*args)
-    return _LOOP.run(out, timeout_s, what) if inspect.isawaitable(out) else out
+    return wait(fn(*args), timeout_s, what)
 
 
 class ServeManager:

@@ -7,39 +7,35 @@ timed-out episode aborts its call at the engine, comes back classified, and leav
 
 import asyncio
 import contextlib
-import sys
 from pathlib import Path
 
 import pytest
 from agent_helpers import CALL, InProcessEngine, ScriptedEngine, recording
 from conftest import run
+from gateway_helpers import HangingEngine, served
 
-pytest.importorskip("openai")
-from gateway_helpers import HangingEngine, served  # noqa: E402  (needs openai)
+from rayapp.core.contracts import StepContext
+from rayapp.core.evaluator import Evaluator, TaskRun
+from rayapp.gateway.agents import OpenAIAgent
+from rayapp.types import EvaluatorSpec, Resource, Sample, SamplingParams, Status, StoppingCriteria, Task, TaskConfig
 
-from rayapp.core.contracts import StepContext  # noqa: E402
-from rayapp.core.evaluator import Evaluator, TaskRun  # noqa: E402
-from rayapp.gateway.agents import OpenAIAgent  # noqa: E402
-from rayapp.types import (  # noqa: E402
-    EvaluatorSpec,
-    Resource,
-    Sample,
-    SamplingParams,
-    Status,
-    StoppingCriteria,
-    Task,
-    TaskConfig,
-)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "openai_agent"))
-from openai_agent.agent import solve  # noqa: E402
-from openai_agent.verify import verify  # noqa: E402
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openai_agent"
 
 
-def episode(gateway, engine, agent=solve, *, n=1, max_turns=4, timeout_s=120.0, segments="last",
+@pytest.fixture
+def example(monkeypatch):
+    """The example's (agent, verifier), imported as PYTHONPATH=examples/openai_agent would."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    from openai_agent import agent, verify
+
+    return agent.solve, verify.verify
+
+
+def episode(example, gateway, engine, agent=None, *, n=1, max_turns=4, timeout_s=120.0, segments="last",
             max_new_tokens=48):
-    """Run ``n`` samples of "What is 2 + 2?" through the Evaluator with an OpenAIAgent; the samples."""
-    handler = OpenAIAgent(gateway, engine, agent, verify, segments=segments, call_timeout_s=60)
+    """The Evaluator's run (to await) of ``n`` samples of "What is 2 + 2?" with an OpenAIAgent, and the samples."""
+    solve, verify = example
+    handler = OpenAIAgent(gateway, engine, agent or solve, verify, segments=segments, call_timeout_s=60)
     spec = EvaluatorSpec("calc", handler, resource=Resource(concurrency=n))
     task = Task("calc-0", "What is 2 + 2?", TaskConfig("calc", n_samples=n), label="4")
     samples = [Sample(task.task_id, i, task.prompt, task.label) for i in range(n)]
@@ -60,12 +56,12 @@ def spans(mask):
     return out
 
 
-def test_the_example_agent_calls_its_tool_and_the_sample_holds_the_engine_s_tokens(tok, model_dir):
+def test_the_example_agent_calls_its_tool_and_the_sample_holds_the_engine_s_tokens(example, tok, model_dir):
     engine = recording(ScriptedEngine(tok, model_dir, [CALL, "The answer is 4."]))
 
     async def go():
         async with served() as gateway:
-            work, samples = episode(gateway, engine)
+            work, samples = episode(example, gateway, engine)
             await work
             assert len(gateway) == 0  # closed
             return samples
@@ -75,6 +71,7 @@ def test_the_example_agent_calls_its_tool_and_the_sample_holds_the_engine_s_toke
     assert s.reward == {"score": 1.0} and s.response == "The answer is 4."  # the agent's return, verified
     assert s.episode.turns == 2 and len(s.episode.turn_records) == 2
     meta = s.metadata["gateway"]
+    assert meta.pop("episode").startswith("r0-calc-0-0-")  # r<rollout>-<task>-<index>-<random>
     assert meta == {"calls": 2, "segments": 1, "reasons": {}}
     # the calculator's answer went back as a tool message, rendered into the second call's prompt
     assert '"result": "4"' in tok.decode(engine.sent[1].input_ids)
@@ -88,7 +85,7 @@ def test_the_example_agent_calls_its_tool_and_the_sample_holds_the_engine_s_toke
     assert s.tokens[:len(engine.sent[1].input_ids)] == list(engine.sent[1].input_ids)  # extended, not re-rendered
 
 
-def test_the_example_agent_on_the_real_hf_engine(tok, model_dir):
+def test_the_example_agent_on_the_real_hf_engine(example, tok, model_dir):
     from rayapp.inference.hf import HFBackend
 
     backend = HFBackend(str(model_dir), seed=0)
@@ -96,7 +93,7 @@ def test_the_example_agent_on_the_real_hf_engine(tok, model_dir):
 
     async def go():
         async with served() as gateway:
-            work, samples = episode(gateway, engine, n=2)
+            work, samples = episode(example, gateway, engine, n=2)
             await work
             return samples
 
@@ -113,12 +110,12 @@ def test_the_example_agent_on_the_real_hf_engine(tok, model_dir):
             assert response[a:b] in [list(o) for o in engine.outputs]
 
 
-def test_a_budget_that_ends_the_episode_gives_a_truncated_sample_with_its_reason(tok, model_dir):
+def test_a_budget_that_ends_the_episode_gives_a_truncated_sample_with_its_reason(example, tok, model_dir):
     engine = recording(ScriptedEngine(tok, model_dir, [CALL] * 5))  # it never stops calling the tool
 
     async def go():
         async with served() as gateway:
-            work, samples = episode(gateway, engine, max_turns=2)
+            work, samples = episode(example, gateway, engine, max_turns=2)
             await work
             return samples
 
@@ -129,7 +126,7 @@ def test_a_budget_that_ends_the_episode_gives_a_truncated_sample_with_its_reason
     assert len(spans(s.loss_mask)) == 2
 
 
-def test_each_segment_rides_along_when_the_agent_edits_its_history(tok, model_dir):
+def test_each_segment_rides_along_when_the_agent_edits_its_history(example, tok, model_dir):
     engine = recording(ScriptedEngine(tok, model_dir, ["The answer is 3.", "The answer is 4."]))
 
     async def summarising(client, task, sandbox):
@@ -140,12 +137,13 @@ def test_each_segment_rides_along_when_the_agent_edits_its_history(tok, model_di
 
     async def go(segments):
         async with served() as gateway:
-            work, samples = episode(gateway, engine, summarising, segments=segments)
+            work, samples = episode(example, gateway, engine, summarising, segments=segments)
             await work
             return samples
 
     [last] = run(go("last"))
-    assert last.metadata["gateway"] == {"calls": 2, "segments": 2, "reasons": {"history_edited": 1}}
+    assert {k: v for k, v in last.metadata["gateway"].items() if k != "episode"} == \
+        {"calls": 2, "segments": 2, "reasons": {"history_edited": 1}}
     assert "gateway_segments" not in last.metadata
     assert last.tokens[-last.response_length:] == list(engine.outputs[1]) and last.reward == {"score": 1.0}
     [each] = run(go("each"))
@@ -164,12 +162,12 @@ class Hanging(HangingEngine):
 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
-def test_a_timed_out_or_cancelled_episode_is_aborted_at_the_engine_and_classified(model_dir, how):
+def test_a_timed_out_or_cancelled_episode_is_aborted_at_the_engine_and_classified(example, model_dir, how):
     engine = Hanging(model_dir)
 
     async def go():
         async with served() as gateway:
-            work, samples = episode(gateway, engine, timeout_s=1.0 if how == "timeout" else 600.0)
+            work, samples = episode(example, gateway, engine, timeout_s=1.0 if how == "timeout" else 600.0)
             task = asyncio.ensure_future(work)
             await asyncio.wait_for(engine.started.wait(), 30)
             if how == "cancel":
@@ -185,7 +183,7 @@ def test_a_timed_out_or_cancelled_episode_is_aborted_at_the_engine_and_classifie
         assert s.status is Status.ABORTED and s.episode.abort.reason == "agent_timeout"
 
 
-def test_an_agent_that_never_calls_the_model_aborts_saying_so(tok, model_dir):
+def test_an_agent_that_never_calls_the_model_aborts_saying_so(example, tok, model_dir):
     engine = recording(ScriptedEngine(tok, model_dir, []))
 
     async def lazy(client, task, sandbox):
@@ -193,7 +191,7 @@ def test_an_agent_that_never_calls_the_model_aborts_saying_so(tok, model_dir):
 
     async def go():
         async with served() as gateway:
-            work, samples = episode(gateway, engine, lazy)
+            work, samples = episode(example, gateway, engine, lazy)
             await work
             return samples
 

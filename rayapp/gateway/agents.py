@@ -94,7 +94,7 @@ class OpenAIAgent(AgentHandler):
             log = await asyncio.wait_for(self.gateway.close(binding.episode_id), CLOSE_TIMEOUT_S)
         if error is not None and log.termination is None:
             raise error
-        return agent_result(log, value, self.segments)
+        return agent_result(log, value, self.segments, binding.episode_id)
 
     async def evaluate(self, sample: Sample, result: AgentResult, ctx: EpisodeContext) -> dict[str, float]:
         if inspect.iscoroutinefunction(self.verify):  # a coroutine cannot travel to a bundle: awaited here
@@ -109,13 +109,14 @@ def episode_id(sample: Sample, ctx: EpisodeContext) -> str:
     return f"r{ctx.rollout_id}-{task}-{sample.index}-{secrets.token_hex(4)}"
 
 
-def agent_result(log: EpisodeLog, value: Any, segments: str = "last") -> AgentResult:
-    """The sample's token data from the episode's recorded segments (module docstring); with
-    ``segments`` "each" the earlier segments ride along in the metadata (``gateway_segments``)."""
+def agent_result(log: EpisodeLog, value: Any, segments: str = "last", episode: str = "") -> AgentResult:
+    """The sample's token data from the episode's recorded segments (module docstring); the metadata's
+    ``gateway`` entry names the ``episode`` and counts its calls and segments (and why each began); with
+    ``segments`` "each" the earlier segments ride along (``gateway_segments``)."""
     if not log.segments:
         raise AgentOutputError("the gateway agent made no model call: its episode holds no tokens to train on")
     last = log.segments[-1]
-    meta: dict[str, Any] = {"gateway": {"calls": log.calls, "segments": len(log.segments),
+    meta: dict[str, Any] = {"gateway": {"episode": episode, "calls": log.calls, "segments": len(log.segments),
                                         "reasons": {str(k): v for k, v in log.reasons.items()}}}
     if value is not None and not isinstance(value, str):
         try:

@@ -5,6 +5,7 @@ user's code): each refusal one RecipeError naming the field. The example recipe 
 
 import importlib
 import itertools
+import sys
 import textwrap
 from pathlib import Path
 
@@ -111,12 +112,12 @@ def test_partial_rollouts_may_restart_a_gateway_agent_but_not_resume_it(mod, tmp
 
 
 def test_the_example_recipe_names_its_agent_and_verifier_by_import_path(monkeypatch):
-    pytest.importorskip("openai")  # the example's agent imports it
     monkeypatch.syspath_prepend(str(EXAMPLE))  # as PYTHONPATH=examples/openai_agent would
     args = yaml.safe_load((EXAMPLE / "rollout.yaml").read_text())["applications"][0]["args"]
     ev = parse_recipe(args).evaluators[0]
     assert (ev.gateway.agent, ev.verifier, ev.env) == ("openai_agent.agent:solve", "openai_agent.verify:verify",
                                                        "arithmetic")
     source = (EXAMPLE / "openai_agent" / "agent.py").read_text()
-    imports = {line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imports == {"__future__", "ast", "json", "operator", "openai"}  # openai and the standard library only
+    imports = {line.split()[1].split(".")[0] for line in source.splitlines()
+               if line.strip().startswith(("import ", "from "))}
+    assert "openai" in imports and imports - {"openai"} <= sys.stdlib_module_names | {"__future__"}, imports

@@ -144,7 +144,8 @@ def test_multi_turn_episodes_extend_one_segment_through_streamed_and_plain_calls
     assert len(chat) == 6
     for s in chat:
         assert s["status"] == "completed", s["abort"]
-        assert s["gateway"] == {"calls": 3, "segments": 1, "reasons": {}}  # each call extended the last
+        assert s["gateway"]["calls"] == 3 and s["gateway"]["segments"] == 1  # each call extended the last
+        assert s["gateway"]["reasons"] == {}
         assert s["turns"] == 3 and s["reason"] == "stop"
         check_tokens(s, tok)
         prompt = tok.decode(s["tokens"][:len(s["tokens"]) - s["response_length"]])

@@ -12,8 +12,10 @@ from __future__ import annotations
 import ast
 import json
 import operator
+from typing import TYPE_CHECKING
 
-import openai
+if TYPE_CHECKING:  # the client is handed in: openai is needed only to name its type (and imports slowly)
+    import openai
 
 MAX_CALLS = 3  # model calls per problem; the recipe's max_turns bounds them too
 CALCULATOR = {

@@ -1,12 +1,16 @@
 """Agents written against the OpenAI API for tests/isolated/test_gateway_serve.py, named by import path
-in its recipe (this folder on the replicas' PYTHONPATH). Like the example's, they import openai, not
-rayapp, and run inside the manager's replica, reaching the gateway through Serve's HTTP proxy."""
+in its recipe (this folder on the replicas' PYTHONPATH). They run inside the manager's replica and reach
+the gateway through Serve's HTTP proxy with the openai client they are handed; of rayapp they take only
+the texts the tiny model was taught with (the math env's system prompt and instruction)."""
 
 from __future__ import annotations
 
 import json
 
 import openai
+
+from rayapp.envs.agents.tools import describe
+from rayapp.envs.math import INSTRUCTION
 
 
 def _solved(prompt: str) -> tuple[str, str]:
@@ -19,12 +23,14 @@ def _solved(prompt: str) -> tuple[str, str]:
 
 async def chat(client: openai.AsyncOpenAI, task, sandbox) -> str:
     """Three calls, each extending the last: the question with a calculator call already answered in
-    its history (a tool message, which the tiny model reads back), then a follow-up streamed, then one
-    not streamed; returns the first reply's text (the answer, read off the tool's result)."""
+    its history (a tool message, which the tiny model reads back, as the math env's math-read rows
+    show it), then a follow-up streamed, then one not streamed; returns the first reply's text (the
+    answer, read off the tool's result)."""
     expression, value = _solved(task.prompt)
     call = {"id": "call_calc", "type": "function",
             "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
-    messages = [{"role": "user", "content": task.prompt},
+    messages = [{"role": "system", "content": describe(["calculator"])},
+                {"role": "user", "content": f"{task.prompt}\n{INSTRUCTION}"},
                 {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_calc",
                  "content": json.dumps({"name": "calculator", "result": value})}]

@@ -110,3 +110,17 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
         return ticks
 
     assert asyncio.run(main()) >= 10
+
+
+def test_the_gateway_url_is_the_proxy_s_loopback_address_under_the_app_s_prefix():
+    from rayapp.actors.http import gateway_base_url
+
+    assert gateway_base_url("127.0.0.1", 8000, "/rayapp") == "http://127.0.0.1:8000/rayapp/gateway"
+    assert gateway_base_url("0.0.0.0", 8123, "/rayapp/") == "http://127.0.0.1:8123/rayapp/gateway"  # every interface
+    assert gateway_base_url("localhost", 80, "/") == "http://127.0.0.1:80/gateway"
+    assert gateway_base_url("::", 8000, "/x") == "http://[::1]:8000/x/gateway"
+    assert gateway_base_url("10.1.2.3", 8000, "/x") == "http://10.1.2.3:8000/x/gateway"  # only there
+    assert gateway_base_url("fd00::5", 8000, "/x") == "http://[fd00::5]:8000/x/gateway"
+    assert gateway_base_url("head.internal", 8000, "/x") == "http://head.internal:8000/x/gateway"
+    with pytest.raises(ValueError, match="route_prefix"):
+        gateway_base_url("127.0.0.1", 8000, None)

@@ -12,6 +12,7 @@ that says what went wrong:
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any
 
@@ -71,3 +72,23 @@ def summary(result: RolloutResult | EvalResult) -> dict[str, Any]:
     return {"groups": len(result.groups), "samples": len(samples), "metrics": result.metrics,
             "mean_score": sum(s.reward.get("score", 0.0) for s in samples) / max(1, len(samples)),
             "artifacts": result.artifacts}
+
+
+def gateway_base_url(host: str | None, port: int, route_prefix: str | None) -> str:
+    """Where an agent in the manager's process reaches the agent gateway: Serve's HTTP proxy at
+    ``host``:``port`` (the loopback address when it listens on loopback or on every interface) under
+    the app's ``route_prefix``. An app served without a route has no gateway: ValueError."""
+    if route_prefix is None:
+        raise ValueError("the rayapp application has no route_prefix, so its agent gateway has no URL: give the "
+                         "application a route_prefix (e.g. /rayapp) to run gateway agents")
+    try:
+        ip = ipaddress.ip_address(host or "")
+    except ValueError:  # a host name: as it is (localhost: loopback)
+        ip = None
+    if ip is None:
+        host = "127.0.0.1" if host in (None, "", "localhost") else host
+    elif ip.is_loopback or ip.is_unspecified:
+        host = "127.0.0.1" if ip.version == 4 else "[::1]"
+    elif ip.version == 6:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}/gateway"

@@ -4,7 +4,9 @@ The trainer calls ``generate(rollout_id[, tasks])`` / ``evaluate(rollout_id)`` t
 replica answers a small HTTP control surface under the app's route. This file only translates:
 the recipe is parsed and wired by ``rayapp.recipe``, and each step runs through the pure
 ``StepRunner`` (``rayapp.training.step``: one step at a time, its order and artifacts); here the
-Ray handles become clients with bounded calls, and results become HTTP answers.
+Ray handles become clients with bounded calls, and results become HTTP answers. It also serves the
+agent gateway's routes (``/gateway/<episode>/v1/...``, ``rayapp.gateway``): an agent written against
+the OpenAI API reaches its episode here, in the replica that records it.
 
 No ``from __future__ import annotations`` here: Serve ships the endpoints to the replica by value,
 where FastAPI must see ``Request`` itself, not a string naming it.
@@ -16,11 +18,11 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Path, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
-from rayapp.actors.http import ERRORS, error_response, exception_response, parse_step_id, summary
+from rayapp.actors.http import ERRORS, error_response, exception_response, gateway_base_url, parse_step_id, summary
 from rayapp.actors.http_auth import HttpGuard, load_token
 from rayapp.actors.logs import follow_serve_logging
 from rayapp.actors.metrics import RayappMetrics, poll
@@ -28,6 +30,8 @@ from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.gateway.http import gateway_response
+from rayapp.gateway.service import Gateway
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
 from rayapp.training.step_jobs import StepConflict, StepJobs
 from rayapp.training.weight_sync import WeightSync
@@ -66,8 +70,12 @@ class SchedulerRolloutManager:
                         for name, h in engines.items()}
         # A replica that replaced a crashed one first frees what its predecessor still held.
         release = self.pool_client.release_owner if self.pool_client is not None else None
+        # The agent gateway lives here, beside the evaluators whose episodes it records (docs/agents.md);
+        # where agents reach it (Serve's proxy, this app's prefix) is asked before the first step.
+        self.gateway = Gateway("http://gateway-url-not-asked-yet")
+        self._gateway_pointed = all(ev.gateway is None for ev in self.cfg.evaluators)
         self.steps = build_step_runner(self.cfg, self.engines, self.pool_client, executor=run_in_bundle,
-                                       open_sandbox=open_sandbox, release_previous=release)
+                                       open_sandbox=open_sandbox, release_previous=release, gateway=self.gateway)
         self.steps.observers.append(self.metrics)
         self.weights = WeightSync(self.engines)  # what every replica must serve (a replacement too)
         for client in self.engines.values():
@@ -90,17 +98,33 @@ class SchedulerRolloutManager:
         trainer's, run as the step's groups instead of the data source's (``StepRunner.rollout``)."""
         self._watch()
         await self._restore_weights()
+        await self._point_gateway()
         return await self.steps.rollout(rollout_id, tasks)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         self._watch()
         await self._restore_weights()
+        await self._point_gateway()
         return await self.steps.evaluate(rollout_id)
 
     async def _restore_weights(self) -> None:
         """Every replica on the weights applied last, before a step (a replacement comes back on them)."""
         async with self.steps.between_steps():
             await self.weights.restore()
+
+    async def _point_gateway(self) -> None:
+        """The gateway's base URL, for a recipe with a gateway agent: asked of Serve's controller once
+        (where its proxy listens, this app's route prefix), before the first step."""
+        async def ask() -> str:
+            controller = await asyncio.to_thread(ray.get_actor, *SERVE_CONTROLLER)
+            http = await controller.get_http_config.remote()
+            apps = (await controller.get_serve_instance_details.remote()).get("applications", {})
+            return gateway_base_url(http.host, http.port, apps.get(app, {}).get("route_prefix"))
+
+        if not self._gateway_pointed:
+            app = serve.get_replica_context().app_name
+            self.gateway.base_url = await asyncio.wait_for(ask(), CONTROLLER_TIMEOUT_S)
+            self._gateway_pointed = True
 
     async def update_weights_from_disk(self, engine: str, path: str) -> list[dict]:
         """The trainer's new weights, loaded by every replica of one engine (between steps)."""
@@ -161,6 +185,20 @@ class SchedulerRolloutManager:
     def healthz(self) -> dict[str, bool]:
         """Open to all (probes carry no token); it says nothing but that the replica answers."""
         return {"ok": True}
+
+    # The agent gateway's routes (docs/agents.md): the episode's own key authenticates each call, so
+    # they do not ask for the admin token (an agent must never hold it).
+    @api.post("/gateway/{episode}/v1/chat/completions")
+    async def gateway_chat(self, episode: str, request: Request) -> Response:
+        return await gateway_response(self.gateway, episode, "chat/completions", request)
+
+    @api.post("/gateway/{episode}/v1/completions")
+    async def gateway_completions(self, episode: str, request: Request) -> Response:
+        return await gateway_response(self.gateway, episode, "completions", request)
+
+    @api.get("/gateway/{episode}/v1/models")
+    async def gateway_models(self, episode: str, request: Request) -> Response:
+        return await gateway_response(self.gateway, episode, "models", request)
 
     @api.post("/rollout/{rollout_id}", status_code=202, responses=ERRORS)
     async def http_rollout(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:

@@ -15,6 +15,7 @@ is no plug-in, whatever its shape: both are refused before any import. Each impo
 | --- | --- | --- |
 | env | ``evaluators[].env``, ``data.<n>.env`` | an ``Env`` (``rayapp.envs.protocol``) |
 | agent | ``evaluators[].agent`` | ``factory(deps: AgentDeps) -> AgentHandler`` (a class taking deps will do) |
+| gateway agent | ``evaluators[].gateway.agent`` | ``async agent(client: openai.AsyncOpenAI, task, sandbox) -> Any`` |
 | verifier | ``evaluators[].verifier`` | ``verify(sample, result) -> dict[str, float]``, sync or async |
 | tool | ``evaluators[].tools[]`` | ``async tool(arguments: dict, sandbox) -> str``, named by its attribute |
 | data source | ``data.<n>.source`` | ``rows(cfg: DatasetConfig) -> Iterable[Task]`` |
@@ -27,6 +28,7 @@ import importlib
 import inspect
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +176,16 @@ def check_agent(agent: Any, made_by: str) -> AgentHandler:
         raise PluginError(f"agent {made_by!r}: returned a {type(agent).__name__}, expected an AgentHandler "
                           f"(async run(sample, ctx) and evaluate(sample, result, ctx))")
     return agent
+
+
+def load_gateway_agent(path: str) -> Callable[..., Awaitable[Any]]:
+    """An agent written against the OpenAI API (docs/agents.md): awaited once per episode."""
+    obj = import_object(path, "gateway agent")
+    protocol = "async def agent(client: openai.AsyncOpenAI, task, sandbox) -> what the verifier reads"
+    check_signature(obj, 3, "gateway agent", path, protocol)
+    if not inspect.iscoroutinefunction(obj):
+        raise PluginError(f"gateway agent {path!r}: not a coroutine function; expected {protocol}")
+    return obj
 
 
 def load_verifier(path: str) -> Any:

@@ -4,8 +4,8 @@ Built-in environments (``rayapp.envs.arithmetic``, ``math``, ``humaneval``, ``sw
 own (a recipe's ``env: "my_pkg.my_env:ENV"``) are the same thing: one module holding its rows, its
 verifier, its agent and, where it has one, its DAgger agent, and one ``Env`` naming them. An agent is
 an ``AgentHandler`` (``rayapp.core.agent``), built per evaluator from ``AgentDeps``: what the host
-lends it (engines, the bundle executor, a sandbox opener) and what the recipe chose for it (the
-verifier and tools, a plug-in's or the env's own).
+lends it (engines, the bundle executor, a sandbox opener, the agent gateway) and what the recipe
+chose for it (the verifier and tools, a plug-in's or the env's own).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class AgentDeps:
     teacher: Engine | None = None  # the DAgger expert, for make_dagger_agent
     verify: Verifier | None = None  # None: the env's own
     tools: Mapping[str, ToolFn] | None = None  # None: the env's own
+    gateway: Any = None  # the agent gateway the host serves (rayapp.gateway.service.Gateway); None: none
 
 
 AgentFactory = Callable[[AgentDeps], AgentHandler]

@@ -26,6 +26,7 @@ from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs import watch
 from rayapp.envs.datasets.files import FieldMap
 from rayapp.envs.plugins import load_strategy
+from rayapp.recipe.gateway_config import GatewayConfig, check_gateways
 from rayapp.recipe.limits import (
     MAX_CPUS,
     MAX_GPUS,
@@ -157,6 +158,9 @@ class EvaluatorConfig(_Strict):
                                                       "seconds; past it the sample aborts")] = 300.0
     sandbox: Annotated[SandboxConfig, Meta(description="where the agent's commands and tests run")] = (
         SandboxConfig())
+    gateway: Annotated[GatewayConfig | None, Meta(description="run an agent written against the OpenAI API instead "
+                                                              "of the env's (docs/agents.md); unset: the env's "
+                                                              "agent or the agent plug-in")] = None
 
 
 class DatasetConfig(_Strict):
@@ -341,7 +345,8 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     """The rules that span fields, as (JSON path, reason), first problem first: engines, evaluators
     and datasets exist, names point at engines that exist, envs and plug-ins resolve and fit
     (``recipe/plugins.py``), a DAgger evaluator has a DAgger agent, a docker sandbox names an image,
-    dataset_cfg keys name cascade fields, an inline layout reads, and the batching strategy resolves."""
+    dataset_cfg keys name cascade fields, a gateway agent fits (``recipe/gateway_config.py``), an inline
+    layout reads, and the batching strategy resolves."""
     for key, what in (("engines", "engine"), ("evaluators", "evaluator"), ("data", "dataset")):
         if not getattr(recipe, key):
             yield f"$.{key}", f"at least one {what} is needed"
@@ -351,6 +356,7 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
         for name, d in datasets.items():
             yield from check_dataset_env(f"$.{where}.{name}", d)
             yield from _check_dataset_cfg(f"$.{where}.{name}", d.dataset_cfg)
+    yield from check_gateways(recipe)
     # A layout file is read where the pool replica runs (the head's working directory), which the build
     # need not share: only load_recipe, on the user's side, reads it ahead.
     if is_inline(recipe.pool.cluster_layout):

@@ -47,7 +47,7 @@ def check_evaluator_env(at: str, ev: Any) -> Iterator[tuple[str, str]]:
                 load_tool(tool)
         except PluginError as e:
             yield f"{at}.tools[{i}]", str(e)
-    if env is None or ev.agent is not None:
+    if env is None or ev.agent is not None or ev.gateway is not None:  # not the env's agent (gateway_config.py)
         return
     if ev.verifier is not None and env.verify is None:
         yield f"{at}.verifier", (f"env {ev.env!r} verifies inside the episode's sandbox, which a verifier "

@@ -3,7 +3,8 @@ resources), the rollout data source, the eval sets, the TaskScheduler, and the S
 
 The host lends what crosses process boundaries: engine clients by name, the pool client (None:
 batches run ungated), ``executor`` (runs a plain function where a sample's token is reserved:
-the Ray shell's ``run_in_bundle``) and ``open_sandbox(token, *, kind, limits, image=...)``. So the
+the Ray shell's ``run_in_bundle``), ``open_sandbox(token, *, kind, limits, image=...)`` and the
+agent ``gateway`` an evaluator's ``gateway:`` agent talks through (None: the host serves none). So the
 wiring imports no Ray, and a test wires a recipe with stand-ins.
 """
 
@@ -19,7 +20,14 @@ from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs import watch
 from rayapp.envs.agents.chat import Engine, Executor
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource, eval_tasks
-from rayapp.envs.plugins import PluginError, check_agent, load_agent_factory, load_tools, load_verifier
+from rayapp.envs.plugins import (
+    PluginError,
+    check_agent,
+    load_agent_factory,
+    load_gateway_agent,
+    load_tools,
+    load_verifier,
+)
 from rayapp.envs.protocol import AgentDeps
 from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
@@ -32,10 +40,12 @@ from rayapp.training.step import StepRunner
 from rayapp.types import EvaluatorSpec, Task
 
 SandboxOpener = Callable[..., Awaitable[Any]]
+CLIENT_SLACK_S = 30.0  # how much longer a gateway agent's client waits for a call than the engine call may take
 
 
 def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine], executor: Executor,
-                    open_sandbox: SandboxOpener) -> EvaluatorSpec:
+                    open_sandbox: SandboxOpener, gateway: Any = None,
+                    request_timeout_s: float = 300.0) -> EvaluatorSpec:
     sb = ev.sandbox
     limits = limits_from_resource(ev.run_resource, wall_seconds=sb.wall_seconds, cpu_seconds=sb.cpu_seconds,
                                   network=sb.network)
@@ -46,7 +56,9 @@ def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine],
     with watch.field(f"{at}.tools"):
         tools = load_tools(ev.tools) if ev.tools is not None else None
     deps = AgentDeps(engines[ev.engine], executor, opener, teacher=engines[ev.teacher] if ev.teacher else None,
-                     verify=verify, tools=tools)
+                     verify=verify, tools=tools, gateway=gateway)
+    if ev.gateway is not None:
+        return _spec(ev, _gateway_agent(at, ev, deps, request_timeout_s))
     with watch.field(f"{at}.agent"):
         factory = load_agent_factory(ev.agent) if ev.agent else None
     field, what = (f"{at}.agent", f"agent {ev.agent!r}") if factory else (f"{at}.env", f"env {ev.env!r}'s agent")
@@ -61,6 +73,10 @@ def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine],
             check_agent(agent, ev.agent)
         except PluginError as e:
             raise RecipeError(ARGS_SOURCE, f"{at}.agent", str(e)) from None
+    return _spec(ev, agent)
+
+
+def _spec(ev: EvaluatorConfig, agent: Any) -> EvaluatorSpec:
     return EvaluatorSpec(
         evaluator_id=ev.evaluator_id, handler=agent, resource=ev.resource, run_resource=ev.run_resource,
         eval_resource=ev.eval_resource, batch_size=ev.batch_size, default_stopping=ev.default_stopping,
@@ -68,11 +84,33 @@ def _evaluator_spec(at: str, ev: EvaluatorConfig, engines: Mapping[str, Engine],
     )
 
 
+def _gateway_agent(at: str, ev: EvaluatorConfig, deps: AgentDeps, request_timeout_s: float) -> Any:
+    """An evaluator's ``gateway`` agent (``rayapp.gateway.agents``), scored by the recipe's verifier or
+    its env's, over the gateway the host serves."""
+    if deps.gateway is None:
+        raise RecipeError(ARGS_SOURCE, f"{at}.gateway", "this host serves no agent gateway (the Serve manager "
+                                                         "does): run the recipe with serve run or rayapp run")
+    from rayapp.gateway.agents import OpenAIAgent  # the gateway's pieces load only for a recipe that uses them
+
+    with watch.field(f"{at}.gateway.agent"):
+        agent = load_gateway_agent(ev.gateway.agent)
+    try:
+        # The client waits a little past the engine call's own limit, so the gateway's answer (an error
+        # naming the engine's timeout) comes first.
+        return OpenAIAgent(deps.gateway, deps.engine, agent, deps.verify or get_env(ev.env).verify,
+                           executor=deps.executor, open_sandbox=deps.open_sandbox if ev.gateway.sandbox else None,
+                           segments=ev.gateway.segments, call_timeout_s=request_timeout_s + CLIENT_SLACK_S)
+    except RuntimeError as e:  # no openai package here
+        raise RecipeError(ARGS_SOURCE, f"{at}.gateway.agent", str(e)) from None
+
+
 def build_evaluator_specs(cfg: RecipeConfig, engines: Mapping[str, Engine], *, executor: Executor,
-                          open_sandbox: SandboxOpener) -> list[EvaluatorSpec]:
+                          open_sandbox: SandboxOpener, gateway: Any = None) -> list[EvaluatorSpec]:
     """One EvaluatorSpec per recipe evaluator: its env's agent (the DAgger one when it names a
-    teacher) over the named engines, sandboxes limited by its run_resource."""
-    return [_evaluator_spec(f"$.evaluators[{i}]", ev, engines, executor, open_sandbox)
+    teacher; its gateway agent over ``gateway`` when it has one) over the named engines, sandboxes
+    limited by its run_resource."""
+    return [_evaluator_spec(f"$.evaluators[{i}]", ev, engines, executor, open_sandbox, gateway,
+                            cfg.engines[ev.engine].request_timeout_s)
             for i, ev in enumerate(cfg.evaluators)]
 
 
@@ -93,6 +131,16 @@ async def _no_work(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("an executor or sandbox used while the agent was only being built")
 
 
+class _NoGateway:
+    """What ``check_builds`` lends a gateway agent: building it must not open an episode."""
+
+    def open(self, binding: Any) -> Any:
+        raise RuntimeError("the gateway used while the agent was only being built")
+
+    async def close(self, episode_id: str) -> Any:
+        raise RuntimeError("the gateway used while the agent was only being built")
+
+
 def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
     """Every evaluator's agent built as the manager will build it (its factory called with its
     AgentDeps, engines that must not be called yet) and every source plug-in's rows made, so a wrong
@@ -101,7 +149,7 @@ def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
     engines = {name: _NoEngine(name) for name in cfg.engines}
     for i, ev in enumerate(cfg.evaluators):
         try:
-            _evaluator_spec(f"$.evaluators[{i}]", ev, engines, _no_work, _no_work)
+            _evaluator_spec(f"$.evaluators[{i}]", ev, engines, _no_work, _no_work, _NoGateway())
         except RecipeError as e:
             problems.append((e.path or f"$.evaluators[{i}]", e.reason))
     for where in ("data", "eval"):
@@ -144,10 +192,10 @@ def build_eval_sets(cfg: RecipeConfig) -> dict[str, list[Task]]:
 
 
 def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
-                    open_sandbox: SandboxOpener) -> TaskScheduler:
+                    open_sandbox: SandboxOpener, gateway: Any = None) -> TaskScheduler:
     s = cfg.scheduler
     return TaskScheduler(
-        build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox),
+        build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox, gateway=gateway),
         build_data_source(cfg), pool, s.scheduler_config(), batching_strategy=s.strategy,
         eval_datasets=build_eval_sets(cfg),
         iteration=DAggerIterations(cfg.dagger, observers=[StacxEnv()]) if cfg.dagger else None,
@@ -155,14 +203,14 @@ def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool
 
 
 def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
-                      open_sandbox: SandboxOpener,
-                      release_previous: Callable[[], Awaitable[int]] | None = None) -> StepRunner:
+                      open_sandbox: SandboxOpener, release_previous: Callable[[], Awaitable[int]] | None = None,
+                      gateway: Any = None) -> StepRunner:
     """The recipe's scheduler inside its step pipeline: its filters, trajectory folder (reuse),
     checkpoint folder (mid-rollout checkpoints, and the latest steps' results: a restarted manager
     serves a finished step again rather than run it anew) and eval_details folder."""
     s = cfg.scheduler
     checkpoint = RolloutCheckpoint(s.checkpoint_dir) if s.checkpoint_dir else None
-    scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox)
+    scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox, gateway=gateway)
     return StepRunner(scheduler, filters=cfg.filters.chain(), abort_cap=cfg.filters.abort_cap,
                       trajectory_dir=s.trajectory_dir, checkpoint=checkpoint,
                       details=EvalDetailsWriter(s.save_eval_details) if s.save_eval_details else None,

@@ -48,7 +48,7 @@ def _openai() -> Any:
         import openai
     except ImportError:
         raise RuntimeError("a gateway agent needs the openai package where the manager runs "
-                           "(pip install openai)") from None
+                           "(pip install 'rayapp[gateway]')") from None
     return openai
 
 

@@ -1,0 +1,144 @@
+"""The command adapter: a program using the real ``openai`` SDK, run in a real local sandbox (its own
+network namespace), reaches its episode's gateway through the bridge and nothing else on the host;
+its exit code, output and files reach the caller; a timed-out or cancelled episode leaves no process
+behind (checked in /proc) and its call in flight is aborted at the engine."""
+
+import asyncio
+import os
+import socket
+import sys
+
+import pytest
+from agent_helpers import InProcessEngine
+from conftest import run
+from gateway_helpers import HangingEngine, episode_ctx, open_episode, served
+
+from rayapp.core.termination import AgentTimeout
+from rayapp.envs.sandboxes import LocalProcessSandbox, SandboxLimits
+from rayapp.envs.sandboxes._host import DEFAULT_PATH, count_processes
+from rayapp.gateway.command import CommandAgent
+from rayapp.types import Sample
+
+VENV_BIN = os.path.dirname(sys.executable)  # the test's venv has openai; the sandbox sees it read-only
+AGENT = """
+import json, os, socket, sys, urllib.error, urllib.request
+import openai
+
+task = json.load(open("task.json"))
+client = openai.OpenAI(max_retries=0, timeout=60)  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
+reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}],
+                                       max_tokens=int(sys.argv[1]), seed=0)
+for port in sys.argv[2:]:  # the host's other loopback ports: the gateway's own, an unrelated server
+    try:
+        socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
+        print("reached", port)
+    except OSError as e:
+        print("blocked", port, type(e).__name__)
+other = os.environ["OPENAI_BASE_URL"].rsplit("/", 2)[0] + "/another-episode/v1/models"
+try:
+    urllib.request.urlopen(urllib.request.Request(
+        other, headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}), timeout=10)
+    print("other episode answered")
+except urllib.error.HTTPError as e:
+    print("other episode", e.code)
+with open("answer.txt", "w") as f:
+    f.write(reply.choices[0].message.content)
+print("env", sorted(k for k in os.environ if k.startswith("OPENAI")))
+sys.exit(3)
+"""
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    from rayapp.inference.hf import HFBackend
+
+    b = HFBackend(str(model_dir), seed=0)
+    yield b
+    b.shutdown()
+
+
+def sandbox(wall_seconds=120.0):
+    return LocalProcessSandbox(SandboxLimits(wall_seconds=wall_seconds, cpu_seconds=120), name="cmd",
+                               path=f"{VENV_BIN}:{DEFAULT_PATH}")
+
+
+def leftovers(box):
+    """Processes of the sandbox's user, and any process whose command line names its folder."""
+    base, found = os.path.dirname(box.workdir), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if base.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return (count_processes(box.uid) if box.uid is not None else 0), found
+
+
+def test_a_command_agent_reaches_its_gateway_only_and_its_outcome_comes_back(tok, backend):
+    async def main():
+        with socket.create_server(("127.0.0.1", 0)) as unrelated:
+            async with served() as gw, sandbox() as box:
+                gw_port = int(gw.base_url.split(":")[2].split("/")[0])
+                client, ctx = open_episode(gw, "cmd-1", InProcessEngine(backend), tok, episode_ctx(max_new_tokens=8))
+                await box.write_file("agent.py", AGENT)
+                agent = CommandAgent(["python", "agent.py", "6", str(gw_port), str(unrelated.getsockname()[1])],
+                                     collect=("answer.txt", "missing.txt"))
+                out = await agent(client, Sample("t-1", 0, "What is 2+2?"), box)
+                log = await gw.close("cmd-1")
+                return out, log, box.network_isolated, leftovers(box), gw_port, unrelated.getsockname()[1]
+
+    out, log, isolated, left, gw_port, other_port = run(asyncio.wait_for(main(), 180))
+    assert isolated, "this test needs the sandbox's own network namespace (root)"
+    assert out["exit_code"] == 3, out["stderr"]
+    lines = out["stdout"].splitlines()
+    assert f"blocked {gw_port} ConnectionRefusedError" in lines
+    assert f"blocked {other_port} ConnectionRefusedError" in lines
+    assert "other episode 403" in lines  # the bridge passes its own episode's routes only
+    assert "env ['OPENAI_API_KEY', 'OPENAI_BASE_URL']" in lines
+    assert log.calls == 1 and len(log.segments) == 1
+    seg = log.segments[0]
+    reply = tok.decode(seg.ids[seg.prompt_len:], skip_special_tokens=True)
+    assert out["files"] == {"answer.txt": out["files"]["answer.txt"], "missing.txt": None}
+    assert out["files"]["answer.txt"].strip() == reply.strip()
+    assert left == (0, [])
+
+
+HANG = """
+import openai
+openai.OpenAI(max_retries=0, timeout=600).chat.completions.create(
+    model="m", messages=[{"role": "user", "content": "go on forever"}])
+"""
+
+
+@pytest.mark.parametrize("how", ["own clock", "episode cancelled"])
+def test_a_timed_out_or_cancelled_command_leaves_nothing_running_and_its_call_is_aborted(tok, how):
+    async def main():
+        async with served() as gw, sandbox() as box:
+            engine = HangingEngine()
+            client, ctx = open_episode(gw, "hang", engine, tok)
+            await box.write_file("agent.py", HANG)
+            agent = CommandAgent(["python", "agent.py"], timeout_s=20 if how == "own clock" else 100)
+            run_it = agent(client, Sample("t-2", 0, "x"), box)
+            while_running = None
+            if how == "own clock":
+                with pytest.raises(AgentTimeout):
+                    await run_it
+            else:
+                task = asyncio.ensure_future(run_it)
+                await asyncio.wait_for(engine.started.wait(), 60)
+                while_running = leftovers(box)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert engine.started.is_set()  # the call was in flight when the command was killed
+            left = leftovers(box)
+            log = await gw.close("hang")  # what the adapter does in its finally
+            return engine, log, left, while_running, box.uid
+
+    engine, log, left, while_running, uid = run(asyncio.wait_for(main(), 180))
+    if while_running is not None and uid is not None:
+        assert while_running[0] >= 2  # the bridge and the program were there, as the sandbox's user
+    assert left == (0, [])  # the program and its bridge are gone, none of the sandbox user's processes left
+    assert len(engine.aborted) == 1 and engine.aborted[0] and not engine.running
+    assert log.calls == 0

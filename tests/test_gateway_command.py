@@ -62,6 +62,16 @@ def sandbox(wall_seconds=120.0):
                                path=f"{VENV_BIN}:{DEFAULT_PATH}")
 
 
+async def gone(box, within_s=10.0):
+    """``leftovers`` once none are left, or as they are after ``within_s``: a SIGKILLed process's
+    /proc entry stays until the kernel has torn it down and its parent reaped it, which a cancelled
+    command's kill does not wait for."""
+    async with asyncio.timeout(within_s):
+        while (left := leftovers(box)) != (0, []):
+            await asyncio.sleep(0.05)
+    return left
+
+
 def leftovers(box):
     """Processes of the sandbox's user, and any process whose command line names its folder."""
     base, found = os.path.dirname(box.workdir), []
@@ -80,13 +90,13 @@ def test_a_command_agent_reaches_its_gateway_only_and_its_outcome_comes_back(tok
         with socket.create_server(("127.0.0.1", 0)) as unrelated:
             async with served() as gw, sandbox() as box:
                 gw_port = int(gw.base_url.split(":")[2].split("/")[0])
-                client, ctx = open_episode(gw, "cmd-1", InProcessEngine(backend), tok, episode_ctx(max_new_tokens=8))
+                client, _ = open_episode(gw, "cmd-1", InProcessEngine(backend), tok, episode_ctx(max_new_tokens=8))
                 await box.write_file("agent.py", AGENT)
                 agent = CommandAgent(["python", "agent.py", "6", str(gw_port), str(unrelated.getsockname()[1])],
                                      collect=("answer.txt", "missing.txt"))
                 out = await agent(client, Sample("t-1", 0, "What is 2+2?"), box)
                 log = await gw.close("cmd-1")
-                return out, log, box.network_isolated, leftovers(box), gw_port, unrelated.getsockname()[1]
+                return out, log, box.network_isolated, await gone(box), gw_port, unrelated.getsockname()[1]
 
     out, log, isolated, left, gw_port, other_port = run(asyncio.wait_for(main(), 180))
     assert isolated, "this test needs the sandbox's own network namespace (root)"
@@ -116,7 +126,7 @@ def test_a_timed_out_or_cancelled_command_leaves_nothing_running_and_its_call_is
     async def main():
         async with served() as gw, sandbox() as box:
             engine = HangingEngine()
-            client, ctx = open_episode(gw, "hang", engine, tok)
+            client, _ = open_episode(gw, "hang", engine, tok)
             await box.write_file("agent.py", HANG)
             agent = CommandAgent(["python", "agent.py"], timeout_s=20 if how == "own clock" else 100)
             run_it = agent(client, Sample("t-2", 0, "x"), box)
@@ -132,7 +142,7 @@ def test_a_timed_out_or_cancelled_command_leaves_nothing_running_and_its_call_is
                 with pytest.raises(asyncio.CancelledError):
                     await task
             assert engine.started.is_set()  # the call was in flight when the command was killed
-            left = leftovers(box)
+            left = await gone(box)
             log = await gw.close("hang")  # what the adapter does in its finally
             return engine, log, left, while_running, box.uid
 
@@ -142,3 +152,23 @@ def test_a_timed_out_or_cancelled_command_leaves_nothing_running_and_its_call_is
     assert left == (0, [])  # the program and its bridge are gone, none of the sandbox user's processes left
     assert len(engine.aborted) == 1 and engine.aborted[0] and not engine.running
     assert log.calls == 0
+
+
+@pytest.mark.parametrize(("head", "verdict"), [
+    (b"POST /p/gateway/e1/v1/chat/completions HTTP/1.1\r\nContent-Length: 12\r\n\r\n", 12),
+    (b"GET /p/gateway/e1/v1/models?x=1 HTTP/1.1\r\nHost: a\r\n\r\n", 0),
+    (b"GET /p/gateway/e2/v1/models HTTP/1.1\r\n\r\n", 403),  # another episode
+    (b"POST /p/rollout HTTP/1.1\r\nContent-Length: 2\r\n\r\n", 403),  # the manager's admin routes
+    (b"GET /p/gateway/e1/v1/../../e2/v1/models HTTP/1.1\r\n\r\n", 403),
+    (b"GET /p/gateway/e1/v1/%2e%2e/x HTTP/1.1\r\n\r\n", 403),
+    (b"GET http://127.0.0.1:1/p/gateway/e1/v1/models HTTP/1.1\r\n\r\n", 403),  # absolute form
+    (b"POST /p/gateway/e1/v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+    (b"POST /p/gateway/e1/v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 90\r\n\r\n", 400),
+    (b"POST /p/gateway/e1/v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"garbage\r\n\r\n", 400),
+])
+def test_the_bridge_passes_its_episodes_routes_with_a_plain_body_only(head, verdict):
+    from rayapp.envs.sandboxes.bridge import check_head
+
+    got = check_head(head, "/p/gateway/e1/v1")
+    assert (got if isinstance(got, int) else got[0]) == verdict

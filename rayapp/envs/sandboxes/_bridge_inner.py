@@ -12,6 +12,7 @@ killed by the same signal. It is the command's parent in the command's process g
 sandbox's wall clock, a cancellation and the PID namespace end both together.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,10 +30,8 @@ def pump(src, dst):
     except OSError:
         pass
     finally:
-        try:
+        with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)  # half-close: the other direction may still carry the reply
-        except OSError:
-            pass
 
 
 def carry(conn, path):
@@ -75,10 +74,8 @@ def main():
         os._exit(127 if isinstance(e, FileNotFoundError) else 126)
     code = child.wait()
     if code < 0:  # killed by a signal: end the same way, so the sandbox reports it as the command's
-        try:
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's action cannot be set (nor needs to be)
             signal.signal(-code, signal.SIG_DFL)
-        except (OSError, ValueError):  # SIGKILL's action cannot be set (nor needs to be)
-            pass
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
 

@@ -24,6 +24,7 @@ from rayapp.actors.pool import bundle_strategy
 from rayapp.actors.remote import bounded
 from rayapp.core.termination import SandboxError
 from rayapp.envs.sandboxes import DEFAULT_LIMITS, ExecResult, Sandbox, SandboxLimits, make_sandbox
+from rayapp.envs.sandboxes.bridge import exec_with_gateway
 from rayapp.episode import EPISODE
 from rayapp.types import Token
 
@@ -48,6 +49,12 @@ class SandboxHost:
 
     async def exec(self, command: Any, timeout_s: float | None, stdin: str | None, check_timeout: bool) -> ExecResult:
         return await self.sandbox.exec(command, timeout_s=timeout_s, stdin=stdin, check_timeout=check_timeout)
+
+    async def exec_with_gateway(self, argv: list[str], base_url: str, key: str, timeout_s: float | None,
+                                check_timeout: bool) -> ExecResult:
+        # The bridge's host end runs here, on the sandbox's node; its forwarder dials base_url from here.
+        return await exec_with_gateway(self.sandbox, argv, base_url, key, timeout_s=timeout_s,
+                                       check_timeout=check_timeout)
 
     async def write_file(self, path: str, content: str | bytes) -> None:
         await self.sandbox.write_file(path, content)
@@ -85,6 +92,12 @@ class BundleSandbox:
                    check_timeout: bool = False) -> ExecResult:
         bound = min(timeout_s or self.limits.wall_seconds, self.limits.wall_seconds) + MARGIN_S
         return await self._call("exec", command, timeout_s, stdin, check_timeout, timeout_s=bound)
+
+    async def exec_with_gateway(self, argv: list[str], base_url: str, key: str, *, timeout_s: float | None = None,
+                                check_timeout: bool = False) -> ExecResult:
+        """``argv`` behind a gateway bridge in the bundle (rayapp.envs.sandboxes.bridge)."""
+        bound = min(timeout_s or self.limits.wall_seconds, self.limits.wall_seconds) + MARGIN_S
+        return await self._call("exec_with_gateway", argv, base_url, key, timeout_s, check_timeout, timeout_s=bound)
 
     async def write_file(self, path: str, content: str | bytes) -> None:
         await self._call("write_file", path, content, timeout_s=MARGIN_S)

@@ -4,7 +4,8 @@
 ``agent(client, task, sandbox)`` (rayapp/gateway/agents.py's ``OpenAIAgent`` opens the episode,
 hands it a client pointed at the episode's base URL and key, and closes the episode in ``finally``,
 which aborts a call still in flight at the engine). It takes the base URL and key from that client
-and runs ``command`` (argv) in the sandbox behind a ``GatewayBridge``: the program finds the gateway
+and runs ``command`` (argv) in the sandbox behind a ``GatewayBridge`` (a local sandbox, here or in
+its bundle's actor): the program finds the gateway
 at ``OPENAI_BASE_URL`` with ``OPENAI_API_KEY`` and reaches nothing else off its own loopback. Its
 environment is the sandbox's scrubbed one plus those two variables; the task is in ``task.json`` in
 its working folder (``prompt``, ``label``, ``task_id``, ``index``).
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rayapp.envs.sandboxes.bridge import GatewayBridge
+from rayapp.envs.sandboxes.bridge import exec_with_gateway
 
 __all__ = ["CommandAgent"]
 
@@ -48,8 +49,8 @@ class CommandAgent:
                              "(gateway.sandbox: true)")
         task_data = {"task_id": task.task_id, "index": task.index, "prompt": task.prompt, "label": task.label}
         await sandbox.write_file(TASK_FILE, json.dumps(task_data, default=str))
-        async with GatewayBridge(sandbox, str(client.base_url), client.api_key) as bridge:
-            done = await sandbox.exec(bridge.wrap(self.command), timeout_s=self.timeout_s, check_timeout=True)
+        done = await exec_with_gateway(sandbox, self.command, str(client.base_url), client.api_key,
+                                       timeout_s=self.timeout_s, check_timeout=True)
         files: dict[str, str | None] = {}
         for path in self.collect:
             try:

@@ -35,11 +35,28 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rayapp.core.termination import SandboxError
+from rayapp.envs.sandboxes.base import ExecResult
+from rayapp.envs.sandboxes.local import LocalProcessSandbox
 
 CONNECT_TIMEOUT_S = 10.0  # to the gateway's proxy
 CLOSE_TIMEOUT_S = 5.0  # for the connections' tasks to end once cancelled
 MAX_SOCKET_PATH = 107  # sun_path, less its terminating NUL
 INNER = (Path(__file__).with_name("_bridge_inner.py")).read_text()
+
+
+async def exec_with_gateway(sandbox: Any, argv: list[str], base_url: str, key: str, *, timeout_s: float | None = None,
+                            check_timeout: bool = False) -> ExecResult:
+    """``sandbox.exec(argv)`` behind a ``GatewayBridge`` to ``base_url``. The bridge's host end must run
+    where the sandbox's processes do: a sandbox kept elsewhere (``BundleSandbox``, in its bundle's
+    actor) has its own ``exec_with_gateway``, which runs this there."""
+    remote = getattr(sandbox, "exec_with_gateway", None)
+    if remote is not None:
+        return await remote(argv, base_url, key, timeout_s=timeout_s, check_timeout=check_timeout)
+    if not isinstance(sandbox, LocalProcessSandbox):
+        raise SandboxError(f"a {type(sandbox).__name__} has no gateway bridge: a command agent needs a local "
+                           "sandbox (kind: local)")
+    async with GatewayBridge(sandbox, base_url, key) as bridge:
+        return await sandbox.exec(bridge.wrap(argv), timeout_s=timeout_s, check_timeout=check_timeout)
 
 
 def _refusal(status: int, message: str) -> bytes:
@@ -87,7 +104,7 @@ class GatewayBridge:
     """The host's end for one command of ``sandbox`` (a ``LocalProcessSandbox``, started), speaking
     to ``base_url`` with ``key``. ``async with`` it around the command; ``wrap(argv)`` is what to run."""
 
-    def __init__(self, sandbox: Any, base_url: str, key: str):
+    def __init__(self, sandbox: LocalProcessSandbox, base_url: str, key: str):
         url = urlsplit(base_url)
         if url.scheme != "http" or not url.hostname or not url.port:
             raise ValueError(f"gateway base URL {base_url!r}: expected http://host:port/path")

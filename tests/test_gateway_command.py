@@ -165,6 +165,7 @@ def test_a_timed_out_or_cancelled_command_leaves_nothing_running_and_its_call_is
     (b"POST /p/gateway/e1/v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
     (b"POST /p/gateway/e1/v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 90\r\n\r\n", 400),
     (b"POST /p/gateway/e1/v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"GET /p/gateway/e1/v1/models HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n", 400),
     (b"garbage\r\n\r\n", 400),
 ])
 def test_the_bridge_passes_its_episodes_routes_with_a_plain_body_only(head, verdict):

@@ -11,8 +11,8 @@ stay so for everything else on the host. The bridge opens exactly one door:
 The forwarder reads each HTTP request's head and passes it only when its target lies under the
 episode's own base path (``<prefix>/gateway/<episode>/v1/``) with a plain ``Content-Length`` body;
 anything else (another episode, the manager's admin routes, a chunked or ambiguous body that could
-hide a second request) is answered 403/411 in OpenAI's error shape and the connection closed. The
-gateway's own check (the episode's key) stays behind it. The socket lives in a root-owned folder
+hide a second request, a protocol upgrade) is answered 400/403/411 in OpenAI's error shape and the
+connection closed. The gateway's own check (the episode's key) stays behind it. The socket lives in a root-owned folder
 (0711) under the sandbox's base, which no other sandbox's root holds; the key is in a file beside
 it, read by the bridge, never on a command line.
 
@@ -84,6 +84,8 @@ def check_head(head: bytes, path: str) -> tuple[int, str] | int:
         name = name.strip().lower()
         if name == "transfer-encoding":
             return 411, "send the body with a Content-Length (no Transfer-Encoding)"
+        if name == "upgrade":  # what follows a switch of protocols would pass unread
+            return 400, "no protocol upgrade through the gateway bridge"
         if name == "content-length":
             lengths.append(value.strip())
     if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):

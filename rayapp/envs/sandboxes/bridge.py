@@ -20,6 +20,11 @@ The sandbox's other guarantees hold: the command is still one process group in i
 its rlimits; the bridge is its parent, so the wall clock, a cancellation or ``close`` end both.
 Where the sandbox has no network namespace the command could reach the host anyway; the bridge is
 used all the same, so the command finds the gateway the same way everywhere.
+
+Local sandboxes only so far (here, or in their bundle's actor: ``exec_with_gateway``). A Docker
+sandbox refuses with a ``SandboxError``: it would bind the bridge's folder into its container at
+``docker run`` (the container is made once, so the folder is made at ``start``), keep
+``--network none``, and need python3 in the image for the inner end (or a static forwarder).
 """
 
 from __future__ import annotations

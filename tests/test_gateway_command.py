@@ -173,3 +173,22 @@ def test_the_bridge_passes_its_episodes_routes_with_a_plain_body_only(head, verd
 
     got = check_head(head, "/p/gateway/e1/v1")
     assert (got if isinstance(got, int) else got[0]) == verdict
+
+
+def test_bad_input_is_refused_by_name():
+    from rayapp.core.termination import SandboxError
+    from rayapp.envs.sandboxes.bridge import exec_with_gateway
+
+    for bad in ("python agent.py", [], ["python", ""]):
+        with pytest.raises(ValueError, match="command: expected a non-empty list"):
+            CommandAgent(bad)
+    agent = CommandAgent(["true"])
+    with pytest.raises(ValueError, match="runs in the sample's sandbox"):
+        run(agent(None, Sample("t", 0, "x"), None))
+
+    class Elsewhere:  # a sandbox kind with no bridge (Docker's today)
+        async def exec(self, *a, **k):
+            raise AssertionError("must not run without a bridge")
+
+    with pytest.raises(SandboxError, match="has no gateway bridge"):
+        run(exec_with_gateway(Elsewhere(), ["true"], "http://127.0.0.1:1/p/gateway/e/v1", "k"))

@@ -192,3 +192,58 @@ def test_bad_input_is_refused_by_name():
 
     with pytest.raises(SandboxError, match="has no gateway bridge"):
         run(exec_with_gateway(Elsewhere(), ["true"], "http://127.0.0.1:1/p/gateway/e/v1", "k"))
+
+
+class Hanging(HangingEngine):
+    def __init__(self, model_dir):
+        super().__init__()
+        self.model_dir = str(model_dir)
+
+    async def info(self):
+        return {"tokenizer_path": self.model_dir}
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_through_the_evaluator_the_verifier_reads_the_command_s_outcome_or_the_episode_is_classified(
+        tok, model_dir, backend, hang):
+    # the command agent as the async-def adapter's agent: OpenAIAgent opens the episode and the
+    # sandbox, the core Evaluator runs it under the episode's clock and calls the verifier
+    from rayapp.core.contracts import StepContext
+    from rayapp.core.evaluator import Evaluator, TaskRun
+    from rayapp.gateway.agents import OpenAIAgent
+    from rayapp.types import EvaluatorSpec, Resource, SamplingParams, Status, StoppingCriteria, Task, TaskConfig
+
+    boxes = []
+
+    async def open_sandbox(token):
+        boxes.append(sandbox())
+        await boxes[-1].write_file("agent.py", HANG if hang else AGENT)
+        return boxes[-1]
+
+    def verify(sample, result):
+        out = result.metadata["agent_output"]
+        return {"score": float(out["exit_code"] == 3 and out["files"]["answer.txt"] is not None)}
+
+    engine = Hanging(model_dir) if hang else InProcessEngine(backend)
+
+    async def go():
+        async with served() as gw:
+            command = ["python", "agent.py"] + ([] if hang else ["6"])
+            handler = OpenAIAgent(gw, engine, CommandAgent(command, collect=("answer.txt",)), verify,
+                                  open_sandbox=open_sandbox, call_timeout_s=60)
+            task = Task("cmd-0", "What is 2+2?", TaskConfig("cmd", n_samples=1), label="4")
+            samples = [Sample(task.task_id, 0, task.prompt, task.label)]
+            group = TaskRun(task, samples, StoppingCriteria(max_turns=4, timeout_s=20.0 if hang else 120.0),
+                            SamplingParams(max_new_tokens=8))
+            await Evaluator(EvaluatorSpec("cmd", handler, resource=Resource(concurrency=1)), StepContext(0)).run(
+                [group])
+            return samples, len(gw), await gone(boxes[0])
+
+    [s], still_open, left = run(asyncio.wait_for(go(), 180))
+    assert still_open == 0 and left == (0, [])  # episode closed, no process of the command or its bridge left
+    if hang:
+        assert s.status is Status.ABORTED and s.episode.abort.reason == "agent_timeout"
+        assert engine.aborted and not engine.running
+    else:
+        assert s.reward == {"score": 1.0} and s.metadata["gateway"]["calls"] == 1
+        assert s.metadata["agent_output"]["exit_code"] == 3

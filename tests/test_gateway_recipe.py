@@ -73,12 +73,35 @@ def test_a_gateway_section_parses_with_its_defaults(mod):
     ({"agent": "os:popen"}, "$.evaluators[0].gateway.agent", "standard library"),
     ({"agent": "{mod}:solve", "segments": "first"}, "$.evaluators[0].gateway.segments", "invalid enum value 'first'"),
     ({"agent": "{mod}:solve", "retries": 3}, "$.evaluators[0].gateway", "unknown field"),
-    ({}, "$.evaluators[0].gateway.agent", "missing required field"),
+    ({}, "$.evaluators[0].gateway", "set one of agent"),
+    ({"agent": "{mod}:solve", "command": ["python3", "a.py"], "sandbox": True}, "$.evaluators[0].gateway",
+     "set one of agent"),
+    ({"command": ["python3", "a.py"]}, "$.evaluators[0].gateway.sandbox", "set sandbox: true"),
+    ({"command": []}, "$.evaluators[0].gateway.command", "length >= 1"),
+    ({"command": ["python3", ""], "sandbox": True}, "$.evaluators[0].gateway.command[1]", "length >= 1"),
+    ({"agent": "{mod}:solve", "collect": ["out.txt"]}, "$.evaluators[0].gateway", "a command's settings"),
+    ({"command": ["a"], "sandbox": True, "command_timeout_s": 0}, "$.evaluators[0].gateway.command_timeout_s",
+     "> 0"),
 ])
 def test_a_wrong_gateway_section_is_one_error_naming_its_field(mod, gateway, path, said):
     gateway = {k: v.format(mod=mod) if isinstance(v, str) else v for k, v in gateway.items()}
     e = refusal(recipe(gateway))
     assert e.path == path and said in e.reason, (e.path, e.reason)
+
+
+def test_a_command_agent_runs_in_a_local_sandbox_and_is_built_from_its_argv(mod):
+    from rayapp.gateway.command import CommandAgent
+    from rayapp.recipe.wiring import check_builds
+
+    args = recipe({"command": ["python3", "agent.py"], "sandbox": True, "command_timeout_s": 30,
+                   "collect": ["answer.txt"]})
+    gw = parse_recipe(args).evaluators[0].gateway
+    assert (gw.command, gw.command_timeout_s, gw.collect) == (["python3", "agent.py"], 30, ["answer.txt"])
+    assert check_builds(parse_recipe(args)) == []
+    assert CommandAgent(gw.command, timeout_s=gw.command_timeout_s).command == ["python3", "agent.py"]
+    args["evaluators"][0]["sandbox"] = {"kind": "docker", "image": "python:3.11"}
+    e = refusal(args)
+    assert e.path == "$.evaluators[0].sandbox.kind" and "docker" in e.reason
 
 
 @pytest.mark.parametrize("key, value", [("agent", "rayapp.envs.arithmetic:make_agent"), ("tools", ["calculator"]),

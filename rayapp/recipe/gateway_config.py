@@ -21,14 +21,24 @@ from msgspec import Meta
 from rayapp.envs import watch
 from rayapp.envs.plugins import PluginError, load_gateway_agent
 from rayapp.envs.registry import get_env
+from rayapp.types import FINITE
 
 SegmentPolicy = Literal["last", "each"]
 
 
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    agent: Annotated[str, Meta(description="import path to the agent: async def agent(client: openai.AsyncOpenAI, "
-                                           "task, sandbox) -> what the verifier reads (a str becomes the result's "
-                                           "response); it talks to the model only through client")]
+    agent: Annotated[str | None, Meta(description="import path to the agent: async def agent(client: "
+                                                  "openai.AsyncOpenAI, task, sandbox) -> what the verifier reads (a "
+                                                  "str becomes the result's response); it talks to the model only "
+                                                  "through client. Set agent or command")] = None
+    command: Annotated[Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None, Meta(
+        description="a program run in the sample's local sandbox (argv) with OPENAI_BASE_URL and OPENAI_API_KEY "
+                    "set to the episode's: it reaches the gateway and nothing else; its exit code, output and the "
+                    "collect files reach the verifier (rayapp/gateway/command.py). Set agent or command")] = None
+    command_timeout_s: Annotated[Annotated[float, Meta(gt=0, le=FINITE)] | None, Meta(
+        description="the command's wall clock, seconds; unset: the sandbox's wall_seconds")] = None
+    collect: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(
+        description="files of the command's working folder read after it ends, for the verifier")] = []
     segments: Annotated[SegmentPolicy, Meta(
         description="which of an episode's token segments the sample holds: last (the segment of the last call) "
                     "or each (the last one, the earlier ones kept in the sample's metadata under "
@@ -45,11 +55,7 @@ def check_gateways(recipe: Any) -> Iterator[tuple[str, str]]:
         if ev.gateway is None:
             continue
         at = f"$.evaluators[{i}]"
-        try:
-            with watch.field(f"{at}.gateway.agent"):
-                load_gateway_agent(ev.gateway.agent)
-        except PluginError as e:
-            yield f"{at}.gateway.agent", str(e)
+        yield from _check_agent(at, ev)
         for key, what in (("agent", "an agent plug-in"), ("tools", "tools (the gateway agent offers its own in "
                                                                    "its requests)"),
                           ("teacher", "a DAgger teacher (the gateway agent's turns are its own)")):
@@ -68,3 +74,24 @@ def check_gateways(recipe: Any) -> Iterator[tuple[str, str]]:
             yield "$.scheduler.partial.policy", (
                 f"resume cannot go on with the gateway agent of {at}.gateway.agent: its state lives in its own "
                 f"code, so a cut group restarts; set $.scheduler.partial.policy to restart")
+
+
+def _check_agent(at: str, ev: Any) -> Iterator[tuple[str, str]]:
+    """One of an async def and a command, with what each needs."""
+    gw = ev.gateway
+    if (gw.agent is None) == (gw.command is None):
+        yield f"{at}.gateway", "set one of agent (an async def by import path) and command (a program's argv)"
+    elif gw.command is not None:
+        if ev.sandbox.kind != "local":
+            yield f"{at}.sandbox.kind", ("a gateway command runs in a local sandbox (its bridge to the gateway is "
+                                         "not built for docker yet: docs/agents.md)")
+        if not gw.sandbox:
+            yield f"{at}.gateway.sandbox", "a gateway command runs in the sample's sandbox: set sandbox: true"
+    else:
+        try:
+            with watch.field(f"{at}.gateway.agent"):
+                load_gateway_agent(gw.agent)
+        except PluginError as e:
+            yield f"{at}.gateway.agent", str(e)
+    if gw.command is None and (gw.command_timeout_s is not None or gw.collect):
+        yield f"{at}.gateway", "command_timeout_s and collect are a command's settings: unset them, or set command"

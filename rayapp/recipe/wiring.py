@@ -92,14 +92,20 @@ def _gateway_agent(at: str, ev: EvaluatorConfig, deps: AgentDeps, request_timeou
                                                          "does): run the recipe with serve run or rayapp run")
     from rayapp.gateway.agents import OpenAIAgent  # the gateway's pieces load only for a recipe that uses them
 
-    with watch.field(f"{at}.gateway.agent"):
-        agent = load_gateway_agent(ev.gateway.agent)
+    gw = ev.gateway
+    if gw.command is not None:
+        from rayapp.gateway.command import CommandAgent
+
+        agent = CommandAgent(list(gw.command), timeout_s=gw.command_timeout_s, collect=tuple(gw.collect))
+    else:
+        with watch.field(f"{at}.gateway.agent"):
+            agent = load_gateway_agent(gw.agent)
     try:
         # The client waits a little past the engine call's own limit, so the gateway's answer (an error
         # naming the engine's timeout) comes first.
         return OpenAIAgent(deps.gateway, deps.engine, agent, deps.verify or get_env(ev.env).verify,
-                           executor=deps.executor, open_sandbox=deps.open_sandbox if ev.gateway.sandbox else None,
-                           segments=ev.gateway.segments, call_timeout_s=request_timeout_s + CLIENT_SLACK_S)
+                           executor=deps.executor, open_sandbox=deps.open_sandbox if gw.sandbox else None,
+                           segments=gw.segments, call_timeout_s=request_timeout_s + CLIENT_SLACK_S)
     except RuntimeError as e:  # no openai package here
         raise RecipeError(ARGS_SOURCE, f"{at}.gateway.agent", str(e)) from None
 

@@ -18,8 +18,8 @@ from rayapp.inference.client import GenerateRequest
 from rayapp.recipe.config import EngineConfig
 from rayapp.types import Sample, SamplingParams, StoppingCriteria
 
-EPISODES, TURNS = 16, 4
-GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
+EPISODES, TURNS = 16, 3
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
 
 
 @pytest.fixture(scope="module")

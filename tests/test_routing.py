@@ -10,8 +10,8 @@ import itertools
 import pytest
 from conftest import run
 from ray.exceptions import ActorDiedError
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
-from ray.serve.request_router import PendingRequest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
 
 from rayapp.actors.routing import SessionRouter, home
 from rayapp.core.convert import InputError

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
 
 from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -56,7 +55,7 @@ class SessionRouter(LocalityMixin, RequestRouter):
         others = list(by_id.values())
         return [[first], random.sample(others, min(2, len(others)))] if others else [[first]]
 
-    def _two_choices(self, pending_request: PendingRequest | None) -> list[list[Any]]:
+    def _two_choices(self, pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         """Serve's default choice: two random replicas (those on this node first, when the handle
         prefers local routing), of which Serve takes the one with the shorter queue."""
         replicas = self.curr_replicas

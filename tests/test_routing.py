@@ -138,3 +138,24 @@ def test_a_call_without_a_session_goes_to_the_less_loaded_replica():
         return {await route(r) for _ in range(10)}
 
     assert run(main()) == {"b2"}
+
+
+def test_a_burst_that_arrives_before_the_replicas_are_known_is_routed_in_full():
+    """As in a manager replica at start-up: calls wait for the controller's replica list, then every
+    one is routed (Serve's FIFO hand-over is not used, so no request may be left without its task)."""
+    async def main():
+        r = SessionRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
+                          use_replica_queue_len_cache=True, initial_backoff_s=0.001, max_backoff_s=0.01)
+        sessions = ["", *SESSIONS[:3]]
+        calls = []
+        for n in range(40):
+            meta = RequestMetadata(f"burst-{n}", f"burst-internal-{n}", session_id=sessions[n % len(sessions)])
+            calls.append(asyncio.create_task(r._choose_replica_for_request(PendingRequest([], {}, meta))))
+        await asyncio.sleep(0.1)
+        r.update_replicas([Replica("a1", capacity=64), Replica("b2", capacity=64)])
+        done, pending = await asyncio.wait(calls, timeout=10)
+        for c in pending:
+            c.cancel()
+        return len(done), len(pending)
+
+    assert run(main()) == (40, 0)

@@ -40,15 +40,17 @@ CONTROL_HEALTH_CHECK_S = 2.0
 HEAD = "node:__internal_head__"
 
 
-def engine_app(name: str, e: EngineConfig, checkpoint_dir: str | None = None) -> Application:
-    """The inference deployment of engine ``name`` (``engine-<name>``), as the recipe sets it."""
+def engine_app(name: str, e: EngineConfig, checkpoint_dir: str | None = None, sticky: bool = False) -> Application:
+    """The inference deployment of engine ``name`` (``engine-<name>``), as the recipe sets it.
+    ``sticky``: an episode's turns to one replica (``rayapp.actors.routing``); off in ``build_app``
+    until the manager's calls are shown never to be left unrouted under load (docs/architecture.md)."""
     options: dict[str, Any] = {
         "name": f"engine-{name}", "num_replicas": e.num_replicas,
         "max_ongoing_requests": e.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
-        # an episode's turns to one replica, which holds its KV cache (rayapp.actors.routing)
-        "request_router_config": {"request_router_class": SessionRouter},
     }
+    if sticky:
+        options["request_router_config"] = {"request_router_class": SessionRouter}
     if e.placement_group_bundles:  # a multi-GPU engine reserves its GPUs as one group
         options |= {"placement_group_bundles": e.placement_group_bundles,
                     "placement_group_strategy": e.placement_group_strategy}

@@ -37,7 +37,7 @@ def engine(cache_dir, model_dir):
             serve.start(proxy_location="Disabled")  # handles only: no HTTP port
             cfg = EngineConfig(num_replicas=2, num_cpus=0.5,
                                options={"model_path": str(model_dir), "max_concurrency": 4, "seed": 0})
-            handle = serve.run(engine_app("student", cfg), name="sticky", route_prefix=None)
+            handle = serve.run(engine_app("student", cfg, sticky=True), name="sticky", route_prefix=None)
             yield EngineClient(handle, "student", timeout_s=120)
         finally:
             serve.shutdown()

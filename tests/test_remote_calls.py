@@ -15,6 +15,7 @@ from rayapp.actors.remote import bounded, is_lost
 from rayapp.actors.sandbox import BundleSandbox
 from rayapp.core.termination import AgentTimeout, EngineConnectionError, SandboxError, classify_abort
 from rayapp.envs.sandboxes import SandboxLimits
+from rayapp.inference.client import GenerateRequest
 from rayapp.types import BatchRequest, Resource, Token
 
 
@@ -114,21 +115,21 @@ def test_a_remote_error_comes_back_as_its_cause_and_a_lost_callee_as_the_callers
 def test_engine_client_times_out_cancels_and_classifies():
     handle = FakeHandle(generate=hang)
     with pytest.raises(AgentTimeout, match=r"engine student\.generate gave no answer within 0s") as info:
-        run(EngineClient(handle, "student", timeout_s=0.05).generate(object()))
+        run(EngineClient(handle, "student", timeout_s=0.05).generate(GenerateRequest([1])))
     assert handle.responses[0].cancelled  # the replica stops generating for nobody
     assert classify_abort(info.value).value == "agent_timeout"
 
 
 def test_engine_client_maps_a_dead_replica_to_infra_conn():
     with pytest.raises(EngineConnectionError, match="engine student unreachable") as info:
-        run(EngineClient(FakeHandle(generate=raising(RayActorError())), "student").generate(object()))
+        run(EngineClient(FakeHandle(generate=raising(RayActorError())), "student").generate(GenerateRequest([1])))
     assert classify_abort(info.value).value == "infra_conn"
 
 
 def test_engine_client_cancels_the_request_of_a_cancelled_episode():
     async def main():
         handle = FakeHandle(generate=hang)
-        task = asyncio.create_task(EngineClient(handle, "student").generate(object()))
+        task = asyncio.create_task(EngineClient(handle, "student").generate(GenerateRequest([1])))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

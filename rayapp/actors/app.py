@@ -27,7 +27,9 @@ from ray.serve import Application
 from rayapp.actors.engine import InferenceEngine
 from rayapp.actors.manager import SchedulerRolloutManager
 from rayapp.actors.pool import PlacementPoolService
+from rayapp.actors.routing import SessionRouter
 from rayapp.recipe import ARGS_SOURCE, check_live_gpus, load_recipe, parse_recipe
+from rayapp.recipe.config import EngineConfig
 
 # Waiting acquires are long-lived requests: the pool must take many at once.
 POOL_MAX_ONGOING = 100_000
@@ -36,6 +38,24 @@ POOL_MAX_ONGOING = 100_000
 CONTROL_HEALTH_CHECK_S = 2.0
 # The pool and the manager live on the head node: losing a worker node must not take the ledger along.
 HEAD = "node:__internal_head__"
+
+
+def engine_app(name: str, e: EngineConfig, checkpoint_dir: str | None = None, sticky: bool = False) -> Application:
+    """The inference deployment of engine ``name`` (``engine-<name>``), as the recipe sets it.
+    ``sticky``: an episode's turns to one replica (``rayapp.actors.routing``); off in ``build_app``
+    until the manager's calls are shown never to be left unrouted under load (docs/architecture.md)."""
+    options: dict[str, Any] = {
+        "name": f"engine-{name}", "num_replicas": e.num_replicas,
+        "max_ongoing_requests": e.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
+    }
+    if sticky:
+        options["request_router_config"] = {"request_router_class": SessionRouter}
+    if e.placement_group_bundles:  # a multi-GPU engine reserves its GPUs as one group
+        options |= {"placement_group_bundles": e.placement_group_bundles,
+                    "placement_group_strategy": e.placement_group_strategy}
+    return serve.deployment(InferenceEngine, **options).bind(
+        e.backend, weight_roots=e.weight_roots, checkpoint_dir=checkpoint_dir, **e.options)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -47,18 +67,7 @@ def build_app(args: dict[str, Any]) -> Application:
     else:
         source, cfg = ARGS_SOURCE, parse_recipe(args)
     check_live_gpus(cfg, ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else None, source)
-    engines = {}
-    for name, e in cfg.engines.items():
-        options: dict[str, Any] = {
-            "name": f"engine-{name}", "num_replicas": e.num_replicas,
-            "max_ongoing_requests": e.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
-        }
-        if e.placement_group_bundles:  # a multi-GPU engine reserves its GPUs as one group
-            options |= {"placement_group_bundles": e.placement_group_bundles,
-                        "placement_group_strategy": e.placement_group_strategy}
-        engines[name] = serve.deployment(InferenceEngine, **options).bind(
-            e.backend, weight_roots=e.weight_roots, checkpoint_dir=cfg.scheduler.checkpoint_dir, **e.options)
+    engines = {name: engine_app(name, e, cfg.scheduler.checkpoint_dir) for name, e in cfg.engines.items()}
     pool = None
     if cfg.pool.gate:
         p = cfg.pool

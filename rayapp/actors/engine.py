@@ -5,7 +5,10 @@ A replica hosts one backend (``hf`` on CPU, ``sglang`` on GPUs). The client give
 timeout, cancels a request it stops waiting for (Serve routes the cancellation to the replica
 that runs it), and turns transport failures into ``EngineConnectionError`` so an episode that
 loses its engine aborts as ``infra_conn``. Aborts and weight updates are broadcast to every
-replica, not sent through the router to one of them.
+replica, not sent through the router to one of them. A generation that names a session goes out
+with Serve's ``session_id`` option, which the deployment's router (``rayapp.actors.routing``) keeps
+on one replica; each output names the replica that made it (``hf@engine-student#<replica>``), so
+an episode's turn records say where every turn ran.
 
 A weight update is checked here, for every backend, before the backend sees the path: it must lie
 inside the engine's ``weight_roots`` and name only regular files (``rayapp.inference.weight_paths``).
@@ -22,6 +25,11 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
+from ray import serve
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentHandle
 
 from rayapp.actors.remote import bounded, is_lost
 from rayapp.core.termination import AgentTimeout, EngineConnectionError
@@ -46,9 +54,11 @@ class InferenceEngine:
             self.backend.info().get("model_path"), checkpoint_dir)
         self._applied: dict[str, Any] | None = None  # {"path", "version"} this replica last loaded
         self._loading = asyncio.Lock()
+        self.replica = _replica_name()
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
-        return await self.backend.generate(req)
+        out = await self.backend.generate(req)
+        return msgspec.structs.replace(out, engine=f"{out.engine}@{self.replica}") if self.replica else out
 
     async def abort(self, request_id: str | None = None) -> int:
         return await self.backend.abort(request_id)
@@ -93,6 +103,15 @@ class InferenceEngine:
             backend.shutdown()
 
 
+def _replica_name() -> str:
+    """``<deployment>#<replica id>`` inside a Serve replica; empty elsewhere (a plain actor, a test)."""
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return ""
+    return f"{context.deployment}#{context.replica_id.unique_id}"
+
+
 # observe(engine, method, seconds, error or None): each call's latency and outcome (metrics)
 Observe = Callable[[str, str, float, BaseException | None], None]
 
@@ -107,11 +126,14 @@ class EngineClient:
         self._info: dict | None = None
         self.weights: WeightSync | None = None  # the manager's record: turns on other weights are retried
 
-    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None, session: str = "") -> Any:
         bound, started, error = timeout_s or self.timeout_s, time.monotonic(), None
+        handle = self.handle
+        if session and isinstance(handle, DeploymentHandle):  # a plain actor handle has one replica
+            handle = handle.options(session_id=session)
         try:
             return await bounded(
-                getattr(self.handle, method).remote(*args), bound, lost=self._unreachable,
+                getattr(handle, method).remote(*args), bound, lost=self._unreachable,
                 late=lambda: AgentTimeout(f"engine {self.name}.{method} gave no answer within {bound:.0f}s"))
         except Exception as e:  # a cancellation is no error of the engine's
             error = e
@@ -124,11 +146,11 @@ class EngineClient:
         return EngineConnectionError(f"engine {self.name} unreachable: {error}")
 
     async def generate(self, req: GenerateRequest, timeout_s: float | None = None) -> GenerateOutput:
-        out = await self._call("generate", req, timeout_s=timeout_s)
+        out = await self._call("generate", req, timeout_s=timeout_s, session=req.session_id)
         if self.weights is not None and self.weights.lagging(self.name, out.weight_version):
             # a replica that replaced a lost one since the step began: onto the applied weights, then again
             await self.weights.restore(self.name)
-            out = await self._call("generate", req, timeout_s=timeout_s)
+            out = await self._call("generate", req, timeout_s=timeout_s, session=req.session_id)
             if self.weights.lagging(self.name, out.weight_version):
                 raise StaleWeights(f"engine {self.name} answered on weights version {out.weight_version!r}, "
                                    f"not {self.weights.applied[self.name].version} (applied last), after a restore")

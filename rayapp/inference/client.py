@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import uuid
 from typing import Annotated, Any, Literal, Protocol, get_args, runtime_checkable
 
@@ -29,6 +30,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # when SamplingParams.max_new_tokens is None; sgla
 Backend = Literal["hf", "sglang"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
+MAX_SESSION_ID = 256  # characters: a session id travels with every call of its episode
 
 
 class FinishReason(enum.StrEnum):
@@ -40,13 +42,17 @@ class FinishReason(enum.StrEnum):
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     """One generation from token ids. An empty ``request_id`` gets a uuid4 hex in the backend;
     ``stop_token_ids`` stop in addition to the model's eos; ``ignore_eos`` generates through eos
-    (fixed-length benchmarks and tests; sglang has the same switch)."""
+    (fixed-length benchmarks and tests; sglang has the same switch). ``session_id`` names the
+    episode the call belongs to: an engine with several replicas sends all of a session's calls to
+    one of them while it can take them, so its KV cache of the conversation is reused
+    (``rayapp.actors.routing``); empty, the call goes wherever the load is lowest."""
 
     input_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
     sampling: SamplingParams = SamplingParams()
     request_id: str = ""
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
+    session_id: Annotated[str, msgspec.Meta(max_length=MAX_SESSION_ID)] = ""
 
 
 class GenerateOutput(msgspec.Struct):
@@ -104,6 +110,14 @@ class GenerationCut(asyncio.CancelledError):
     def __init__(self, output: GenerateOutput | None):
         super().__init__("generation cut short" + (f": {len(output.output_ids)} tokens kept" if output else ""))
         self.output = output
+
+
+def session_key(name: str) -> str:
+    """``name`` (an episode's) as a ``GenerateRequest.session_id``: itself when it fits, else a digest
+    of it, so a long name still gives one session of bounded length."""
+    if len(name) <= MAX_SESSION_ID:
+        return name
+    return "blake2b:" + hashlib.blake2b(name.encode(), digest_size=32).hexdigest()
 
 
 def context_filled(out: GenerateOutput, max_new_tokens: int | None) -> bool:

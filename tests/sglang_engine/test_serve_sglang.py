@@ -140,7 +140,8 @@ def test_a_rollout_and_an_eval_return_samples_of_real_sglang_tokens(app):
         assert len(s.rollout_log_probs) == len(s.loss_mask) == s.response_length
         assert all(lp <= 0 for lp in s.rollout_log_probs) and any(lp < 0 for lp in s.rollout_log_probs)
     turns = [t for s in samples for t in s.metadata["_turn_placement"]]
-    assert {t["engine"] for t in turns} == {"sglang"} and versions(samples) == {"0"}
+    # the backend, then the Serve replica that ran the turn
+    assert {t["engine"].split("@")[0] for t in turns} == {"sglang"} and versions(samples) == {"0"}
 
     ev = app["manager"].evaluate.remote(0).result(timeout_s=STEP_S)
     assert len(ev.samples["arithmetic"]) == 4

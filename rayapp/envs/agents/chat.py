@@ -26,7 +26,7 @@ from rayapp.core.agent import AgentHandler
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
 from rayapp.envs.agents.observation import length_reason, turn_budget
-from rayapp.episode import EpisodeContext
+from rayapp.episode import EPISODE, EpisodeContext
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
     FinishReason,
@@ -34,6 +34,7 @@ from rayapp.inference.client import (
     GenerateRequest,
     GenerationCut,
     generate_abortable,
+    session_key,
 )
 from rayapp.record import ResumePoint, TerminationReason
 from rayapp.types import AgentResult, Sample, Token
@@ -129,7 +130,9 @@ class ChatAgent(AgentHandler):
             return GenerateOutput("", list(ids), list(logprobs), FinishReason.LENGTH, _decode(tok, ids)), 1
         if ids:
             sampling = msgspec.structs.replace(sampling, max_new_tokens=budget - len(ids))
-        req = GenerateRequest([*context, *ids], sampling, stop_token_ids=[tok.eos_token_id])
+        # every turn of the episode to one engine replica, which keeps the conversation's KV cache
+        session = session_key(EPISODE.get() or f"{sample.task_id}#{sample.index}")
+        req = GenerateRequest([*context, *ids], sampling, stop_token_ids=[tok.eos_token_id], session_id=session)
         out, weight = await self.act(req, turn, sample, ctx)
         if out.finish_reason is FinishReason.ABORT:
             raise EngineConnectionError(f"engine aborted request {out.request_id}")

@@ -1,0 +1,120 @@
+"""Sticky routing on a real Serve deployment: the hf engine with two replicas, as a recipe deploys it
+(``rayapp.actors.app.engine_app``), called through its handle by native agents' turns. Every turn
+of a multi-turn episode runs on the episode's home replica (the turn records name it), episodes
+spread over both replicas, and the replicas reuse the episodes' KV caches; the same calls without a
+session are spread turn by turn. Runs in its own pytest process (it starts its own Ray cluster)."""
+
+import asyncio
+import os
+
+import pytest
+
+from rayapp.actors.app import engine_app
+from rayapp.actors.engine import EngineClient
+from rayapp.actors.routing import home
+from rayapp.envs.agents.chat import ChatAgent
+from rayapp.episode import EPISODE, EpisodeContext
+from rayapp.inference.client import GenerateRequest
+from rayapp.recipe.config import EngineConfig
+from rayapp.types import Sample, SamplingParams, StoppingCriteria
+
+EPISODES, TURNS = 16, 3
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def engine(cache_dir, model_dir):
+    os.environ["RAYAPP_CACHE"] = str(cache_dir)  # the driver's copy of the engine's tokenizer files
+    import ray
+    from ray import serve
+
+    from rayapp.cli.local import auth_token
+
+    with auth_token():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="rayapp-sticky",
+                 logging_level="warning", log_to_driver=False)
+        try:
+            serve.start(proxy_location="Disabled")  # handles only: no HTTP port
+            cfg = EngineConfig(num_replicas=2, num_cpus=0.5,
+                               options={"model_path": str(model_dir), "max_concurrency": 4, "seed": 0})
+            handle = serve.run(engine_app("student", cfg, sticky=True), name="sticky", route_prefix=None)
+            yield EngineClient(handle, "student", timeout_s=120)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def observation(tok, turn: int) -> list[int]:
+    return tok.encode(f"\nuser: and {turn} more?\nassistant:", add_special_tokens=False)
+
+
+def sample(i: int) -> Sample:
+    return Sample(f"count-{i}", 0, f"Count from {i}, one number a turn.")
+
+
+async def native_episode(agent: ChatAgent, i: int) -> tuple[str, list[str]]:
+    """One episode as the evaluator runs a native agent's: named (``EPISODE``), each turn the whole
+    conversation so far; its name and the engine of each of its turns (from its turn records)."""
+    name = f"rollout0/count-{i}#0"
+    ctx = EpisodeContext(0, None, StoppingCriteria(max_turns=TURNS), GREEDY)
+    named = EPISODE.set(name)
+    try:
+        tok = await agent.tokenizer()
+        ids = list(tok.apply_chat_template(agent.messages(sample(i)), add_generation_prompt=True, tokenize=True,
+                                           return_dict=False))
+        for turn in range(1, TURNS + 1):
+            out, _ = await agent.turn(tok, ids, ([], []), GREEDY, turn, sample(i), ctx)
+            ids += [*out.output_ids, *observation(tok, turn)]
+    finally:
+        EPISODE.reset(named)
+    return name, [t.engine for t in ctx.record.turn_records]
+
+
+async def plain_episode(agent: ChatAgent, i: int) -> list[str]:
+    """The same conversation's calls with no session: each turn goes where Serve's default sends it."""
+    tok = await agent.tokenizer()
+    ids = list(tok.apply_chat_template(agent.messages(sample(i)), add_generation_prompt=True, tokenize=True,
+                                       return_dict=False))
+    engines = []
+    for turn in range(1, TURNS + 1):
+        out = await agent.engine.generate(GenerateRequest(ids, GREEDY, stop_token_ids=[tok.eos_token_id]))
+        engines.append(out.engine)
+        ids += [*out.output_ids, *observation(tok, turn)]
+    return engines
+
+
+async def reused_tokens(engine: EngineClient) -> int:
+    """Prompt tokens the replicas took from their prefix caches so far, all replicas together."""
+    return sum(h["prefix_cache"]["reused_tokens"] for h in await engine.broadcast("health", timeout_s=60))
+
+
+def test_every_turn_of_an_episode_runs_on_its_home_replica_and_episodes_spread(engine):
+    agent = ChatAgent(engine, verify=lambda s, r: {})
+
+    async def main():
+        return await asyncio.gather(*(native_episode(agent, i) for i in range(EPISODES)))
+
+    episodes = asyncio.run(main())
+    replicas = sorted({e.split("#")[-1] for _, engines in episodes for e in engines})
+    assert len(replicas) == 2, episodes  # both replicas served episodes
+    for name, engines in episodes:
+        assert len(engines) == TURNS and all(e.startswith("hf@engine-student#") for e in engines), engines
+        assert len(set(engines)) == 1, (name, engines)  # one replica for every turn
+        assert engines[0].split("#")[-1] == home(name, replicas)  # the session's rendezvous choice
+
+
+def test_without_a_session_turns_spread_and_the_replicas_reuse_less(engine):
+    agent = ChatAgent(engine, verify=lambda s, r: {})
+
+    async def main():  # other prompts than the test above: no cache of its episodes is hit
+        start = await reused_tokens(engine)
+        plain = await asyncio.gather(*(plain_episode(agent, 100 + i) for i in range(EPISODES)))
+        middle = await reused_tokens(engine)
+        await asyncio.gather(*(native_episode(agent, 200 + i) for i in range(EPISODES)))
+        return plain, middle - start, await reused_tokens(engine) - middle
+
+    plain, reused_plain, reused_sticky = asyncio.run(main())
+    assert any(len(set(engines)) > 1 for engines in plain), plain
+    print(f"prompt tokens reused over {EPISODES} episodes of {TURNS} turns: {reused_sticky} with sessions, "
+          f"{reused_plain} without")
+    assert reused_sticky > reused_plain

@@ -91,7 +91,7 @@ def verdict(rows: list[dict[str, float]], planned: int, limit: float) -> list[st
     """The slopes and the verdict, as lines."""
     reached = int(rows[-1]["step"]) if rows else 0
     early, late = windows(planned)
-    late = (late[0], min(late[1], reached))
+    late = (late[0], min(late[1], reached)) if reached >= late[0] else late
     lines = [f"{'series':<14} {f'slope {early[0]}-{early[1]}':>14} {f'slope {late[0]}-{late[1]}':>14}  (MB/step)"]
     growing = []
     for name in SERIES:

@@ -57,7 +57,7 @@ from rayapp.gateway.accounting import Conversation, Segment, SegmentReason
 from rayapp.gateway.episodes import EpisodeKeys
 from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion
 from rayapp.gateway.tool_calls import parse_reply, tool_mode, tools_tokenizer
-from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest, generate_abortable
+from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest, generate_abortable, session_key
 from rayapp.record import TerminationReason
 from rayapp.types import SamplingParams
 
@@ -282,7 +282,9 @@ class Gateway:
 
     async def _generate(self, ep: _Episode, ids: list[int], sampling: SamplingParams, turn: int) -> GenerateOutput:
         tok, engine = ep.convo.tok, ep.binding.engine
-        req = GenerateRequest(list(ids), sampling, stop_token_ids=[tok.eos_token_id])
+        # the episode is the session: its calls stay on one engine replica, whose prefix/KV cache holds its turns
+        req = GenerateRequest(list(ids), sampling, stop_token_ids=[tok.eos_token_id],
+                              session_id=session_key(ep.binding.episode_id))
         started = loop_time()
         try:
             async with asyncio.timeout(self.call_timeout_s):

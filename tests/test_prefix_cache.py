@@ -34,9 +34,14 @@ def test_take_hands_over_the_longest_prefix_at_the_version_and_leaves_one_token_
     assert n == 5 and kv.n == 5 and cache.stats()["entries"] == 2  # handed over: out of the cache
     kv, n = cache.take([1, 2, 3], 0)  # all 3 covered: cut to 2, so the prompt's last token runs
     assert n == 2 and kv.n == 2
-    assert cache.take([1, 2, 3], 0) is None
+    # a cut is a copy: the entry stays whole for its own conversation's next turn
+    kv, n = cache.take([1, 2, 3], 0)
+    assert n == 2 and kv.n == 2 and cache.stats()["entries"] == 2
+    kv, n = cache.take([1, 2, 3, 9, 10], 0)
+    assert n == 4 - 1 and kv.n == 3 and cache.stats()["entries"] == 1  # it covered 3 of its 4 ids: all taken
+    assert cache.take([7, 8], 0) is None
     stats = cache.stats()
-    assert (stats["hits"], stats["misses"], stats["reused_tokens"]) == (2, 2, 7)
+    assert (stats["hits"], stats["misses"], stats["reused_tokens"]) == (4, 2, 12)
 
 
 def test_bounds_drop_the_least_recently_kept_and_clear_empties():

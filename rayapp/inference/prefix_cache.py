@@ -9,8 +9,11 @@ since the previous turn ended (``bench/kv_reuse.py`` measures the per-turn speed
 - An entry is a KV cache and the tokens it covers, at the weight version that computed it; a weight
   update empties the cache (keys and values of old weights are not the new model's).
 - ``take`` hands an entry over to one request, which extends it in place, so it leaves the cache: a
-  longest-prefix match, cut (``crop``) so at least one token of the new prompt is left to run (its
-  logits are the first sample's).
+  longest-prefix match. When only part of the entry matches (a GRPO group's next sample starting from
+  the prompt another sample's turn extended, or a prompt the entry covers whole: at least one token of
+  the new prompt must run, its logits are the first sample's), the request gets a cut (``crop``) copy
+  and the entry stays for the conversation it belongs to: taking it would cost that episode's next
+  turn its whole context to save another's prompt.
 - Bounded by entries and by the tokens they hold together, least recently used out first.
 - A turn that reuses a cache generates the same tokens; its log-probs may differ from a fresh
   prefill's in the last float bits (two pieces round differently: about 1e-7 on the tiny model), as
@@ -21,6 +24,7 @@ All calls come from the backend's one worker thread: no locking.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any
 
@@ -47,10 +51,14 @@ class PrefixCache:
         if best is None:
             self.misses += 1
             return None
-        covered, kv, _ = self._entries.pop(best)
-        self._tokens -= len(covered)
+        covered, kv, _ = self._entries[best]
         if len(covered) > best_len:
+            self._entries.move_to_end(best)  # used: the least recently used go first
+            kv = copy.deepcopy(kv)
             kv.crop(best_len - len(covered))  # negative: tokens to drop (what every transformers version takes)
+        else:
+            del self._entries[best]
+            self._tokens -= len(covered)
         self.hits += 1
         self.reused_tokens += best_len
         return kv, best_len

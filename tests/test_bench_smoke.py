@@ -1,5 +1,7 @@
 """bench/overhead.py and bench/kv_reuse.py run (``--smoke``: seconds) and print their figures, and
-bench/replica_memory.py judges a run's table. Speed is the benchmark's business; nothing here asserts on it."""
+bench/replica_memory.py judges a run's table. Speed is the benchmark's business; nothing here asserts on it.
+(bench/gateway.py starts a Ray cluster and Serve of its own: minutes even in --smoke, so `make bench` runs it,
+not `make test`.)"""
 
 import os
 import re

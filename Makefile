@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dagger demo-core demo-train test test-sglang lint bench clean tiny-model check-tiny-model
+.PHONY: demo demo-dagger demo-core demo-train demo-train-trl test test-sglang lint bench clean tiny-model check-tiny-model
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ demo-dagger: $(STAMP)
 demo-train: $(STAMP)
 	$(BIN)/python recipes/train_grpo.py
 
+# The same GRPO run with TRL's GRPOTrainer as the trainer (rayapp.trainers.trl, docs/trainers.md): history in
+# /tmp/rayapp-train-trl, and a plot of both trainers' curves there when `make demo-train` ran before it.
+demo-train-trl: $(VENV)/.trl
+	$(BIN)/python recipes/train_grpo_trl.py
+
 demo-core: $(STAMP)
 	$(BIN)/python -m rayapp.demo
 
@@ -50,6 +55,11 @@ test: lint $(VENV)/.gym
 $(VENV)/.gym: pyproject.toml | $(STAMP)
 	$(PIP_INSTALL) -e '.[hf,test,plot,gym]' 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(BIN)/python -c 'import skyrl_gym' && touch $@
+
+# the 'trl' extra (TRL 1.16 and accelerate, datasets, ...), out of $(STAMP) as the gym extra is
+$(VENV)/.trl: pyproject.toml | $(STAMP)
+	$(PIP_INSTALL) -e '.[hf,test,plot,trl]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/python -c 'import trl' && touch $@
 
 # The tiny model ships built (rayapp/inference/tiny-llama-v1); these rebuild it (minutes): `tiny-model` in
 # place, after a change to its recipe; `check-tiny-model` aside, comparing it file by file with the shipped one.

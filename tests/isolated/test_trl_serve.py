@@ -143,7 +143,7 @@ def test_each_update_reaches_both_replicas_and_the_next_step_runs_on_it(trained,
     for k, result in enumerate(source.results):
         assert versions(result) == {str(k)}  # every turn of step k on the weights of optimiser step k
     engines = {t["engine"] for r in source.results for g in r.groups for s in g for t in s.metadata["_turn_placement"]}
-    replica = "hf@SERVE_REPLICA::rayapp#engine-student#"  # the backend @ the replica actor that answered
+    replica = "hf@engine-student#"  # the backend @ the Serve replica that answered
     assert len(engines) == 2 and all(e.startswith(replica) for e in engines), engines
     original = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
     for k in range(1, STEPS):  # sampled from the trainer's weights: the log-probs of the folder step k saved

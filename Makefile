@@ -47,14 +47,16 @@ lint: $(STAMP)
 
 # Tests that start their own Ray cluster run each in a pytest process of its own; the SGLang lane is
 # `make test-sglang`.
-test: lint $(VENV)/.gym
+test: lint $(VENV)/.test-extras
 	$(BIN)/python -m pytest --ignore=tests/isolated --ignore=tests/sglang_engine
 	for f in tests/isolated/test_*.py; do $(BIN)/python -m pytest $$f || exit 1; done
 
-# the 'gym' extra (SkyRL-gym, for tests/test_agent_gym.py), out of $(STAMP) so that `make demo` installs no pandas
-$(VENV)/.gym: pyproject.toml | $(STAMP)
-	$(PIP_INSTALL) -e '.[hf,test,plot,gym]' 2>&1 | grep -v 'is ignored: it is neither' || true
-	$(BIN)/python -c 'import skyrl_gym' && touch $@
+# What only the tests need, out of $(STAMP) so that `make demo` installs none of it: the 'gym' extra (SkyRL-gym,
+# tests/test_agent_gym.py), 'trl' (TRL's GRPOTrainer, tests/test_trainer_trl*.py, tests/isolated/test_trl_serve.py)
+# and 'agents-sdk' (the OpenAI Agents SDK, tests/test_gateway_agents_sdk.py)
+$(VENV)/.test-extras: pyproject.toml | $(STAMP)
+	$(PIP_INSTALL) -e '.[hf,test,plot,gym,trl,agents-sdk]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(BIN)/python -c 'import skyrl_gym, trl, agents' && touch $@
 
 # the 'trl' extra (TRL 1.16 and accelerate, datasets, ...), out of $(STAMP) as the gym extra is
 $(VENV)/.trl: pyproject.toml | $(STAMP)

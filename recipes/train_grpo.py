@@ -2,6 +2,7 @@
 
     python recipes/train_grpo.py                      # starts a local Ray head and the app, then trains
     python recipes/train_grpo.py --address auto       # against an app already running
+    python recipes/train_grpo.py --agent gateway      # the example OpenAI agent through the gateway
 
 Each step: ``generate(k)`` through the manager's handle (16 prompts x 8 samples of the math env's
 calculator agent), a GRPO update on the tiny model (``rayapp.training.grpo``), the new weights saved
@@ -10,7 +11,9 @@ then, every few steps, ``evaluate(k)`` on held-out problems. It prints, per step
 largest difference between the recomputed and the rollout log-probs before the update (~1e-6: tokens
 and log-probs line up), the weight version on every replica and on the samples, and the held-out
 accuracy; at the end it writes ``history.json`` and (with matplotlib) ``train_grpo.png`` in the run
-folder.
+folder. ``--agent gateway`` runs the same demo with ``recipes/train_grpo/gateway.yaml``: the episodes are
+the example agent of ``examples/openai_agent`` (it imports only openai) calling the engine through the
+manager's gateway; ``recipes/plot_runs.py`` draws two runs' held-out accuracy on one plot.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 only on one machine
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "train_grpo" / "rollout.yaml"
+RECIPES = {"native": ROOT / "recipes" / "train_grpo" / "rollout.yaml",
+           "gateway": ROOT / "recipes" / "train_grpo" / "gateway.yaml"}
+EXAMPLE_AGENT = ROOT / "examples" / "openai_agent"  # the gateway recipe's agent package
 
 
 def accuracy(samples: list, kind: str | None = None) -> float:
@@ -136,7 +141,10 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None, help="a running cluster with the app; unset: start a local one")
-    p.add_argument("--recipe", default=str(RECIPE))
+    p.add_argument("--agent", choices=sorted(RECIPES), default="native",
+                   help="native: the math env's calculator agent; gateway: the example OpenAI agent through the "
+                        "gateway (sets the default --recipe)")
+    p.add_argument("--recipe", default=None, help="default: the --agent's recipe under recipes/train_grpo/")
     p.add_argument("--app", default="rayapp")
     p.add_argument("--steps", type=int, default=40, help="GRPO steps (each one rollout)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop after the step that passes this (0: none)")
@@ -155,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.recipe = args.recipe or str(RECIPES[args.agent])
     sys.path.insert(0, str(ROOT))  # rayapp from this checkout when it is not installed
     import ray
 
@@ -168,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     from rayapp.inference.tiny_model import ensure_tiny_model
 
     os.environ.update(LOCAL_ENV)
+    if args.agent == "gateway":  # the agent is imported where the manager runs: the local head's workers
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE_AGENT), os.environ.get("PYTHONPATH")]))
     t0 = time.monotonic()
     print(f"tiny model ready at {ensure_tiny_model()} ({time.monotonic() - t0:.1f}s)", flush=True)
     temp_dir = Path(args.temp_dir or f"/tmp/rayapp-train-{os.getpid()}")

@@ -154,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-steps", type=int, default=2, help="optimiser steps per rollout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each call through the handle")
-    p.add_argument("--run-dir", default="/tmp/rayapp-train")
+    p.add_argument("--run-dir", default=None, help="default: /tmp/rayapp-train, with --agent gateway "
+                   "/tmp/rayapp-train-gateway (under the recipe's weight_roots: engines load weights from there)")
     p.add_argument("--temp-dir", default=None, help="Ray's session folder for a local head")
     p.add_argument("--verbose", action="store_true", help="Ray's and Serve's lines on the terminal too (serve run's "
                    "output, the driver's own); without it they go only to the serve log")
@@ -164,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.recipe = args.recipe or str(RECIPES[args.agent])
+    args.run_dir = args.run_dir or ("/tmp/rayapp-train" if args.agent == "native" else "/tmp/rayapp-train-gateway")
     sys.path.insert(0, str(ROOT))  # rayapp from this checkout when it is not installed
     import ray
 

@@ -10,10 +10,11 @@ as safetensors and loaded by every engine replica (``update_weights_from_disk`` 
 then, every few steps, ``evaluate(k)`` on held-out problems. It prints, per step, the mean reward, the
 largest difference between the recomputed and the rollout log-probs before the update (~1e-6: tokens
 and log-probs line up), the weight version on every replica and on the samples, and the held-out
-accuracy; at the end it writes ``history.json`` and (with matplotlib) ``train_grpo.png`` in the run
-folder. ``--agent gateway`` runs the same demo with ``recipes/train_grpo/gateway.yaml``: the episodes are
-the example agent of ``examples/openai_agent`` (it imports only openai) calling the engine through the
-manager's gateway; ``recipes/plot_runs.py`` draws two runs' held-out accuracy on one plot.
+accuracy; it writes ``history.json`` in the run folder after every step (a run cut short keeps its
+rows) and at the end (with matplotlib) ``train_grpo.png``. ``--agent gateway`` runs the same demo with
+``recipes/train_grpo/gateway.yaml``: the episodes are the example agent of ``examples/openai_agent``
+(it imports only openai) calling the engine through the manager's gateway; ``recipes/plot_runs.py``
+draws two runs' held-out accuracy on one plot.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     history = [{"step": 0, "t": 0.0, **evaluate(handle, 0, args.timeout)}]
+    (run / "history.json").write_text(json.dumps(history, indent=1))
     print(f"[{0.0:6.1f}s] step 0 (pretrained) held-out accuracy: arithmetic {history[0]['acc_arithmetic']:.3f}, "
           f"word {history[0]['acc_word']:.3f}", flush=True)
     for step in range(1, args.steps + 1):
@@ -124,12 +126,13 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
             line += f"; held-out accuracy: arithmetic {row['acc_arithmetic']:.3f}, word {row['acc_word']:.3f}"
         print(line, flush=True)
         history.append(row)
+        (run / "history.json").write_text(json.dumps(history, indent=1))  # a run cut short keeps its steps
         if args.budget_s and time.monotonic() - t0 > args.budget_s:
             print(f"time budget of {args.budget_s:.0f}s spent after step {step}", flush=True)
             if "acc_arithmetic" not in row:
                 row |= evaluate(handle, step, args.timeout)
+                (run / "history.json").write_text(json.dumps(history, indent=1))
             break
-    (run / "history.json").write_text(json.dumps(history, indent=1))
     png = plot(history, run / "train_grpo.png")
     first, last = history[0], history[-1]
     print(f"held-out accuracy (arithmetic problems): {first['acc_arithmetic']:.3f} -> {last['acc_arithmetic']:.3f}; "

@@ -2,6 +2,7 @@
 
     python recipes/train_grpo.py                      # starts a local Ray head and the app, then trains
     python recipes/train_grpo.py --address auto       # against an app already running
+    python recipes/train_grpo.py --agent gateway      # the example OpenAI agent through the gateway
 
 Each step: ``generate(k)`` through the manager's handle (16 prompts x 8 samples of the math env's
 calculator agent), a GRPO update on the tiny model (``rayapp.training.grpo``), the new weights saved
@@ -9,8 +10,11 @@ as safetensors and loaded by every engine replica (``update_weights_from_disk`` 
 then, every few steps, ``evaluate(k)`` on held-out problems. It prints, per step, the mean reward, the
 largest difference between the recomputed and the rollout log-probs before the update (~1e-6: tokens
 and log-probs line up), the weight version on every replica and on the samples, and the held-out
-accuracy; at the end it writes ``history.json`` and (with matplotlib) ``train_grpo.png`` in the run
-folder.
+accuracy; it writes ``history.json`` in the run folder after every step (a run cut short keeps its
+rows) and at the end (with matplotlib) ``train_grpo.png``. ``--agent gateway`` runs the same demo with
+``recipes/train_grpo/gateway.yaml``: the episodes are the example agent of ``examples/openai_agent``
+(it imports only openai) calling the engine through the manager's gateway; ``recipes/plot_runs.py``
+draws two runs' held-out accuracy on one plot.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # 127.0.0.1 only on one machine
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "train_grpo" / "rollout.yaml"
+RECIPES = {"native": ROOT / "recipes" / "train_grpo" / "rollout.yaml",
+           "gateway": ROOT / "recipes" / "train_grpo" / "gateway.yaml"}
+EXAMPLE_AGENT = ROOT / "examples" / "openai_agent"  # the gateway recipe's agent package
 
 
 def accuracy(samples: list, kind: str | None = None) -> float:
@@ -97,6 +103,7 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     history = [{"step": 0, "t": 0.0, **evaluate(handle, 0, args.timeout)}]
+    (run / "history.json").write_text(json.dumps(history, indent=1))
     print(f"[{0.0:6.1f}s] step 0 (pretrained) held-out accuracy: arithmetic {history[0]['acc_arithmetic']:.3f}, "
           f"word {history[0]['acc_word']:.3f}", flush=True)
     for step in range(1, args.steps + 1):
@@ -119,12 +126,13 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
             line += f"; held-out accuracy: arithmetic {row['acc_arithmetic']:.3f}, word {row['acc_word']:.3f}"
         print(line, flush=True)
         history.append(row)
+        (run / "history.json").write_text(json.dumps(history, indent=1))  # a run cut short keeps its steps
         if args.budget_s and time.monotonic() - t0 > args.budget_s:
             print(f"time budget of {args.budget_s:.0f}s spent after step {step}", flush=True)
             if "acc_arithmetic" not in row:
                 row |= evaluate(handle, step, args.timeout)
+                (run / "history.json").write_text(json.dumps(history, indent=1))
             break
-    (run / "history.json").write_text(json.dumps(history, indent=1))
     png = plot(history, run / "train_grpo.png")
     first, last = history[0], history[-1]
     print(f"held-out accuracy (arithmetic problems): {first['acc_arithmetic']:.3f} -> {last['acc_arithmetic']:.3f}; "
@@ -136,7 +144,10 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None, help="a running cluster with the app; unset: start a local one")
-    p.add_argument("--recipe", default=str(RECIPE))
+    p.add_argument("--agent", choices=sorted(RECIPES), default="native",
+                   help="native: the math env's calculator agent; gateway: the example OpenAI agent through the "
+                        "gateway (sets the default --recipe)")
+    p.add_argument("--recipe", default=None, help="default: the --agent's recipe under recipes/train_grpo/")
     p.add_argument("--app", default="rayapp")
     p.add_argument("--steps", type=int, default=40, help="GRPO steps (each one rollout)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop after the step that passes this (0: none)")
@@ -146,7 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-steps", type=int, default=2, help="optimiser steps per rollout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each call through the handle")
-    p.add_argument("--run-dir", default="/tmp/rayapp-train")
+    p.add_argument("--run-dir", default=None, help="default: /tmp/rayapp-train, with --agent gateway "
+                   "/tmp/rayapp-train-gateway (under the recipe's weight_roots: engines load weights from there)")
     p.add_argument("--temp-dir", default=None, help="Ray's session folder for a local head")
     p.add_argument("--verbose", action="store_true", help="Ray's and Serve's lines on the terminal too (serve run's "
                    "output, the driver's own); without it they go only to the serve log")
@@ -155,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.recipe = args.recipe or str(RECIPES[args.agent])
+    args.run_dir = args.run_dir or ("/tmp/rayapp-train" if args.agent == "native" else "/tmp/rayapp-train-gateway")
     sys.path.insert(0, str(ROOT))  # rayapp from this checkout when it is not installed
     import ray
 
@@ -168,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     from rayapp.inference.tiny_model import ensure_tiny_model
 
     os.environ.update(LOCAL_ENV)
+    if args.agent == "gateway":  # the agent is imported where the manager runs: the local head's workers
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE_AGENT), os.environ.get("PYTHONPATH")]))
     t0 = time.monotonic()
     print(f"tiny model ready at {ensure_tiny_model()} ({time.monotonic() - t0:.1f}s)", flush=True)
     temp_dir = Path(args.temp_dir or f"/tmp/rayapp-train-{os.getpid()}")

@@ -51,10 +51,11 @@ HERMES: dict[str, Any] = {
     },
 }
 
-_PROBE_DESCRIPTION = "rayapp-probe-description"
+_PROBE_LISTED = "rayapp_probe_listed"  # a tool offered but not called: only the tools' rendering shows it
 _PROBE_ARGUMENT = "rayapp_probe_argument"
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "rayapp_probe", "description": _PROBE_DESCRIPTION,
-                                                  "parameters": {"type": "object", "properties": {}}}}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": name, "description": "rayapp probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+                for name in ("rayapp_probe", _PROBE_LISTED)]
 _PROBE = [{"role": "user", "content": "x"},
           {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
               "name": "rayapp_probe", "arguments": json.dumps({_PROBE_ARGUMENT: 1})}}]},
@@ -65,12 +66,13 @@ _with_tools: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, the
 
 
 def renders_tools(tok: Any) -> bool:
-    """Whether ``tok``'s chat template shows the tools it is given and an assistant's tool call."""
+    """Whether ``tok``'s chat template shows the tools it is given (their names at least: a model may
+    have learnt tools by name alone, as the tiny one did) and an assistant's tool call."""
     try:
         text = tok.apply_chat_template(_PROBE, tools=_PROBE_TOOLS, tokenize=False)
     except (TemplateError, ValueError, TypeError, KeyError):
         return False
-    return _PROBE_DESCRIPTION in text and _PROBE_ARGUMENT in text
+    return _PROBE_LISTED in text and _PROBE_ARGUMENT in text
 
 
 def tools_tokenizer(tok: Any) -> Any:

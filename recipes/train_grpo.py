@@ -170,23 +170,35 @@ def main(argv: list[str] | None = None) -> int:
     args.recipe = args.recipe or str(RECIPES[args.agent])
     args.run_dir = args.run_dir or ("/tmp/rayapp-train" if args.agent == "native" else "/tmp/rayapp-train-gateway")
     sys.path.insert(0, str(ROOT))  # rayapp from this checkout when it is not installed
+    if not args.address:
+        from rayapp.inference.tiny_model import ensure_tiny_model
+
+        if args.agent == "gateway":  # the agent is imported where the manager runs: the local head's workers
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE_AGENT),
+                                                                     os.environ.get("PYTHONPATH")]))
+        t0 = time.monotonic()
+        print(f"tiny model ready at {ensure_tiny_model()} ({time.monotonic() - t0:.1f}s)", flush=True)
+    return with_app(train, args, "rayapp-train")
+
+
+def with_app(train_fn, args: argparse.Namespace, namespace: str) -> int:
+    """``train_fn(handle, args)`` against the app already running at ``args.address``, or against
+    ``args.recipe``'s app on a local head started for the run and stopped after it (Ray's session
+    folder ``args.temp_dir``, default ``/tmp/<namespace>-<pid>``)."""
     import ray
 
     from rayapp import connect
 
     if args.address:
-        train(connect(args.address, args.app, namespace="rayapp-train", verbose=args.verbose), args)
-        ray.shutdown()
+        try:
+            train_fn(connect(args.address, args.app, namespace=namespace, verbose=args.verbose), args)
+        finally:
+            ray.shutdown()
         return 0
     from rayapp.cli import LOCAL_ENV, local_app
-    from rayapp.inference.tiny_model import ensure_tiny_model
 
     os.environ.update(LOCAL_ENV)
-    if args.agent == "gateway":  # the agent is imported where the manager runs: the local head's workers
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE_AGENT), os.environ.get("PYTHONPATH")]))
-    t0 = time.monotonic()
-    print(f"tiny model ready at {ensure_tiny_model()} ({time.monotonic() - t0:.1f}s)", flush=True)
-    temp_dir = Path(args.temp_dir or f"/tmp/rayapp-train-{os.getpid()}")
+    temp_dir = Path(args.temp_dir or f"/tmp/{namespace}-{os.getpid()}")
     log = temp_dir.parent / f"{temp_dir.name}-serve.log"
     print(f"logs: {log} (ray start, serve run: Ray's, Serve's and the replicas' lines)"
           + ("; shown here too (--verbose)" if args.verbose else "; --verbose shows them here"), flush=True)
@@ -194,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve app running on {address}", flush=True)
         try:
             # the replicas' lines come through serve run's output (the log, or the terminal with --verbose)
-            train(connect(address, args.app, namespace="rayapp-train", verbose=args.verbose, worker_logs=False),
-                  args)
+            train_fn(connect(address, args.app, namespace=namespace, verbose=args.verbose, worker_logs=False),
+                     args)
         finally:
             ray.shutdown()
     return 0

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # rayapp (and train_grpo beside this file) from this checkout
 sys.path.insert(0, str(ROOT / "recipes"))
 
-from train_grpo import RECIPE, evaluate, stale_samples, tool_share  # noqa: E402
+from train_grpo import RECIPES, evaluate, stale_samples, tool_share, with_app  # noqa: E402
 
 PER_STEP, GROUP = 16, 8  # the recipe's rollout_batch_size and n_samples_per_prompt
 
@@ -157,7 +157,7 @@ def plot_both(builtin: list[dict], trl: list[dict], path: Path) -> Path | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None, help="a running cluster with a fresh app; unset: start a local one")
-    p.add_argument("--recipe", default=str(RECIPE))
+    p.add_argument("--recipe", default=str(RECIPES["native"]))
     p.add_argument("--app", default="rayapp")
     p.add_argument("--steps", type=int, default=40, help="GRPO steps (each one rollout)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop after the step that passes this (0: none)")
@@ -184,28 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         histories = [json.loads(Path(p).read_text()) for p in paths]
         print(plot_both(*histories, Path(args.plot_only)))
         return 0
-    import ray
-
-    from rayapp import connect
-
-    if args.address:
-        train(connect(args.address, args.app, namespace="rayapp-train-trl", verbose=args.verbose), args)
-        ray.shutdown()
-        return 0
-    from rayapp.cli import LOCAL_ENV, local_app
-
-    os.environ.update(LOCAL_ENV)
-    temp_dir = Path(args.temp_dir or f"/tmp/rayapp-train-trl-{os.getpid()}")
-    log = temp_dir.parent / f"{temp_dir.name}-serve.log"
-    print(f"logs: {log} (ray start, serve run: Ray's, Serve's and the replicas' lines)", flush=True)
-    with local_app(args.recipe, temp_dir, log, timeout_s=args.timeout, verbose=args.verbose) as (address, _):
-        print(f"serve app running on {address}", flush=True)
-        try:
-            train(connect(address, args.app, namespace="rayapp-train-trl", verbose=args.verbose, worker_logs=False),
-                  args)
-        finally:
-            ray.shutdown()
-    return 0
+    return with_app(train, args, "rayapp-train-trl")
 
 
 if __name__ == "__main__":

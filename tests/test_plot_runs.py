@@ -43,3 +43,15 @@ def test_a_run_without_an_eval_or_a_bad_argument_is_one_clear_error(tmp_path):
         plot_runs().main([f"x={bare}"])
     with pytest.raises(SystemExit, match="expected LABEL=PATH"):
         plot_runs().main([str(bare)])
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_grpo_trl.py", "plot_runs.py"])
+def test_the_training_scripts_import_and_answer_help(script):
+    """The demo scripts import each other's pieces (train_grpo_trl.py takes train_grpo.py's): a renamed
+    one breaks `make demo-train-trl` only minutes into a run, so each is started here with --help."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / script), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]

@@ -31,7 +31,7 @@ import msgspec
 
 from rayapp.core.agent import AgentHandler
 from rayapp.core.termination import AgentOutputError
-from rayapp.envs.agents.chat import Engine, Executor, Verifier, run_inline
+from rayapp.envs.agents.chat import Engine, Executor, Verifier, engine_tokenizer, run_inline
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.service import EpisodeBinding, EpisodeLog, Gateway
 from rayapp.record import TerminationReason
@@ -69,11 +69,7 @@ class OpenAIAgent(AgentHandler):
     async def tokenizer(self) -> Any:
         """The engine's tokenizer (its chat template renders what the agent sends)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            info = await self.engine.info()
-            self._tokenizer = await asyncio.to_thread(
-                AutoTokenizer.from_pretrained, info["tokenizer_path"], local_files_only=True)
+            self._tokenizer = await engine_tokenizer(self.engine)
         return self._tokenizer
 
     async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:

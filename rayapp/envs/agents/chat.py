@@ -55,6 +55,14 @@ async def run_inline(token: Token | None, fn: Callable[..., Any], *args: Any) ->
     return await asyncio.to_thread(fn, *args)
 
 
+async def engine_tokenizer(engine: Engine) -> Any:
+    """The tokenizer of the model ``engine`` serves (its files, as the engine's ``info`` names them)."""
+    from transformers import AutoTokenizer
+
+    info = await engine.info()
+    return await asyncio.to_thread(AutoTokenizer.from_pretrained, info["tokenizer_path"], local_files_only=True)
+
+
 Tail = tuple[list[int], list[float]]  # a cut turn's kept tokens and their log-probs
 
 
@@ -77,11 +85,7 @@ class ChatAgent(AgentHandler):
 
     async def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            info = await self.engine.info()
-            self._tokenizer = await asyncio.to_thread(
-                AutoTokenizer.from_pretrained, info["tokenizer_path"], local_files_only=True)
+            self._tokenizer = await engine_tokenizer(self.engine)
         return self._tokenizer
 
     def resume_point(self, sample: Sample) -> ResumePoint | None:

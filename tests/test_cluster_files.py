@@ -30,6 +30,13 @@ KUBERAY = ROOT / "cluster" / "kuberay-rayservice.yaml"
 NODE_LABEL = "rayapp.io/node"  # rayapp.actors.pool.NODE_LABEL, without importing ray
 
 
+@pytest.fixture(autouse=True)
+def example_agents_importable(monkeypatch):
+    """recipes/train_grpo/gateway.yaml names examples/openai_agent's agent, which its driver puts on the
+    manager's PYTHONPATH (recipes/train_grpo.py --agent gateway): here, on this process's path."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "openai_agent"))
+
+
 def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 

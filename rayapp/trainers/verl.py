@@ -49,7 +49,7 @@ from rayapp.core.contracts import RolloutResult
 from rayapp.core.convert import convert
 from rayapp.envs.datasets.files import FieldMap
 from rayapp.trainers.sync import ServeManager, call
-from rayapp.training.converters import verl_tensors
+from rayapp.training.converters import EpisodeKey, verl_tensors
 from rayapp.training.trainer_tasks import tasks_from_rows
 from rayapp.types import Sample, Status, Task, TaskKey
 
@@ -162,7 +162,7 @@ def fit_batch(result: RolloutResult, uids: list[str], n: int, *, pad_token_id: i
         "uid": np.array([u for u in uids for _ in range(n)], dtype=object),
         # rayapp's own, named apart from the dataset's columns (fit()'s union keeps both)
         "rayapp_task_id": cells["task_id"], "rayapp_sample_index": cells["index"], "rayapp_status": cells["status"],
-        "__num_turns__": np.array([int(s.metadata.get("_turns") or 0) for s in samples], dtype=np.int32),
+        "__num_turns__": np.array([int(s.metadata.get(EpisodeKey.TURNS) or 0) for s in samples], dtype=np.int32),
         "score": tensors["rm_scores"].sum(dim=-1).numpy(),
         # fit() reads it on every row (text only here: no images)
         "multi_modal_inputs": np.array([{} for _ in samples], dtype=object),

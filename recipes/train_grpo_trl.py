@@ -3,7 +3,11 @@
     python recipes/train_grpo_trl.py                  # starts a local Ray head and the app, then trains
     python recipes/train_grpo_trl.py --address auto   # against an app already running (a fresh one:
                                                       # rollout ids start at 0, and steps are idempotent)
-    python recipes/train_grpo_trl.py --plot-only docs/training_trl.png   # both runs' curves, no training
+
+Both trainers' held-out curves on one plot, from the two runs' histories:
+
+    python recipes/plot_runs.py built-in=/tmp/rayapp-train/history.json trl=/tmp/rayapp-train-trl/history.json \
+        -o docs/training_trl.png --title "GRPO on the tiny model (CPU): rayapp's trainer and TRL's"
 
 Same app (``recipes/train_grpo/rollout.yaml``: the math env's calculator agent on the tiny model, two
 engine replicas), same step (16 prompts x 8 samples), same hyper-parameters (lr 1e-3, AdamW betas
@@ -30,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # rayapp (and train_grpo beside this file) from this checkout
 sys.path.insert(0, str(ROOT / "recipes"))
 
+import plot_runs  # noqa: E402
 from train_grpo import RECIPES, evaluate, stale_samples, tool_share, with_app  # noqa: E402
+
+TITLE = "GRPO on the tiny model (CPU): rayapp's trainer and TRL's"
 
 PER_STEP, GROUP = 16, 8  # the recipe's rollout_batch_size and n_samples_per_prompt
 
@@ -117,41 +124,10 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
           f"word problems {first['acc_word']:.3f} -> {last['acc_word']:.3f}; history {run / 'history.json'}",
           flush=True)
     builtin = Path(args.builtin_history)
-    if builtin.exists():
-        png = plot_both(json.loads(builtin.read_text()), history, run / "training_trl.png")
-        print(f"plot of both trainers: {png}" if png else "", flush=True)
+    if builtin.exists():  # make demo-train ran before: both trainers on one plot
+        plot_runs.main([f"built-in={builtin}", f"trl={run / 'history.json'}", "-o", str(run / "training_trl.png"),
+                        "--title", TITLE])
     return history
-
-
-def plot_both(builtin: list[dict], trl: list[dict], path: Path) -> Path | None:
-    """Held-out accuracy (arithmetic, word problems) and rollout reward per GRPO step of both runs."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is missing (the 'plot' extra): no plot written", flush=True)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for history, name, colour in ((builtin, "built-in GRPOTrainer", "tab:blue"), (trl, "TRL GRPOTrainer", "tab:red")):
-        ev = [h for h in history if "acc_arithmetic" in h]
-        ax.plot([h["step"] for h in ev], [h["acc_arithmetic"] for h in ev], "o-", color=colour,
-                label=f"{name}: held-out arithmetic (greedy)")
-        ax.plot([h["step"] for h in ev], [h["acc_word"] for h in ev], "s:", color=colour, alpha=0.6,
-                label=f"{name}: held-out word problems")
-        steps = [h for h in history if "reward_mean" in h]
-        ax.plot([h["step"] for h in steps], [h["reward_mean"] for h in steps], "-", color=colour, alpha=0.25,
-                label=f"{name}: rollout reward (mean)")
-    ax.set_xlabel("GRPO step (rollout)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("GRPO on the tiny model through the Serve app (CPU): rayapp's trainer and TRL's")
-    ax.legend(loc="upper left", fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -170,8 +146,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default="/tmp/rayapp-train-trl", help="inside the recipe's weight_roots")
     p.add_argument("--builtin-history", default="/tmp/rayapp-train/history.json",
                    help="the built-in trainer's run (make demo-train), drawn beside this one")
-    p.add_argument("--plot-only", metavar="PNG", default=None,
-                   help="no training: draw --builtin-history and --run-dir's history.json into PNG")
     p.add_argument("--temp-dir", default=None, help="Ray's session folder for a local head")
     p.add_argument("--verbose", action="store_true", help="Ray's and Serve's lines on the terminal too")
     return p.parse_args(argv)
@@ -179,11 +153,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.plot_only:
-        paths = (args.builtin_history, Path(args.run_dir) / "history.json")
-        histories = [json.loads(Path(p).read_text()) for p in paths]
-        print(plot_both(*histories, Path(args.plot_only)))
-        return 0
     return with_app(train, args, "rayapp-train-trl")
 
 

@@ -206,15 +206,6 @@ def test_http_control_surface(app):
     assert {"202", "409", "503"} <= set(spec["paths"]["/rollout/{rollout_id}"]["post"]["responses"])
 
 
-def test_the_app_stops_cleanly(app):
-    proc = app["proc"]
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C on `serve run` sends
-    assert proc.wait(timeout=120) is not None
-    assert "Shutting down" in app["log"].read_text() or proc.returncode in (0, -signal.SIGINT, 130)
-    assert stop_cluster(app["temp_dir"]) == []
-    assert ray_processes(app["temp_dir"]) == []
-
-
 TASKS_DRIVER = r"""
 import json, sys, ray
 from ray import serve
@@ -254,3 +245,12 @@ def test_the_trainer_chooses_a_steps_tasks_through_the_handle(app):
     assert "rollout 20 ran with trainer-chosen tasks" in none and "the data source's tasks" in none
     assert "rollout 21: tasks[0]: $.config: missing required field" in bad
     assert out["ran"] == 1  # rollout 20, once
+
+
+def test_the_app_stops_cleanly(app):
+    proc = app["proc"]
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C on `serve run` sends
+    assert proc.wait(timeout=120) is not None
+    assert "Shutting down" in app["log"].read_text() or proc.returncode in (0, -signal.SIGINT, 130)
+    assert stop_cluster(app["temp_dir"]) == []
+    assert ray_processes(app["temp_dir"]) == []

@@ -229,8 +229,8 @@ def test_work_still_waiting_for_its_bundle_when_the_group_is_lost_aborts_and_lea
             busy = [asyncio.create_task(run_in_bundle(t, time.sleep, 600, timeout_s=900)) for t in tokens]
             # run_in_bundle reads the group's options in a thread before it submits: the waiting task goes
             # in only once the four busy ones hold the bundle's CPUs, or it could take a slot before them
-            group_hex = ray_session.util.get_placement_group(tokens[0].placement_group).id.hex()
-            used = f"CPU_group_{tokens[0].bundle_index}_{group_hex}"
+            group_id = ray_session.util.get_placement_group(tokens[0].placement_group).id.hex()
+            used = f"CPU_group_{tokens[0].bundle_index}_{group_id}"
             for _ in range(600):
                 if ray_session.available_resources().get(used, 0.0) < 0.5:
                     break
@@ -238,7 +238,6 @@ def test_work_still_waiting_for_its_bundle_when_the_group_is_lost_aborts_and_lea
             waiting = asyncio.create_task(run_in_bundle(tokens[0], sum, [1, 2], timeout_s=900))
             await asyncio.sleep(3)
             assert not waiting.done()  # the bundle is full: Ray keeps it pending
-            group_id = ray_session.util.get_placement_group(tokens[0].placement_group).id.hex()
             real = bundle_watch.read_group_states
             monkeypatch.setattr(bundle_watch.STATES, "read", lambda: {**real(), group_id: "RESCHEDULING"})
             for work in (waiting, *busy):

@@ -8,10 +8,13 @@ placement group with a CPU/memory bundle and a (logical) GPU bundle, as the pool
 warm after a first round. Per call p50, p90 and max in ms, for a trivial verifier (``score`` from
 ``response`` and ``label``) and the built-in math verifier, one call at a time and 8 at once, and the
 bundle's overhead (p50 in the bundle minus p50 inline). The target: at most 50 ms (p50, warm) for
-the trivial verifier. Figures only; nothing here asserts on time. Ray listens on 127.0.0.1 only, with
+the trivial verifier. Then what a training loop meets: a burst of ``--burst`` math verifications at
+once after a ``--pause-s`` pause (the trainer's update), as Ray tasks (``run_in_bundle``) and on the
+warm hosts (``WorkHosts``, the manager's default): the burst's seconds and how many processes it
+started. Figures only; nothing here asserts on time. Ray listens on 127.0.0.1 only, with
 Ray's token authentication on (a throwaway token).
 
-Run from the repo root: ``.venv/bin/python bench/verify_cost.py [--calls N] [--smoke]``.
+Run from the repo root: ``.venv/bin/python bench/verify_cost.py [--calls N] [--burst N] [--pause-s S] [--smoke]``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from rayapp.actors.pool import GROUP_PREFIX, run_in_bundle
+from rayapp.actors.work_hosts import WorkHosts
 from rayapp.cli.local import process_auth_token
 from rayapp.envs.agents.chat import run_inline
 from rayapp.envs.math import verify as math_verify
@@ -81,12 +85,39 @@ async def run(tokens: dict[str, Token], calls: int) -> None:
         print(f"bundle overhead, {name} verifier, {kind} bundle, {concurrent} at once: {ms:.1f} ms (p50)")
 
 
+def math_where(sample: Sample, result: AgentResult) -> tuple[int, dict[str, float]]:
+    return os.getpid(), math_verify(sample, result)
+
+
+async def bursts(token: Token, size: int, pause_s: float, rounds: int = 3) -> None:
+    """``rounds`` bursts of ``size`` math verifications at once, ``pause_s`` apart, for each executor."""
+    print(f"\n{size} math verifications at once after a {pause_s:.0f} s pause, {token.placement_group}[0]:")
+    print(f"{'executor':10}{'round':>6}{'seconds':>9}{'processes':>11}{'new':>5}")
+    hosts = WorkHosts()
+    for name, executor in (("tasks", run_in_bundle), ("hosts", hosts.run)):
+        seen: set[int] = set()
+        await asyncio.gather(*(executor(token, math_where, SAMPLE, RESULT) for _ in range(CONCURRENT)))  # warm
+        for r in range(rounds):
+            await asyncio.sleep(pause_s)
+            start = time.perf_counter()
+            out = await asyncio.gather(*(executor(token, math_where, SAMPLE, RESULT) for _ in range(size)))
+            took = time.perf_counter() - start
+            assert all(reward["score"] == 1.0 for _, reward in out)
+            pids = {pid for pid, _ in out}
+            print(f"{name:10}{r + 1:>6}{took:>9.2f}{len(pids):>11}{len(pids - seen):>5}", flush=True)
+            seen |= pids
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=64, help="calls per row")
     ap.add_argument("--smoke", action="store_true", help="a seconds-long run (tests)")
+    ap.add_argument("--burst", type=int, default=128, help="calls at once after each pause")
+    ap.add_argument("--pause-s", type=float, default=15.0, help="the pause before each burst (longer than Ray's "
+                    "idle-worker time)")
     args = ap.parse_args()
     calls = 16 if args.smoke else args.calls
+    burst, pause_s = (16, 2.0) if args.smoke else (args.burst, args.pause_s)
     process_auth_token()
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
@@ -97,6 +128,7 @@ def main() -> None:
         tokens = {"cpu": Token(0, "n0", (), 0.0, 0.25, 0.1, placement_group=name, bundle_index=0),
                   "gpu": Token(1, "n0", (0,), 0.25, 0.0, 0.0, placement_group=name, bundle_index=1)}
         asyncio.run(run(tokens, calls))
+        asyncio.run(bursts(tokens["cpu"], burst, pause_s))
     finally:
         remove_placement_group(pg)
         ray.shutdown()

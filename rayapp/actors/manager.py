@@ -29,6 +29,7 @@ from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.sandbox import open_sandbox
+from rayapp.actors.work_hosts import WorkHosts
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.gateway.http import gateway_response
 from rayapp.gateway.service import Gateway
@@ -74,7 +75,10 @@ class SchedulerRolloutManager:
         # where agents reach it (Serve's proxy, this app's prefix) is asked before the first step.
         self.gateway = Gateway("http://gateway-url-not-asked-yet")
         self._gateway_pointed = all(ev.gateway is None for ev in self.cfg.evaluators)
-        self.steps = build_step_runner(self.cfg, self.engines, self.pool_client, executor=run_in_bundle,
+        # a sample's function calls: warm hosts in its bundle, or a Ray task per call (pool.work)
+        self.work_hosts = WorkHosts()
+        executor = self.work_hosts.run if self.cfg.pool.work == "hosts" else run_in_bundle
+        self.steps = build_step_runner(self.cfg, self.engines, self.pool_client, executor=executor,
                                        open_sandbox=open_sandbox, release_previous=release, gateway=self.gateway)
         self.steps.observers.append(self.metrics)
         self.weights = WeightSync(self.engines)  # what every replica must serve (a replacement too)

@@ -111,6 +111,10 @@ class PoolConfig(_Strict):
                                                         "layout, overrides each live node's memory")] = None
     pg_ready_timeout_s: Annotated[Seconds, Meta(description="seconds the pool's placement groups (one per node) may "
                                                           "take to become ready at start-up; then it fails")] = 10.0
+    work: Annotated[Literal["hosts", "tasks"], Meta(
+        description="where a sample's function calls (verifiers, tools) run in its bundle: hosts, warm processes "
+                    "kept per bundle (rayapp/actors/work_hosts.py); tasks, a Ray task per call that asks for the "
+                    "token's share (a fresh Python process once Ray's idle workers are gone)")] = "hosts"
 
 
 class SandboxConfig(_Strict):

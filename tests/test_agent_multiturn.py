@@ -289,3 +289,31 @@ def test_the_engines_window_ending_a_turn_is_max_context_and_the_budget_is_lengt
     assert (cut.termination_reason, cut.response_length, cut.truncated) == ("max_context_len", 3, True)
     budget = episode(1000, max_new_tokens=3)  # the turn's own budget ends it: a LENGTH reply
     assert (budget.termination_reason, budget.response_length, budget.truncated) == ("length", 3, True)
+
+
+def test_episodes_starting_at_once_share_one_tokenizer_load_and_a_failed_load_is_retried(model_dir):
+    from rayapp.envs.agents.chat import EngineTokenizer
+
+    class CountingEngine:
+        def __init__(self):
+            self.asked, self.fail = 0, True
+
+        async def info(self):
+            self.asked += 1
+            await asyncio.sleep(0.05)  # a load in flight while the other episodes ask
+            if self.fail:
+                self.fail = False
+                raise ConnectionError("engine not up yet")
+            return {"tokenizer_path": str(model_dir)}
+
+    engine = CountingEngine()
+    tok = EngineTokenizer(engine)
+
+    async def episodes():
+        first = await asyncio.gather(*(tok.get() for _ in range(32)), return_exceptions=True)
+        return first, await asyncio.gather(*(tok.get() for _ in range(32)))
+
+    failed, loaded = asyncio.run(episodes())
+    assert all(isinstance(e, ConnectionError) for e in failed) and engine.asked == 2
+    assert len({id(t) for t in loaded}) == 1 and loaded[0].encode("2+2")
+    assert asyncio.run(tok.get()) is loaded[0] and engine.asked == 2  # kept, also for a later loop

@@ -31,7 +31,7 @@ import msgspec
 
 from rayapp.core.agent import AgentHandler
 from rayapp.core.termination import AgentOutputError
-from rayapp.envs.agents.chat import Engine, Executor, Verifier, engine_tokenizer, run_inline
+from rayapp.envs.agents.chat import Engine, EngineTokenizer, Executor, Verifier, run_inline
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.service import EpisodeBinding, EpisodeLog, Gateway
 from rayapp.record import TerminationReason
@@ -64,13 +64,11 @@ class OpenAIAgent(AgentHandler):
         self.gateway, self.engine, self.agent, self.verify = gateway, engine, agent, verify
         self.executor, self.open_sandbox = executor, open_sandbox
         self.segments, self.call_timeout_s = segments, call_timeout_s
-        self._tokenizer: Any = None
+        self._tokenizer = EngineTokenizer(engine)
 
     async def tokenizer(self) -> Any:
         """The engine's tokenizer (its chat template renders what the agent sends)."""
-        if self._tokenizer is None:
-            self._tokenizer = await engine_tokenizer(self.engine)
-        return self._tokenizer
+        return await self._tokenizer.get()
 
     async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
         binding = EpisodeBinding(episode_id(sample, ctx), self.engine, await self.tokenizer(), ctx)

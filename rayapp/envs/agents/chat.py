@@ -63,6 +63,26 @@ async def engine_tokenizer(engine: Engine) -> Any:
     return await asyncio.to_thread(AutoTokenizer.from_pretrained, info["tokenizer_path"], local_files_only=True)
 
 
+class EngineTokenizer:
+    """An engine's tokenizer, loaded once however many episodes ask for it at once: the first episodes
+    of a step share one load (each loading its own was 32 loads at the start of the GRPO demo's first
+    eval, seconds of CPU each). A load that failed is tried again by the next caller."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.value: Any = None
+        self._loading: asyncio.Task | None = None
+
+    async def get(self) -> Any:
+        if self.value is None:
+            loop, loading = asyncio.get_running_loop(), self._loading
+            if (loading is None or loading.get_loop() is not loop
+                    or (loading.done() and (loading.cancelled() or loading.exception() is not None))):
+                self._loading = loading = loop.create_task(engine_tokenizer(self.engine))
+            self.value = await asyncio.shield(loading)  # a caller that is cancelled leaves the load to the rest
+        return self.value
+
+
 Tail = tuple[list[int], list[float]]  # a cut turn's kept tokens and their log-probs
 
 
@@ -81,12 +101,10 @@ class ChatAgent(AgentHandler):
                  system_prompt: str | None = None):
         self.engine, self.verify, self.executor = engine, verify, executor
         self.system_prompt = system_prompt
-        self._tokenizer: Any = None
+        self._tokenizer = EngineTokenizer(engine)
 
     async def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = await engine_tokenizer(self.engine)
-        return self._tokenizer
+        return await self._tokenizer.get()
 
     def resume_point(self, sample: Sample) -> ResumePoint | None:
         """Where ``sample`` goes on from (its record's ``start``, set by partial rollouts); None when

@@ -36,6 +36,21 @@ def test_two_runs_on_one_plot_with_their_difference_in_standard_errors(tmp_path,
     assert "step 3: 0.250 (word 0.000) [+0.0 se vs native]" in text
 
 
+def test_a_run_of_several_seeds_is_their_mean_at_the_steps_all_evaluated(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    seeds = [history(tmp_path / f"n{i}.json", [0.0, acc]) for i, acc in enumerate((0.25, 0.5))]
+    longer = [*json.loads(seeds[1].read_text()), {"step": 6, "acc_arithmetic": 0.9, "acc_word": 0.0}]
+    seeds[1].write_text(json.dumps(longer))  # a step only one seed reached is left out of the mean
+    other = history(tmp_path / "g.json", [0.0, 0.375])
+    out = tmp_path / "cmp.png"
+    assert plot_runs().main([f"native={seeds[0]},{seeds[1]}", f"gateway={other}", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "native: held-out arithmetic accuracy step 0: 0.000 (word 0.000) = mean of 0.000/0.000; " \
+           "step 3: 0.375 (word 0.000) = mean of 0.250/0.500\n" in text
+    assert "gateway: held-out arithmetic accuracy step 0: 0.000 (word 0.000) [+0.0 se vs native]; " \
+           "step 3: 0.375 (word 0.000) [+0.0 se vs native]\n" in text
+
+
 def test_a_run_without_an_eval_or_a_bad_argument_is_one_clear_error(tmp_path):
     bare = tmp_path / "h.json"
     bare.write_text(json.dumps([{"step": 1, "reward_mean": 0.1}]))

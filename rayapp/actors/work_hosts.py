@@ -12,7 +12,8 @@ A host is a small Ray actor scheduled into the token's bundle (its node; in a GP
 share of the GPU, so Ray makes that GPU visible to it), running one call at a time. A call takes the
 bundle's most recently used idle host; with none idle it waits ``grow_after_s`` for one to come free
 (cheap calls share a few warm hosts), then starts one of its own (slow calls run side by side). A
-host idle for ``idle_s`` is stopped; every host dies with its owner (the manager replica).
+host idle for ``idle_s`` is stopped at its bundle's next call; every host dies with its owner (the
+manager replica).
 
 Guarantees, as ``run_in_bundle``'s: a call is bounded by ``timeout_s`` (``AgentTimeout``); a call that
 times out or is cancelled kills its host, so nothing of it runs on; a lost host, node or bundle is a

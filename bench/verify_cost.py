@@ -89,12 +89,25 @@ def math_where(sample: Sample, result: AgentResult) -> tuple[int, dict[str, floa
     return os.getpid(), math_verify(sample, result)
 
 
+@ray.remote(num_cpus=0)
+class Replica:
+    """Stands for one of the app's Serve actors (controller, proxy, manager, pool, two engine replicas):
+    Ray counts actors among the workers it keeps when idle."""
+
+    def ready(self) -> bool:
+        return True
+
+
 async def bursts(token: Token, size: int, pause_s: float, rounds: int = 3) -> None:
-    """``rounds`` bursts of ``size`` math verifications at once, ``pause_s`` apart, for each executor."""
-    print(f"\n{size} math verifications at once after a {pause_s:.0f} s pause, {token.placement_group}[0]:")
+    """``rounds`` bursts of ``size`` math verifications at once, ``pause_s`` apart, for each executor,
+    beside six idle actors as the app's (the token's CPU share is the GRPO demo's eval share, 0.1)."""
+    replicas = [Replica.remote() for _ in range(6)]
+    await asyncio.gather(*(r.ready.remote() for r in replicas))
+    print(f"\n{size} math verifications at once after a {pause_s:.0f} s pause, {token.placement_group}"
+          f"[{token.bundle_index}], CPU share {token.cpu}, beside {len(replicas)} idle actors:")
     print(f"{'executor':10}{'round':>6}{'seconds':>9}{'processes':>11}{'new':>5}")
     hosts = WorkHosts()
-    for name, executor in (("tasks", run_in_bundle), ("hosts", hosts.run)):
+    for name, executor in (("hosts", hosts.run), ("tasks", run_in_bundle)):
         seen: set[int] = set()
         await asyncio.gather(*(executor(token, math_where, SAMPLE, RESULT) for _ in range(CONCURRENT)))  # warm
         for r in range(rounds):
@@ -119,7 +132,7 @@ def main() -> None:
     calls = 16 if args.smoke else args.calls
     burst, pause_s = (16, 2.0) if args.smoke else (args.burst, args.pause_s)
     process_auth_token()
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
+    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     name = f"{GROUP_PREFIX}bench/verify"  # as the pool's: a CPU/memory bundle and a (logical) GPU one
     pg = placement_group([{"CPU": 2.0, "memory": 2**30}, {"GPU": 2.0}], name=name)
@@ -128,7 +141,7 @@ def main() -> None:
         tokens = {"cpu": Token(0, "n0", (), 0.0, 0.25, 0.1, placement_group=name, bundle_index=0),
                   "gpu": Token(1, "n0", (0,), 0.25, 0.0, 0.0, placement_group=name, bundle_index=1)}
         asyncio.run(run(tokens, calls))
-        asyncio.run(bursts(tokens["cpu"], burst, pause_s))
+        asyncio.run(bursts(Token(2, "n0", (), 0.0, 0.1, 0.1, placement_group=name, bundle_index=0), burst, pause_s))
     finally:
         remove_placement_group(pg)
         ray.shutdown()

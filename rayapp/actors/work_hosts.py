@@ -46,7 +46,10 @@ __all__ = ["WorkHost", "WorkHosts"]
 
 log = logging.getLogger(__name__)
 
-GROW_AFTER_S = 0.25  # a call waits this long for a busy host before it starts one
+# A call waits this long for a busy host before it starts one: longer than a burst of cheap calls takes to
+# drain on the warm hosts (a new host's first call pays its cold start: the math verifier's child
+# imports sympy, seconds; at 0.25 s every burst of 128 math verifications started two and waited for them)
+GROW_AFTER_S = 1.0
 MAX_STARTING = 2  # hosts of one bundle starting at once: a burst grows the bundle's hosts at this pace
 IDLE_S = 600.0  # longer than a training step's pause between two rollouts
 GPU_SHARE = 1e-4  # Ray's smallest GPU fraction: enough for Ray to make the bundle's GPU visible

@@ -20,15 +20,23 @@ from rayapp.types import Sample, Token
 
 @pytest.fixture
 def token(ray_session):
+    """A group of its own that asks for little, once the groups of pool services that earlier tests
+    killed are gone (as in tests/test_work_hosts.py)."""
+    import uuid
+
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from rayapp.actors.pool import GROUP_PREFIX
+    from rayapp.actors.pool_owners import remove_leftovers
 
-    name = f"{GROUP_PREFIX}test/command-bundle"
-    pg = placement_group([{"CPU": 1.0, "memory": 2**29}], name=name)
-    ray_session.get(pg.ready(), timeout=60)
-    yield Token(0, "n0", (), 0.0, 0.5, 0.25, placement_group=name, bundle_index=0)
-    remove_placement_group(pg)
+    remove_leftovers(wait_s=30)
+    name = f"test/command-bundle-{uuid.uuid4().hex[:8]}"
+    pg = placement_group([{"CPU": 0.5}], name=name)
+    try:
+        ready, _ = ray_session.wait([pg.ready()], timeout=60)
+        assert ready, f"the test's group could not be placed; free: {ray_session.available_resources()}"
+        yield Token(0, "n0", (), 0.0, 0.5, 0.25, placement_group=name, bundle_index=0)
+    finally:
+        remove_placement_group(pg)
 
 
 def test_a_command_agent_in_its_bundles_sandbox_reaches_its_gateway_and_its_outcome_comes_back(

@@ -226,15 +226,25 @@ def test_work_still_waiting_for_its_bundle_when_the_group_is_lost_aborts_and_lea
         tokens = await pool.acquire_batch(request)
         try:
             assert len({(t.placement_group, t.bundle_index) for t in tokens}) == 1  # four quarters, one GPU
-            busy = [asyncio.create_task(run_in_bundle(t, time.sleep, 600, timeout_s=900)) for t in tokens]
             # run_in_bundle reads the group's options in a thread before it submits: the waiting task goes
-            # in only once the four busy ones hold the bundle's CPUs, or it could take a slot before them
+            # in only once the four busy ones hold the bundle's GPU (quarter tokens ask for GPU, not CPU),
+            # or it could take a slot before them
             group_id = ray_session.util.get_placement_group(tokens[0].placement_group).id.hex()
-            used = f"CPU_group_{tokens[0].bundle_index}_{group_id}"
-            for _ in range(600):
-                if ray_session.available_resources().get(used, 0.0) < 0.5:
+            used = f"GPU_group_{tokens[0].bundle_index}_{group_id}"
+            free = ray_session.available_resources
+            for _ in range(300):  # the GCS's view of the new group's bundles may lag its creation
+                if free().get(used) == 1.0:
                     break
                 await asyncio.sleep(0.1)
+            else:
+                pytest.fail(f"{used} never showed as free: {free()}")
+            busy = [asyncio.create_task(run_in_bundle(t, time.sleep, 600, timeout_s=900)) for t in tokens]
+            for _ in range(600):
+                if free().get(used, 0.0) < 0.25:  # absent: all of it in use
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail(f"the four busy tasks never held {used}: {free()}")
             waiting = asyncio.create_task(run_in_bundle(tokens[0], sum, [1, 2], timeout_s=900))
             await asyncio.sleep(3)
             assert not waiting.done()  # the bundle is full: Ray keeps it pending

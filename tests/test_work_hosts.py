@@ -17,17 +17,26 @@ from rayapp.types import Token
 
 @pytest.fixture
 def tokens(ray_session):
+    """Tokens in a group of its own (a fresh name, outside the pools' ``rayapp/`` ones) that asks for
+    little. The groups of pool services that earlier tests killed go first, as a starting pool's do
+    (a killed plain actor's groups outlive it: ``rayapp.actors.pool_owners``)."""
+    import uuid
+
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from rayapp.actors.pool import GROUP_PREFIX
+    from rayapp.actors.pool_owners import remove_leftovers
 
     ray = ray_session
-    name = f"{GROUP_PREFIX}test/work-hosts"
-    pg = placement_group([{"CPU": 2.0, "memory": 2**30}, {"GPU": 1.0}], name=name)
-    ray.get(pg.ready(), timeout=60)
-    yield {"cpu": Token(0, "n0", (), 0.0, 0.25, 0.1, placement_group=name, bundle_index=0),
-           "gpu": Token(1, "n0", (0,), 0.25, 0.0, 0.0, placement_group=name, bundle_index=1)}
-    remove_placement_group(pg)
+    remove_leftovers(wait_s=30)
+    name = f"test/work-hosts-{uuid.uuid4().hex[:8]}"
+    pg = placement_group([{"CPU": 0.5}, {"GPU": 0.25}], name=name)
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=60)
+        assert ready, f"the test's group could not be placed; free: {ray.available_resources()}"
+        yield {"cpu": Token(0, "n0", (), 0.0, 0.25, 0.1, placement_group=name, bundle_index=0),
+               "gpu": Token(1, "n0", (0,), 0.25, 0.0, 0.0, placement_group=name, bundle_index=1)}
+    finally:
+        remove_placement_group(pg)
 
 
 def alive(pid: int) -> bool:

@@ -76,8 +76,7 @@ class SchedulerRolloutManager:
         self.gateway = Gateway("http://gateway-url-not-asked-yet")
         self._gateway_pointed = all(ev.gateway is None for ev in self.cfg.evaluators)
         # a sample's function calls: warm hosts in its bundle, or a Ray task per call (pool.work)
-        self.work_hosts = WorkHosts()
-        executor = self.work_hosts.run if self.cfg.pool.work == "hosts" else run_in_bundle
+        executor = WorkHosts().run if self.cfg.pool.work == "hosts" else run_in_bundle
         self.steps = build_step_runner(self.cfg, self.engines, self.pool_client, executor=executor,
                                        open_sandbox=open_sandbox, release_previous=release, gateway=self.gateway)
         self.steps.observers.append(self.metrics)

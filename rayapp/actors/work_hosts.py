@@ -94,6 +94,12 @@ class _Bundle:
         host.idle_since = time.monotonic()
         self.idle.append(host)
 
+    def drop_idle(self) -> list[_Host]:
+        """Take out every idle host."""
+        out = list(self.idle)
+        self.idle.clear()
+        return out
+
     def stale(self, idle_s: float) -> list[_Host]:
         """Take out the hosts idle longer than ``idle_s`` (the oldest are first)."""
         out, now = [], time.monotonic()
@@ -155,7 +161,7 @@ class WorkHosts:
                 keep = True  # it ended, and its host is fine
                 raise
             except SandboxError:  # the host, its node or its bundle is gone: so are the idle ones there
-                for idle in bundle.stale(-1.0):
+                for idle in bundle.drop_idle():
                     _kill(idle)
                 raise
             keep = True

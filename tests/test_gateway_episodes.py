@@ -57,7 +57,7 @@ def test_64_concurrent_episodes_hold_only_their_own_calls_and_keys(tok):
 
     engine, done, denied, missing, ended, logs, still_open = run(asyncio.wait_for(main(), 300))
     assert len(engine.requests) == 2 * N and still_open == 0
-    # each episode is one routing session: its calls stay on one engine replica (rayapp.actors.routing)
+    # each episode is one routing session: its calls stay on one engine replica (rayapp.actors.app.STICKY_ROUTER)
     assert sorted(r.session_id for r in engine.requests) == sorted(f"ep-{i}" for i in range(N) for _ in range(2))
     for i, ((_, ctx, replies), log) in enumerate(zip(done, logs, strict=True)):
         assert replies == [f"echo secret-{i}"] * 2  # its own secret only: no reply crossed episodes

@@ -1,5 +1,5 @@
-"""Sticky routing (``rayapp.actors.routing``): the choice of a session's home replica, and the
-``SessionRouter`` inside Serve's own routing loop (the one a deployment handle runs) over
+"""Sticky routing: the engine deployments' request router (``rayapp.actors.app.STICKY_ROUTER``, Serve's
+own consistent-hash router) inside Serve's routing loop (the one a deployment handle runs), over
 in-process replicas that report their queue length as Serve's replica actors do. No cluster: the
 deployment-level behaviour is ``tests/isolated/test_sticky_serve.py``."""
 
@@ -9,32 +9,46 @@ import itertools
 
 import pytest
 from conftest import run
+from ray._common.utils import import_attr
 from ray.exceptions import ActorDiedError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-from ray.serve.request_router import PendingRequest, ReplicaID
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
 
-from rayapp.actors.routing import SessionRouter, home
+from rayapp.actors.app import STICKY_ROUTER
 from rayapp.core.convert import InputError
 from rayapp.inference.client import MAX_SESSION_ID, GenerateRequest, session_key, validate_request
 
 DEPLOYMENT = DeploymentID("engine-student", "rayapp")
 SESSIONS = [f"rollout0/math-{i}#{j}" for i in range(100) for j in range(4)]
+ROUTER = import_attr(STICKY_ROUTER["request_router_class"])
 
 
-def test_a_session_has_one_home_whatever_the_order_of_the_replicas():
-    replicas = ["a1", "b2", "c3", "d4"]
-    for s in SESSIONS[:50]:
-        homes = {home(s, list(p)) for p in itertools.permutations(replicas)}
-        assert len(homes) == 1
+def test_a_session_keeps_one_replica_whatever_the_order_the_replicas_are_listed_in():
+    async def main():
+        names = ["a1", "b2", "c3", "d4"]
+        homes = {}
+        for order in (names, names[::-1], names[1:] + names[:1]):
+            r = router([Replica(n) for n in order])
+            for s in SESSIONS[:50]:
+                chosen = {await route(r, s) for _ in range(3)}
+                assert len(chosen) == 1, (s, chosen)
+                homes.setdefault(s, set()).update(chosen)
+        return homes
+
+    assert all(len(h) == 1 for h in run(main()).values())
 
 
-def test_sessions_spread_evenly_and_a_lost_replica_moves_only_its_own_sessions():
-    replicas = ["a1", "b2", "c3", "d4"]
-    before = {s: home(s, replicas) for s in SESSIONS}
+def test_sessions_spread_over_replicas_and_a_lost_replica_moves_only_its_own_sessions():
+    async def main():
+        before = {s: await route(router([Replica(n) for n in ["a1", "b2", "c3", "d4"]]), s) for s in SESSIONS}
+        r = router([Replica(n) for n in ["a1", "c3", "d4"]])
+        after = {s: await route(r, s) for s in SESSIONS}
+        return before, after
+
+    before, after = run(main())
     counts = collections.Counter(before.values())
-    assert set(counts) == set(replicas)
-    assert all(60 <= n <= 140 for n in counts.values()), counts  # 100 each expected, of 400
-    after = {s: home(s, ["a1", "c3", "d4"]) for s in SESSIONS}
+    assert set(counts) == {"a1", "b2", "c3", "d4"}
+    assert all(50 <= n <= 150 for n in counts.values()), counts  # 100 each expected, of 400
     moved = {s for s in SESSIONS if after[s] != before[s]}
     assert moved == {s for s in SESSIONS if before[s] == "b2"}
 
@@ -64,17 +78,20 @@ class Replica:
         return self.queue
 
 
-def router(replicas: list[Replica]) -> SessionRouter:
-    r = SessionRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                      use_replica_queue_len_cache=False, initial_backoff_s=0.001, max_backoff_s=0.01)
-    r.update_replicas(replicas)
+def router(replicas: list[Replica] | None, cache: bool = False) -> RequestRouter:
+    """The app's router as a handle builds it (its class and kwargs from ``STICKY_ROUTER``)."""
+    r = ROUTER(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
+               use_replica_queue_len_cache=cache, initial_backoff_s=0.001, max_backoff_s=0.01)
+    r.initialize_state(**STICKY_ROUTER["request_router_kwargs"])
+    if replicas is not None:
+        r.update_replicas(replicas)
     return r
 
 
 _ids = itertools.count()
 
 
-async def route(r: SessionRouter, session: str = "") -> str:
+async def route(r: RequestRouter, session: str = "") -> str:
     """The replica Serve's loop picks for one request (the handle's router awaits the same call)."""
     n = next(_ids)
     pr = PendingRequest(args=[], kwargs={},
@@ -85,24 +102,12 @@ async def route(r: SessionRouter, session: str = "") -> str:
     return replica.replica_id.unique_id
 
 
-def test_every_call_of_a_session_goes_to_its_home_and_sessions_spread_over_replicas():
-    async def main():
-        replicas = [Replica("a1"), Replica("b2")]
-        r = router(replicas)
-        for s in SESSIONS[:40]:
-            chosen = {await route(r, s) for _ in range(5)}
-            assert chosen == {home(s, ["a1", "b2"])}
-        return collections.Counter([await route(r, s) for s in SESSIONS[:40]])
-
-    counts = run(main())
-    assert set(counts) == {"a1", "b2"} and min(counts.values()) >= 10, counts
-
-
 def test_a_saturated_home_sends_the_call_elsewhere_until_it_has_room_again():
     async def main():
         a, b = Replica("a1"), Replica("b2")
         r = router([a, b])
-        session = next(s for s in SESSIONS if home(s, ["a1", "b2"]) == "a1")
+        on_a = [s for s in SESSIONS[:20] if await home(s, ["a1", "b2"]) == "a1"]
+        session = on_a[0]
         assert await route(r, session) == "a1"
         a.queue = a.max_ongoing_requests  # full: Serve's probe says it takes no more
         spilled = await route(r, session)
@@ -112,40 +117,60 @@ def test_a_saturated_home_sends_the_call_elsewhere_until_it_has_room_again():
     assert run(main()) == ("b2", "a1")
 
 
+async def home(session: str, names: list[str]) -> str:
+    """The replica a fresh router over idle replicas ``names`` sends ``session`` to."""
+    return await route(router([Replica(n) for n in names]), session)
+
+
 def test_a_dead_home_sends_the_call_to_a_live_replica_and_leaves_the_others_sessions_alone():
     async def main():
+        homes = {s: await home(s, ["a1", "b2", "c3"]) for s in SESSIONS[:60]}
+        on_a = [s for s in homes if homes[s] == "a1"][:10]
+        elsewhere = [s for s in homes if homes[s] != "a1"][:10]
         a, b, c = Replica("a1"), Replica("b2"), Replica("c3")
         r = router([a, b, c])
-        ids = ["a1", "b2", "c3"]
-        on_a = [s for s in SESSIONS if home(s, ids) == "a1"][:10]
-        elsewhere = [s for s in SESSIONS if home(s, ids) != "a1"][:10]
         a.dead = True
         moved = {await route(r, s) for s in on_a}
-        kept = [await route(r, s) == home(s, ids) for s in elsewhere]
-        return moved, kept, set(x.unique_id for x in r.curr_replicas)
+        kept = [await route(r, s) == homes[s] for s in elsewhere]
+        return on_a, moved, kept, set(x.unique_id for x in r.curr_replicas)
 
-    moved, kept, live = run(main())
-    assert "a1" not in moved and moved <= {"b2", "c3"}
+    on_a, moved, kept, live = run(main())
+    assert on_a and "a1" not in moved and moved <= {"b2", "c3"}
     assert all(kept)
     assert live == {"b2", "c3"}  # Serve dropped the dead replica
 
 
-def test_a_call_without_a_session_goes_to_the_less_loaded_replica():
+def test_calls_without_a_session_spread_over_the_replicas():
     async def main():
-        a, b = Replica("a1"), Replica("b2")
-        a.queue, b.queue = 3, 0
-        r = router([a, b])
-        return {await route(r) for _ in range(10)}
+        r = router([Replica("a1"), Replica("b2")])
+        return collections.Counter([await route(r) for _ in range(200)])
 
-    assert run(main()) == {"b2"}
+    counts = run(main())
+    assert set(counts) == {"a1", "b2"} and min(counts.values()) >= 60, counts
+
+
+def test_a_same_session_burst_on_full_replicas_is_routed_in_full_once_they_have_room():
+    """Many calls of a few sessions while every replica is full (the routing loop backs off), then
+    room: every call gets a replica, none is left without its routing task."""
+    async def main():
+        a, b = Replica("a1", capacity=2), Replica("b2", capacity=2)
+        a.queue = b.queue = 2
+        r = router([a, b])
+        calls = [asyncio.create_task(route(r, SESSIONS[n % 3])) for n in range(30)]
+        await asyncio.sleep(0.2)
+        stuck = sum(c.done() for c in calls)
+        a.queue = b.queue = 0
+        done, pending = await asyncio.wait(calls, timeout=8)
+        return stuck, len(done), len(pending)
+
+    assert run(main()) == (0, 30, 0)
 
 
 def test_a_burst_that_arrives_before_the_replicas_are_known_is_routed_in_full():
     """As in a manager replica at start-up: calls wait for the controller's replica list, then every
-    one is routed (Serve's FIFO hand-over is not used, so no request may be left without its task)."""
+    one is routed."""
     async def main():
-        r = SessionRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
-                          use_replica_queue_len_cache=True, initial_backoff_s=0.001, max_backoff_s=0.01)
+        r = router(None, cache=True)
         sessions = ["", *SESSIONS[:3]]
         calls = []
         for n in range(40):

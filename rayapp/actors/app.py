@@ -27,7 +27,6 @@ from ray.serve import Application
 from rayapp.actors.engine import InferenceEngine
 from rayapp.actors.manager import SchedulerRolloutManager
 from rayapp.actors.pool import PlacementPoolService
-from rayapp.actors.routing import SessionRouter
 from rayapp.recipe import ARGS_SOURCE, check_live_gpus, load_recipe, parse_recipe
 from rayapp.recipe.config import EngineConfig
 
@@ -38,19 +37,28 @@ POOL_MAX_ONGOING = 100_000
 CONTROL_HEALTH_CHECK_S = 2.0
 # The pool and the manager live on the head node: losing a worker node must not take the ledger along.
 HEAD = "node:__internal_head__"
+# An episode's turns go to one engine replica, which keeps its conversation's KV cache (SGLang's radix
+# cache; the hf engine's prefix cache): Serve's own consistent-hash router over the call's session id
+# (``EngineClient`` sends the episode's as Serve's ``session_id`` option). A session's replica is a
+# pure function of the session and the live replicas, the same in every process holding a handle;
+# sessions spread over replicas by hashing; a replica that joins or leaves moves only its share; a
+# saturated or dead home sends the call to the next replicas on the ring (2 of them), and a call
+# without a session (info, health) hashes its own request id: spread evenly.
+STICKY_ROUTER = {
+    "request_router_class": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+    "request_router_kwargs": {"num_virtual_nodes": 100, "num_fallback_replicas": 2},
+}
 
 
-def engine_app(name: str, e: EngineConfig, checkpoint_dir: str | None = None, sticky: bool = False) -> Application:
-    """The inference deployment of engine ``name`` (``engine-<name>``), as the recipe sets it.
-    ``sticky``: an episode's turns to one replica (``rayapp.actors.routing``); off in ``build_app``
-    until the manager's calls are shown never to be left unrouted under load (docs/architecture.md)."""
+def engine_app(name: str, e: EngineConfig, checkpoint_dir: str | None = None) -> Application:
+    """The inference deployment of engine ``name`` (``engine-<name>``), as the recipe sets it, its
+    calls routed by session (``STICKY_ROUTER``)."""
     options: dict[str, Any] = {
         "name": f"engine-{name}", "num_replicas": e.num_replicas,
         "max_ongoing_requests": e.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
+        "request_router_config": STICKY_ROUTER,
     }
-    if sticky:
-        options["request_router_config"] = {"request_router_class": SessionRouter}
     if e.placement_group_bundles:  # a multi-GPU engine reserves its GPUs as one group
         options |= {"placement_group_bundles": e.placement_group_bundles,
                     "placement_group_strategy": e.placement_group_strategy}

@@ -6,8 +6,8 @@ timeout, cancels a request it stops waiting for (Serve routes the cancellation t
 that runs it), and turns transport failures into ``EngineConnectionError`` so an episode that
 loses its engine aborts as ``infra_conn``. Aborts and weight updates are broadcast to every
 replica, not sent through the router to one of them. A generation that names a session goes out
-with Serve's ``session_id`` option, which the deployment's router (``rayapp.actors.routing``) keeps
-on one replica; each output names the replica that made it (``hf@engine-student#<replica>``), so
+with Serve's ``session_id`` option, which the deployment's router (``rayapp.actors.app.STICKY_ROUTER``)
+keeps on one replica; each output names the replica that made it (``hf@engine-student#<replica>``), so
 an episode's turn records say where every turn ran.
 
 A weight update is checked here, for every backend, before the backend sees the path: it must lie

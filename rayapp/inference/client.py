@@ -45,7 +45,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     (fixed-length benchmarks and tests; sglang has the same switch). ``session_id`` names the
     episode the call belongs to: an engine with several replicas sends all of a session's calls to
     one of them while it can take them, so its KV cache of the conversation is reused
-    (``rayapp.actors.routing``); empty, the call goes wherever the load is lowest."""
+    (``rayapp.actors.app.STICKY_ROUTER``); empty, it goes to any replica."""
 
     input_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
     sampling: SamplingParams = SamplingParams()

@@ -21,6 +21,25 @@ EPISODES, TURNS = 16, 3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
 
 
+def fan_out_app():
+    """A deployment that calls the engine from inside its replica, as the manager does: one request of
+    its own fans out many concurrent engine calls (defined here: replicas get it by value)."""
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class FanOut:
+        def __init__(self, engine_handle):
+            self.engine = EngineClient(engine_handle, "student", timeout_s=60)
+
+        async def run(self, n: int, ids: list[int]) -> list[str]:
+            async def one(i: int) -> str:
+                session = f"rollout0/fan-{i}#0" if i % 4 else ""  # some calls name no session
+                return (await self.engine.generate(GenerateRequest(ids, GREEDY, session_id=session))).engine
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return FanOut
+
+
 @pytest.fixture(scope="module")
 def engine(cache_dir, model_dir):
     os.environ["RAYAPP_CACHE"] = str(cache_dir)  # the driver's copy of the engine's tokenizer files
@@ -36,7 +55,8 @@ def engine(cache_dir, model_dir):
             serve.start(proxy_location="Disabled")  # handles only: no HTTP port
             cfg = EngineConfig(num_replicas=2, num_cpus=0.5,
                                options={"model_path": str(model_dir), "max_concurrency": 4, "seed": 0})
-            handle = serve.run(engine_app("student", cfg), name="sticky", route_prefix=None)
+            serve.run(fan_out_app().bind(engine_app("student", cfg)), name="sticky", route_prefix=None)
+            handle = serve.get_deployment_handle("engine-student", app_name="sticky")
             yield EngineClient(handle, "student", timeout_s=120)
         finally:
             serve.shutdown()
@@ -116,3 +136,19 @@ def test_without_a_session_turns_spread_and_the_replicas_reuse_less(engine):
     print(f"prompt tokens reused over {EPISODES} episodes of {TURNS} turns: {reused_sticky} with sessions, "
           f"{reused_plain} without")
     assert reused_sticky > reused_plain
+
+
+def test_engine_calls_fanned_out_from_inside_a_replica_all_come_back(engine):
+    """The manager's case: one request to its replica makes many engine calls at once. Serve gives
+    them all that request's internal id unless the client gives each its own (``own_request_id``),
+    and the consistent-hash router then answered one and left the rest waiting."""
+    from ray import serve
+
+    async def main():
+        tok = await ChatAgent(engine, verify=lambda s, r: {}).tokenizer()
+        ids = tok.encode("Count to three.", add_special_tokens=False)
+        return await serve.get_app_handle("sticky").run.remote(32, ids)
+
+    engines = asyncio.run(asyncio.wait_for(main(), 240))
+    assert len(engines) == 32 and all(e.startswith("hf@engine-student#") for e in engines)
+    assert len(set(engines)) == 2  # both replicas answered

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
+from rayapp.actors.heap import trim_soon
 from rayapp.actors.http import ERRORS, error_response, exception_response, gateway_base_url, parse_step_id, summary
 from rayapp.actors.http_auth import HttpGuard, load_token
 from rayapp.actors.logs import follow_serve_logging
@@ -100,15 +101,21 @@ class SchedulerRolloutManager:
         (``rayapp.training.step_results``). ``tasks`` (Tasks, or dicts of a Task's fields): the
         trainer's, run as the step's groups instead of the data source's (``StepRunner.rollout``)."""
         self._watch()
-        await self._restore_weights()
-        await self._point_gateway()
-        return await self.steps.rollout(rollout_id, tasks)
+        try:
+            await self._restore_weights()
+            await self._point_gateway()
+            return await self.steps.rollout(rollout_id, tasks)
+        finally:
+            trim_soon()  # what the step freed, back to the OS (rayapp.actors.heap)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         self._watch()
-        await self._restore_weights()
-        await self._point_gateway()
-        return await self.steps.evaluate(rollout_id)
+        try:
+            await self._restore_weights()
+            await self._point_gateway()
+            return await self.steps.evaluate(rollout_id)
+        finally:
+            trim_soon()
 
     async def _restore_weights(self) -> None:
         """Every replica on the weights applied last, before a step (a replacement comes back on them)."""

@@ -77,7 +77,8 @@ def refuse_network():
 def cache_dir(request, tmp_path_factory) -> Path:
     if os.environ.get("RAYAPP_CACHE"):
         return Path(os.environ["RAYAPP_CACHE"])
-    return request.config.cache.mkdir("rayapp-cache") if request.config.cache else tmp_path_factory.mktemp("cache")
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider (the SGLang lane)
+    return cache.mkdir("rayapp-cache") if cache else tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="session")

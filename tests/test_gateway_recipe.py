@@ -82,6 +82,8 @@ def test_a_gateway_section_parses_with_its_defaults(mod):
     ({"agent": "{mod}:solve", "collect": ["out.txt"]}, "$.evaluators[0].gateway", "a command's settings"),
     ({"command": ["a"], "sandbox": True, "command_timeout_s": 0}, "$.evaluators[0].gateway.command_timeout_s",
      "> 0"),
+    ({"agent": "{mod}:solve", "tool_parser": "sglang:"}, "$.evaluators[0].gateway.tool_parser", "matching"),
+    ({"agent": "{mod}:solve", "tool_parser": "hermes"}, "$.evaluators[0].gateway.tool_parser", "matching"),
 ])
 def test_a_wrong_gateway_section_is_one_error_naming_its_field(mod, gateway, path, said):
     gateway = {k: v.format(mod=mod) if isinstance(v, str) else v for k, v in gateway.items()}
@@ -144,3 +146,23 @@ def test_the_example_recipe_names_its_agent_and_verifier_by_import_path(monkeypa
     imports = {line.split()[1].split(".")[0] for line in source.splitlines()
                if line.strip().startswith(("import ", "from "))}
     assert "openai" in imports and imports - {"openai"} <= sys.stdlib_module_names | {"__future__"}, imports
+
+
+def test_sglangs_tool_parser_is_checked_where_the_manager_builds_it_not_by_validate(mod):
+    """Validation (``check_builds``) takes the name's form only: a cluster recipe validates on a machine
+    without sglang. The manager's build needs sglang (not in this venv: the SGLang lane runs the
+    parser itself, tests/sglang_engine/test_tool_parser.py) and says so, naming the field."""
+    from rayapp.recipe.wiring import build_evaluator_specs, check_builds
+
+    async def nowhere(*args, **kwargs):
+        raise AssertionError("building an agent ran no work")
+
+    pytest.importorskip("openai")
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    cfg = parse_recipe(recipe({"agent": f"{mod}:solve", "tool_parser": "sglang:qwen25"}))
+    assert check_builds(cfg) == []
+    with pytest.raises(RecipeError) as info:
+        build_evaluator_specs(cfg, {"student": object()}, executor=nowhere, open_sandbox=nowhere, gateway=object())
+    assert info.value.path == "$.evaluators[0].gateway.tool_parser"
+    assert "needs the sglang package where the manager runs" in info.value.reason

@@ -57,13 +57,14 @@ class OpenAIAgent(AgentHandler):
 
     def __init__(self, gateway: Gateway, engine: Engine, agent: UserAgent, verify: Verifier, *,
                  executor: Executor = run_inline, open_sandbox: Callable[..., Awaitable[Any]] | None = None,
-                 segments: str = "last", call_timeout_s: float = 300.0):
+                 segments: str = "last", call_timeout_s: float = 300.0,
+                 tool_parser: Callable[[str, list[dict[str, Any]]], Any] | None = None):
         if segments not in ("last", "each"):
             raise ValueError(f"segments: expected 'last' or 'each', got {segments!r}")
         self._client_type = _openai().AsyncOpenAI  # a missing package fails where the agent is built
         self.gateway, self.engine, self.agent, self.verify = gateway, engine, agent, verify
         self.executor, self.open_sandbox = executor, open_sandbox
-        self.segments, self.call_timeout_s = segments, call_timeout_s
+        self.segments, self.call_timeout_s, self.tool_parser = segments, call_timeout_s, tool_parser
         self._tokenizer = EngineTokenizer(engine)
 
     async def tokenizer(self) -> Any:
@@ -71,7 +72,8 @@ class OpenAIAgent(AgentHandler):
         return await self._tokenizer.get()
 
     async def run(self, sample: Sample, ctx: EpisodeContext) -> AgentResult:
-        binding = EpisodeBinding(episode_id(sample, ctx), self.engine, await self.tokenizer(), ctx)
+        binding = EpisodeBinding(episode_id(sample, ctx), self.engine, await self.tokenizer(), ctx,
+                                 tool_parser=self.tool_parser)
         sandbox = None
         if self.open_sandbox is not None:  # closed with the episode, however it ends
             opened = await self.open_sandbox(ctx.token)

@@ -42,7 +42,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,7 @@ class EpisodeBinding:
     tokenizer: Any
     ctx: EpisodeContext
     model: str = "rayapp"  # the name GET /models lists; any model name in a request is accepted
+    tool_parser: Callable[[str, list[dict[str, Any]]], Any] | None = None  # None: tool_calls.parse_reply's own
 
 
 @dataclass
@@ -197,7 +198,8 @@ class Gateway:
         sampling, room, turn = self._admit(ep, len(call.ids), req, req.budget(), bool(tools))
         out = await self._generate(ep, call.ids, sampling, turn)
         tok = ep.convo.tok
-        reply = parse_reply(tok, _reply_text(tok, out, sampling.stop, bool(tools)), call.text, tools)
+        reply = parse_reply(tok, _reply_text(tok, out, sampling.stop, bool(tools)), call.text, tools,
+                            ep.binding.tool_parser)
         message = reply.message()
         ep.convo.record(call, out.output_ids, out.logprobs, message, index=turn - 1)
         self._done(ep, out, sampling, room)

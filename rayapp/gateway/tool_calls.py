@@ -28,6 +28,7 @@ import copy
 import json
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from jinja2 import TemplateError
 
 from rayapp.gateway.openai_api import ApiError
 
-__all__ = ["HERMES", "ParsedReply", "parse_reply", "tool_mode", "tools_tokenizer"]
+__all__ = ["HERMES", "ParsedReply", "openai_call", "parse_reply", "tool_mode", "tools_tokenizer"]
 
 TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 
@@ -124,17 +125,21 @@ class ParsedReply:
         return out
 
 
-def parse_reply(tok: Any, text: str, prefix: str, tools: list[dict[str, Any]] | None) -> ParsedReply:
+def parse_reply(tok: Any, text: str, prefix: str, tools: list[dict[str, Any]] | None,
+                parser: Callable[[str, list[dict[str, Any]]], ParsedReply] | None = None) -> ParsedReply:
     """``text`` (the model's reply, special tokens removed) as an assistant message; tool calls are
-    looked for only when ``tools`` are given (``tool_mode``)."""
+    looked for only when ``tools`` are given (``tool_mode``), by ``parser`` when the recipe names one
+    (``gateway.tool_parser``: ``rayapp.gateway.sglang_tools``), else as the module docstring says."""
     if not tools:
         return ParsedReply(text, [])
+    if parser is not None:
+        return parser(text, tools)
     own = getattr(tok, "response_template", None)
     try:
         parsed = tok.parse_response(text, own or HERMES, prefix=prefix if own else "", tools=tools)
     except (ValueError, KeyError, TypeError):  # a call region that is not JSON: the reply stays text
         return ParsedReply(text, [])
-    calls = [_openai_call(c) for c in parsed.get("tool_calls") or []]
+    calls = [openai_call(c) for c in parsed.get("tool_calls") or []]
     if any(c is None for c in calls):
         return ParsedReply(text, [])
     content = parsed.get("content")
@@ -143,7 +148,7 @@ def parse_reply(tok: Any, text: str, prefix: str, tools: list[dict[str, Any]] | 
     return ParsedReply(content or (None if calls else ""), calls, reasoning if isinstance(reasoning, str) else None)
 
 
-def _openai_call(call: Any) -> dict[str, Any] | None:
+def openai_call(call: Any) -> dict[str, Any] | None:
     """One parsed call in OpenAI's shape with a fresh id; None when it has no function name."""
     fn = call.get("function", call) if isinstance(call, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None

@@ -46,6 +46,12 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                     "(docs/agents.md)")] = "last"
     sandbox: Annotated[bool, Meta(description="open the evaluator's sandbox for each episode and hand it to the "
                                               "agent as its third argument; false: the agent gets None")] = False
+    tool_parser: Annotated[str, Meta(
+        pattern=r"^(transformers|sglang:[A-Za-z0-9_.-]+)$",
+        description="how a reply's tool calls are read: transformers (the tokenizer's response template, else "
+                    "the Hermes format) or sglang:<name>, SGLang's own parser of that name as its server's "
+                    "--tool-call-parser (qwen25, llama3, hermes, ...; sglang where the manager runs, checked "
+                    "when it starts)")] = "transformers"
 
 
 def check_gateways(recipe: Any) -> Iterator[tuple[str, str]]:

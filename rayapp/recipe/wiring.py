@@ -100,12 +100,21 @@ def _gateway_agent(at: str, ev: EvaluatorConfig, deps: AgentDeps, request_timeou
     else:
         with watch.field(f"{at}.gateway.agent"):
             agent = load_gateway_agent(gw.agent)
+    parser = None
+    if gw.tool_parser.startswith("sglang:") and not isinstance(deps.gateway, _NoGateway):  # the manager, not validate
+        from rayapp.gateway.sglang_tools import sglang_parser
+
+        try:
+            parser = sglang_parser(gw.tool_parser.removeprefix("sglang:"))
+        except RuntimeError as e:
+            raise RecipeError(ARGS_SOURCE, f"{at}.gateway.tool_parser", str(e)) from None
     try:
         # The client waits a little past the engine call's own limit, so the gateway's answer (an error
         # naming the engine's timeout) comes first.
         return OpenAIAgent(deps.gateway, deps.engine, agent, deps.verify or get_env(ev.env).verify,
                            executor=deps.executor, open_sandbox=deps.open_sandbox if gw.sandbox else None,
-                           segments=gw.segments, call_timeout_s=request_timeout_s + CLIENT_SLACK_S)
+                           segments=gw.segments, call_timeout_s=request_timeout_s + CLIENT_SLACK_S,
+                           tool_parser=parser)
     except RuntimeError as e:  # no openai package here
         raise RecipeError(ARGS_SOURCE, f"{at}.gateway.agent", str(e)) from None
 

@@ -247,3 +247,50 @@ def test_through_the_evaluator_the_verifier_reads_the_command_s_outcome_or_the_e
     else:
         assert s.reward == {"score": 1.0} and s.metadata["gateway"]["calls"] == 1
         assert s.metadata["agent_output"]["exit_code"] == 3
+
+
+DOCKER_AGENT = """
+import json, openai
+task = json.load(open("task.json"))
+client = openai.OpenAI(max_retries=0, timeout=60)
+reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=6)
+open("answer.txt", "w").write(reply.choices[0].message.content)
+"""
+
+
+def test_a_command_agent_in_a_docker_sandbox_reaches_its_episode_through_the_containers_bridge_folder(
+        tok, backend, tmp_path):
+    """The docker side of the bridge against a stand-in ``docker`` CLI (these machines have no Docker
+    engine: it runs the container's commands here, in the sandbox's workdir): the container is started
+    with its bridge folder mounted at the same path, the command finds its episode's gateway through the
+    socket there, its outcome comes back, and the folder goes with the container."""
+    from test_sandbox_docker import FAKE_DOCKER
+
+    from rayapp.envs.sandboxes import DockerSandbox
+
+    fake = tmp_path / "docker"
+    fake.write_text(FAKE_DOCKER)
+    fake.chmod(0o755)
+    (tmp_path / "ws").mkdir()
+
+    async def main():
+        async with served() as gw:
+            box = DockerSandbox("python:3.11", SandboxLimits(wall_seconds=60), docker=str(fake),
+                                workdir=str(tmp_path / "ws"))
+            async with box:
+                mount = f"{box.bridge_dir}:{box.bridge_dir}"
+                argv = " ".join(box.run_argv())
+                client, _ = open_episode(gw, "cmd-docker", InProcessEngine(backend), tok, episode_ctx(max_new_tokens=6))
+                await box.write_file("agent.py", DOCKER_AGENT)
+                out = await CommandAgent([sys.executable, "agent.py"], collect=("answer.txt",))(
+                    client, Sample("t-3", 0, "What is 2+2?"), box)
+                during = os.listdir(box.bridge_dir)  # each command's bridge folder is gone once it ends
+            return out, await gw.close("cmd-docker"), mount, argv, during, os.path.exists(box.bridge_dir)
+
+    out, log, mount, argv, during, still_there = run(asyncio.wait_for(main(), 120))
+    assert f"-v {mount}" in argv
+    assert out["exit_code"] == 0, out["stderr"]
+    seg = log.segments[0]
+    assert log.calls == 1
+    assert out["files"]["answer.txt"].strip() == tok.decode(seg.ids[seg.prompt_len:], skip_special_tokens=True).strip()
+    assert during == [] and not still_there

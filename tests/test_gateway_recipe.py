@@ -91,7 +91,7 @@ def test_a_wrong_gateway_section_is_one_error_naming_its_field(mod, gateway, pat
     assert e.path == path and said in e.reason, (e.path, e.reason)
 
 
-def test_a_command_agent_runs_in_a_local_sandbox_and_is_built_from_its_argv(mod):
+def test_a_command_agent_runs_in_a_local_or_docker_sandbox_and_is_built_from_its_argv(mod):
     from rayapp.gateway.command import CommandAgent
     from rayapp.recipe.wiring import check_builds
 
@@ -102,8 +102,7 @@ def test_a_command_agent_runs_in_a_local_sandbox_and_is_built_from_its_argv(mod)
     assert check_builds(parse_recipe(args)) == []
     assert CommandAgent(gw.command, timeout_s=gw.command_timeout_s).command == ["python3", "agent.py"]
     args["evaluators"][0]["sandbox"] = {"kind": "docker", "image": "python:3.11"}
-    e = refusal(args)
-    assert e.path == "$.evaluators[0].sandbox.kind" and "docker" in e.reason
+    assert parse_recipe(args).evaluators[0].sandbox.kind == "docker"
 
 
 @pytest.mark.parametrize("key, value", [("agent", "rayapp.envs.arithmetic:make_agent"), ("tools", ["calculator"]),

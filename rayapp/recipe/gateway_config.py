@@ -88,9 +88,6 @@ def _check_agent(at: str, ev: Any) -> Iterator[tuple[str, str]]:
     if (gw.agent is None) == (gw.command is None):
         yield f"{at}.gateway", "set one of agent (an async def by import path) and command (a program's argv)"
     elif gw.command is not None:
-        if ev.sandbox.kind != "local":
-            yield f"{at}.sandbox.kind", ("a gateway command runs in a local sandbox (its bridge to the gateway is "
-                                         "not built for docker yet: docs/agents.md)")
         if not gw.sandbox:
             yield f"{at}.gateway.sandbox", "a gateway command runs in the sample's sandbox: set sandbox: true"
     else:

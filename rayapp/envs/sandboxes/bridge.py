@@ -21,10 +21,13 @@ its rlimits; the bridge is its parent, so the wall clock, a cancellation or ``cl
 Where the sandbox has no network namespace the command could reach the host anyway; the bridge is
 used all the same, so the command finds the gateway the same way everywhere.
 
-Local sandboxes only so far (here, or in their bundle's actor: ``exec_with_gateway``). A Docker
-sandbox refuses with a ``SandboxError``: it would bind the bridge's folder into its container at
-``docker run`` (the container is made once, so the folder is made at ``start``), keep
-``--network none``, and need python3 in the image for the inner end (or a static forwarder).
+Local sandboxes (here, or in their bundle's actor: ``exec_with_gateway``) and Docker sandboxes. A
+Docker sandbox keeps ``--network none``; its container has a host folder of its own mounted at the
+same path (``DockerSandbox.bridge_dir``, made at ``start``), where the bridge puts its folder, and the
+inner end runs with the image's ``python3`` (an image without one fails the command: exit 127, "not
+found"). The container's user is the image's, unknown here, so in that folder the socket and the key
+file are open to every user who can name them: the folder's name is 128 random bits under a folder
+that cannot be listed (0711), and the gateway still checks the key.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from urllib.parse import urlsplit
 
 from rayapp.core.termination import SandboxError
 from rayapp.envs.sandboxes.base import ExecResult
+from rayapp.envs.sandboxes.docker import DockerSandbox
 from rayapp.envs.sandboxes.local import LocalProcessSandbox
 
 CONNECT_TIMEOUT_S = 10.0  # to the gateway's proxy
@@ -57,9 +61,9 @@ async def exec_with_gateway(sandbox: Any, argv: list[str], base_url: str, key: s
     remote = getattr(sandbox, "exec_with_gateway", None)
     if remote is not None:
         return await remote(argv, base_url, key, timeout_s=timeout_s, check_timeout=check_timeout)
-    if not isinstance(sandbox, LocalProcessSandbox):
-        raise SandboxError(f"a {type(sandbox).__name__} has no gateway bridge: a command agent needs a local "
-                           "sandbox (kind: local)")
+    if not isinstance(sandbox, LocalProcessSandbox | DockerSandbox):
+        raise SandboxError(f"a {type(sandbox).__name__} has no gateway bridge: a command agent needs a local or "
+                           "a docker sandbox")
     async with GatewayBridge(sandbox, base_url, key) as bridge:
         return await sandbox.exec(bridge.wrap(argv), timeout_s=timeout_s, check_timeout=check_timeout)
 
@@ -108,40 +112,48 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 class GatewayBridge:
-    """The host's end for one command of ``sandbox`` (a ``LocalProcessSandbox``, started), speaking
-    to ``base_url`` with ``key``. ``async with`` it around the command; ``wrap(argv)`` is what to run."""
+    """The host's end for one command of ``sandbox`` (a ``LocalProcessSandbox`` or a ``DockerSandbox``),
+    speaking to ``base_url`` with ``key``. ``async with`` it around the command; ``wrap(argv)`` is what
+    to run."""
 
-    def __init__(self, sandbox: LocalProcessSandbox, base_url: str, key: str):
+    def __init__(self, sandbox: LocalProcessSandbox | DockerSandbox, base_url: str, key: str):
         url = urlsplit(base_url)
         if url.scheme != "http" or not url.hostname or not url.port:
             raise ValueError(f"gateway base URL {base_url!r}: expected http://host:port/path")
         self.sandbox, self.key = sandbox, key
         self.host, self.port, self.path = url.hostname, url.port, url.path.rstrip("/")
-        self.folder = self.socket = ""
+        self.folder = self.socket = ""  # at the same path inside the sandbox as here
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` run behind the bridge, with OPENAI_BASE_URL / OPENAI_API_KEY in its environment."""
-        python = shutil.which("python3", path=self.sandbox.path)
-        if python is None:
-            raise SandboxError(f"no python3 on the sandbox's PATH {self.sandbox.path!r} to run its gateway bridge")
+        if isinstance(self.sandbox, DockerSandbox):
+            python = "python3"  # the image's, found on the container's PATH
+        else:
+            python = shutil.which("python3", path=self.sandbox.path)
+            if python is None:
+                raise SandboxError(f"no python3 on the sandbox's PATH {self.sandbox.path!r} to run its gateway bridge")
         return [python, "-I", "-S", "-c", INNER, self.socket, os.path.join(self.folder, "key"), self.path, "--",
                 *argv]
 
     async def __aenter__(self) -> GatewayBridge:
         await self.sandbox.start()
-        # The sandbox's base (the folder above its workdir) is at the same path inside its root.
-        base = os.path.dirname(self.sandbox.workdir)
-        self.folder = os.path.join(base, f"gw-{secrets.token_hex(4)}")
+        docker = isinstance(self.sandbox, DockerSandbox)
+        # A local sandbox's base (the folder above its workdir) is at the same path inside its root; a
+        # container's bridge folder is mounted at its host path.
+        base = self.sandbox.bridge_dir if docker else os.path.dirname(self.sandbox.workdir)
+        self.folder = os.path.join(base, f"gw-{secrets.token_hex(16 if docker else 4)}")
         self.socket = os.path.join(self.folder, "sock")
         if len(self.socket.encode()) > MAX_SOCKET_PATH:
             raise SandboxError(f"the gateway bridge's socket path {self.socket} is over {MAX_SOCKET_PATH} bytes: "
                                "give the sandbox a shorter root folder")
-        uid = self.sandbox.uid
+        uid = None if docker else self.sandbox.uid
         os.mkdir(self.folder, 0o711)  # ours: the sandbox user can reach its two files, not change them
         key_file = os.path.join(self.folder, "key")
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
+        # the container's user is the image's: the key is readable by any user who can name the folder
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o444 if docker else 0o400)
         try:
             os.write(fd, self.key.encode())
             if uid is not None:
@@ -149,7 +161,7 @@ class GatewayBridge:
         finally:
             os.close(fd)
         self._server = await asyncio.start_unix_server(self._carry, self.socket)
-        os.chmod(self.socket, 0o600)
+        os.chmod(self.socket, 0o666 if docker else 0o600)
         if uid is not None:
             os.chown(self.socket, uid, -1)
         return self

@@ -33,6 +33,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import weakref
 
 from rayapp.core.termination import AgentTimeout, SandboxError
@@ -77,8 +78,11 @@ def docker_available(docker: str = "docker", timeout_s: float = 5.0) -> tuple[bo
     return True, f"Docker engine {got.stdout.strip()}"
 
 
-def _remove(docker: str, container: str) -> None:
-    """``docker rm -f``, synchronously: the finalizer's (and close's) last word on the container."""
+def _remove(docker: str, container: str, bridge_dir: str = "") -> None:
+    """``docker rm -f``, synchronously: the finalizer's (and close's) last word on the container (and
+    on its bridge folder)."""
+    if bridge_dir:
+        shutil.rmtree(bridge_dir, ignore_errors=True)
     try:
         got = subprocess.run([docker, "rm", "-f", container], capture_output=True, text=True, timeout=ENGINE_CALL_S,
                              stdin=subprocess.DEVNULL, check=False)
@@ -102,6 +106,9 @@ class DockerSandbox:
         self.env = {"HOME": self.workdir, "LANG": "C.UTF-8", "TMPDIR": "/tmp", **thread_env(limits), **(env or {})}
         self.run_args, self.start_timeout_s = tuple(run_args), start_timeout_s
         self.network_isolated = not limits.network
+        # a host folder mounted at the same path in the container: gateway bridges put their sockets there
+        # (rayapp.envs.sandboxes.bridge); made at start, removed with the container
+        self.bridge_dir = ""
         self._started = self._closed = False
         self._start_lock = asyncio.Lock()
         self._finalizer: weakref.finalize | None = None
@@ -129,6 +136,8 @@ class DockerSandbox:
             argv += ["--ulimit", f"fsize={lim.max_file_bytes}:{lim.max_file_bytes}"]
         for key, value in self.env.items():
             argv += ["-e", f"{key}={value}"]
+        if self.bridge_dir:
+            argv += ["-v", f"{self.bridge_dir}:{self.bridge_dir}"]
         return [*argv, *self.run_args, "--entrypoint", "sleep", self.image, "infinity"]
 
     async def _docker(self, args: list[str], *, wall_s: float, stdin: bytes | None = None,
@@ -154,16 +163,20 @@ class DockerSandbox:
             if self._started:
                 return self
             # Registered before the run: a run that times out may still have made the container.
-            self._finalizer = weakref.finalize(self, _remove, self.docker, self.container)
+            self.bridge_dir = tempfile.mkdtemp(prefix="rayapp-gw-")
+            os.chmod(self.bridge_dir, 0o711)  # its entries are reached by name only
+            self._finalizer = weakref.finalize(self, _remove, self.docker, self.container, self.bridge_dir)
             try:
                 got = await self._docker(self.run_argv()[1:], wall_s=self.start_timeout_s)
             except SandboxError:
                 self._finalizer.detach()  # the CLI did not even run: there is no container to remove
+                shutil.rmtree(self.bridge_dir, ignore_errors=True)
                 raise
             if got.timed_out or got.returncode != 0:
                 why = "timed out" if got.timed_out else got.stderr.decode(errors="replace").strip()
                 if _NO_ENGINE.search(why):
                     self._finalizer.detach()  # no engine reached, so no container was made
+                    shutil.rmtree(self.bridge_dir, ignore_errors=True)
                 else:
                     await asyncio.to_thread(self._finalizer)
                 raise SandboxError(f"docker sandbox: `docker run {self.image}` failed: {why}")

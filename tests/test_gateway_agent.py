@@ -14,9 +14,10 @@ from agent_helpers import CALL, InProcessEngine, ScriptedEngine, recording
 from conftest import run
 from gateway_helpers import HangingEngine, served
 
-from rayapp.core.contracts import StepContext
+from rayapp.core.contracts import RolloutResult, StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.gateway.agents import OpenAIAgent
+from rayapp.training.converters import expand_segments, to_slime, trainer_sample, verl_tensors
 from rayapp.types import EvaluatorSpec, Resource, Sample, SamplingParams, Status, StoppingCriteria, Task, TaskConfig
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openai_agent"
@@ -150,6 +151,23 @@ def test_each_segment_rides_along_when_the_agent_edits_its_history(example, tok,
     [earlier] = each.metadata["gateway_segments"]
     assert earlier["tokens"][earlier["prompt_len"]:] == list(engine.outputs[2])  # the first call of this run
     assert earlier["loss_mask"] == [1] * len(engine.outputs[2]) and earlier["reason"] is None
+
+    # the trainer's rows: one per segment, sharing the group, index and reward (expand_segments)
+    result = RolloutResult(0, [[trainer_sample(each)], [trainer_sample(last)]])
+    rows = expand_segments(result)
+    assert [len(g) for g in rows.groups] == [2, 1] and [len(g) for g in result.groups] == [1, 1]
+    first, second = rows.groups[0]
+    assert first.tokens == earlier["tokens"] and first.response_length == len(engine.outputs[2])
+    assert first.loss_mask == earlier["loss_mask"] and first.rollout_log_probs == earlier["rollout_log_probs"]
+    assert second.tokens == each.tokens and second.loss_mask == each.loss_mask
+    assert first.reward == second.reward == each.reward and first.index == second.index == each.index
+    assert [s.metadata["gateway_segment"] for s in (first, second)] == [
+        {"index": 0, "of": 2, "reason": None}, {"index": 1, "of": 2}]
+    assert "gateway_segments" not in first.metadata and rows.groups[1][0] is result.groups[1][0]
+    assert [d["group_index"] for d in to_slime(rows)] == [0, 0, 1]
+    tensors = verl_tensors(rows)
+    assert tensors["non_tensors"]["uid"][0] == tensors["non_tensors"]["uid"][1]  # one GRPO group
+    assert tensors["tensors"]["response_mask"][0].sum().item() == sum(earlier["loss_mask"])
 
 
 class Hanging(HangingEngine):

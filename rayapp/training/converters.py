@@ -275,6 +275,32 @@ def verl_tensors(result: RolloutResult, *, pad_token_id: int = 0, prompt_length:
     return {"tensors": tensors, "non_tensors": non_tensors, "meta_info": {"rollout_id": result.rollout_id}}
 
 
+SEGMENTS = "gateway_segments"  # a gateway sample's earlier segments, with its evaluator's segments: each
+
+
+def expand_segments(result: RolloutResult) -> RolloutResult:
+    """``result`` with every sample a gateway agent kept under ``segments: each`` as one sample per
+    segment, the earlier first: each holds that segment's tokens, loss mask and log-probs and shares
+    the sample's group, index, reward and status; ``metadata["gateway_segment"]`` numbers it
+    (``index`` of ``of``; ``reason``: why it began, for all but the last). Other samples are left as
+    they are; so is ``result``. The groups grow past their size: for a trainer whose loss takes
+    groups of any size (verl's GRPO advantage groups by ``uid``; rayapp's GRPO trainer); the trainer
+    adapters, whose loops fix a group's size, take the last segment (docs/agents.md)."""
+    def rows(s: Sample) -> list[Sample]:
+        earlier = s.metadata.get(SEGMENTS)
+        if not earlier:
+            return [s]
+        meta, n = {k: v for k, v in s.metadata.items() if k != SEGMENTS}, len(earlier) + 1
+        out = [msgspec.structs.replace(
+            s, tokens=list(seg["tokens"]), response_length=len(seg["tokens"]) - seg["prompt_len"], response="",
+            loss_mask=list(seg["loss_mask"]), rollout_log_probs=list(seg["rollout_log_probs"]),
+            metadata={**meta, "gateway_segment": {"index": i, "of": n, "reason": seg["reason"]}})
+            for i, seg in enumerate(earlier)]
+        return [*out, msgspec.structs.replace(s, metadata={**meta, "gateway_segment": {"index": n - 1, "of": n}})]
+
+    return msgspec.structs.replace(result, groups=[[r for s in g for r in rows(s)] for g in result.groups])
+
+
 def to_verl(result: RolloutResult, **kwargs: Any) -> Any:
     """``result`` as a ``verl.DataProto`` (``verl_tensors``' keyword arguments apply). Needs verl."""
     from verl import DataProto

@@ -54,7 +54,7 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from rayapp.actors.app import HEAD, POOL_MAX_ONGOING
+from rayapp.actors.app import HEAD, POOL_MAX_ONGOING, STICKY_ROUTER
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.nodes import NODE_LABEL
 from rayapp.actors.pool import GROUP_PREFIX, PlacementPoolService, run_in_bundle
@@ -273,8 +273,8 @@ def start(args) -> tuple[Cluster, dict, object, object]:
     pool = serve.deployment(PlacementPoolService, name="PlacementPoolService", max_ongoing_requests=POOL_MAX_ONGOING,
                             ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
     pool = pool.bind(LAYOUT, None, None, 20.0)
-    engine = serve.deployment(chaos_weights.FakeEngine, name="engine", num_replicas=2,
-                              ray_actor_options={"num_cpus": 0}).bind()
+    engine = serve.deployment(chaos_weights.FakeEngine, name="engine", num_replicas=2,  # routed as the app's are
+                              ray_actor_options={"num_cpus": 0}, request_router_config=STICKY_ROUTER).bind()
     manager = serve.deployment(ChaosManager, name="ChaosManager", max_ongoing_requests=1000,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
     handle = serve.run(manager.bind(pool, engine, args.batch_size, args.n_samples, args.results_dir), name=APP,

@@ -34,6 +34,7 @@ from rayapp.core.termination import AgentOutputError
 from rayapp.envs.agents.chat import Engine, EngineTokenizer, Executor, Verifier, run_inline
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.service import EpisodeBinding, EpisodeLog, Gateway
+from rayapp.gateway.tool_calls import ToolParser
 from rayapp.record import TerminationReason
 from rayapp.types import AgentResult, Sample
 
@@ -58,7 +59,7 @@ class OpenAIAgent(AgentHandler):
     def __init__(self, gateway: Gateway, engine: Engine, agent: UserAgent, verify: Verifier, *,
                  executor: Executor = run_inline, open_sandbox: Callable[..., Awaitable[Any]] | None = None,
                  segments: str = "last", call_timeout_s: float = 300.0,
-                 tool_parser: Callable[[str, list[dict[str, Any]]], Any] | None = None):
+                 tool_parser: ToolParser | None = None):
         if segments not in ("last", "each"):
             raise ValueError(f"segments: expected 'last' or 'each', got {segments!r}")
         self._client_type = _openai().AsyncOpenAI  # a missing package fails where the agent is built

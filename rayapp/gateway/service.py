@@ -42,7 +42,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ from rayapp.episode import EpisodeContext
 from rayapp.gateway.accounting import Conversation, Segment, SegmentReason
 from rayapp.gateway.episodes import EpisodeKeys
 from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion
-from rayapp.gateway.tool_calls import parse_reply, tool_mode, tools_tokenizer
+from rayapp.gateway.tool_calls import ToolParser, parse_reply, tool_mode, tools_tokenizer
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest, generate_abortable, session_key
 from rayapp.record import TerminationReason
 from rayapp.types import SamplingParams
@@ -77,7 +77,7 @@ class EpisodeBinding:
     tokenizer: Any
     ctx: EpisodeContext
     model: str = "rayapp"  # the name GET /models lists; any model name in a request is accepted
-    tool_parser: Callable[[str, list[dict[str, Any]]], Any] | None = None  # None: tool_calls.parse_reply's own
+    tool_parser: ToolParser | None = None  # None: tool_calls.parse_reply's own
 
 
 @dataclass

@@ -11,15 +11,11 @@ only the name's form, the manager checks that SGLang has it when it starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from rayapp.gateway.tool_calls import ParsedReply, openai_call
+from rayapp.gateway.tool_calls import ParsedReply, ToolParser, openai_call
 
-__all__ = ["ToolParser", "sglang_parser"]
-
-ToolParser = Callable[[str, list[dict[str, Any]]], ParsedReply]
-
+__all__ = ["sglang_parser"]
 
 def sglang_parser(name: str) -> ToolParser:
     """SGLang's parser ``name`` as the gateway's; RuntimeError naming the problem where sglang is

@@ -36,7 +36,7 @@ from jinja2 import TemplateError
 
 from rayapp.gateway.openai_api import ApiError
 
-__all__ = ["HERMES", "ParsedReply", "openai_call", "parse_reply", "tool_mode", "tools_tokenizer"]
+__all__ = ["HERMES", "ParsedReply", "ToolParser", "openai_call", "parse_reply", "tool_mode", "tools_tokenizer"]
 
 TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 
@@ -125,8 +125,12 @@ class ParsedReply:
         return out
 
 
+# a recipe's own reading of a reply's tool calls (gateway.tool_parser): (text, tools) -> the message
+ToolParser = Callable[[str, list[dict[str, Any]]], ParsedReply]
+
+
 def parse_reply(tok: Any, text: str, prefix: str, tools: list[dict[str, Any]] | None,
-                parser: Callable[[str, list[dict[str, Any]]], ParsedReply] | None = None) -> ParsedReply:
+                parser: ToolParser | None = None) -> ParsedReply:
     """``text`` (the model's reply, special tokens removed) as an assistant message; tool calls are
     looked for only when ``tools`` are given (``tool_mode``), by ``parser`` when the recipe names one
     (``gateway.tool_parser``: ``rayapp.gateway.sglang_tools``), else as the module docstring says."""

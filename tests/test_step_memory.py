@@ -14,6 +14,7 @@ import tracemalloc
 from test_training_step import _counting
 
 from rayapp.core.clock import run_virtual
+from rayapp.training import timeline
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.step import StepRunner
@@ -50,7 +51,10 @@ def interned_by_pathlib() -> list[tracemalloc.Filter]:
     return [tracemalloc.Filter(False, pathlib.__file__, lineno=n) for n in lines]
 
 
-def test_two_hundred_steps_plateau(make_pool, tmp_path):
+def test_two_hundred_steps_plateau(make_pool, tmp_path, monkeypatch):
+    # the timelines' traces are written, their PNGs not: matplotlib's drawing is most of a step's time here
+    # (338 s for the 200 steps with it); the replica's memory with PNGs is bench/replica_memory.py's
+    monkeypatch.setattr(timeline, "_pyplot", False)
     log = []
     runner = StepRunner(_counting(make_pool, log, checkpointable=True), checkpoint=RolloutCheckpoint(tmp_path),
                         details=EvalDetailsWriter(tmp_path))

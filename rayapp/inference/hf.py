@@ -206,7 +206,7 @@ class HFBackend:
         return GenerateOutput(
             request_id=rid, output_ids=state.output_ids, logprobs=state.logprobs, finish_reason=state.finish,
             text=state.text, prompt_len=len(state.input_ids), engine=self.name,
-            weight_version=str(state.weight_version),
+            weight_version=state.weight_version,
         )
 
     async def abort(self, request_id: str | None = None) -> int:

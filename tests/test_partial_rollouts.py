@@ -17,7 +17,7 @@ from rayapp.core.contracts import RolloutPlan, SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import EpisodeRecord, ResumePoint, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
-from rayapp.training.partial import PartialConfig, PartialRollouts, stamp_versions, staleness
+from rayapp.training.partial import PartialConfig, PartialRollouts, staleness, stamp_versions
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status, Task, TaskConfig
 
 H = 3600.0

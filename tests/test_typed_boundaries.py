@@ -115,9 +115,9 @@ def _version_parsing(tree: ast.AST) -> list[int]:
     for n in ast.walk(tree):
         if isinstance(n, ast.Call):
             f = n.func
-            if isinstance(f, ast.Attribute) and f.attr in PARSERS and version(f.value):
-                lines.append(n.lineno)
-            elif isinstance(f, ast.Name) and f.id == "int" and any(map(version, n.args)):
+            parses = isinstance(f, ast.Attribute) and f.attr in PARSERS and version(f.value)
+            converts = isinstance(f, ast.Name) and f.id == "int" and any(map(version, n.args))
+            if parses or converts:
                 lines.append(n.lineno)
         elif isinstance(n, ast.Compare):
             sides = [n.left, *n.comparators]

@@ -90,7 +90,7 @@ class InferenceBackend(Protocol):
         """``{"ok": bool, "backend": name, "model": path, "in_flight": n, ...}``."""
         ...
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+    async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> dict[str, Any]:
         """Load new weights between requests, named ``version`` (None: one past the current);
         ``{"ok": True, "path": path, "version": n}``. The path is the engine deployment's to confine
         (``rayapp.inference.weight_paths``) before it gets here."""

@@ -66,7 +66,7 @@ from rayapp.inference.client import (
     GenerateRequest,
     validate_request,
 )
-from rayapp.record import weight_version_of
+from rayapp.record import WeightVersion, weight_version_of
 
 INSTALL_HINT = "pip install rayapp[sglang] on a GPU node"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -307,7 +307,7 @@ class SGLangBackend:
         except TypeError:  # sglang before weight_version
             return UpdateWeightFromDiskReqInput(model_path=path)
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+    async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> dict[str, Any]:
         """Load the trainer's checkpoint in place as ``version`` (default: one past the current; sglang
         waits for in-flight requests, then loads, and rolls back on failure). Raises ValueError when
         sglang refuses it."""

@@ -67,7 +67,7 @@ from rayapp.envs.sandboxes import SandboxLimits
 from rayapp.inference.client import GenerateRequest
 from rayapp.training.step_results import StepResults
 from rayapp.training.weight_sync import WeightSync
-from rayapp.types import AgentResult, EvaluatorSpec, Resource, SamplingParams, Status, Task, TaskConfig
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, SamplingParams, Status, StepKind, Task, TaskConfig
 
 APP = "rayapp-chaos"
 NODES = ("node-a", "node-b")
@@ -139,7 +139,7 @@ class ChaosManager:
             self.freed_previous = asyncio.ensure_future(self.pool.release_owner())
         await asyncio.shield(self.freed_previous)
         await self.weights.restore()  # as the app's manager, before each step: a replacement on the record
-        return await self.steps.once("rollout", rollout_id, self._run)
+        return await self.steps.once(StepKind.ROLLOUT, rollout_id, self._run)
 
     async def update_weights(self, path: str) -> int:
         await self.weights.update("engine", path)

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
+from rayapp.training.weight_sync import Applied
 from rayapp.types import Status
 
 VERSION = re.compile(r" w(\d+)$")  # the weights a sample's turn came from, at the end of its response
@@ -29,21 +30,21 @@ class FakeEngine:
     """An engine replica that answers after a short think: the kill, not the model, is under test."""
 
     def __init__(self) -> None:
-        self._applied: dict[str, Any] | None = None  # None: the weights it started with (version 0)
+        self._applied: Applied | None = None  # None: the weights it started with (version 0)
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         await asyncio.sleep(0.05)
         n = req.sampling.max_new_tokens
-        version = str(self._applied["version"]) if self._applied else "0"
+        version = self._applied.version if self._applied else 0
         return GenerateOutput(req.request_id, list(range(1, n + 1)), [-0.1] * n, FinishReason.STOP,
                               weight_version=version)
 
     async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
         await asyncio.sleep(0.05)
-        self._applied = {"path": path, "version": version}
+        self._applied = Applied(path, version)
         return {"ok": True, "path": path, "version": version}
 
-    def applied_weights(self) -> dict[str, Any] | None:
+    def applied_weights(self) -> Applied | None:
         return self._applied
 
 

@@ -36,8 +36,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from rayapp.actors.pool import GROUP_PREFIX, run_in_bundle
 from rayapp.actors.work_hosts import WorkHosts
 from rayapp.cli.local import process_auth_token
-from rayapp.envs.agents.chat import run_inline
 from rayapp.envs.math import verify as math_verify
+from rayapp.envs.protocol import run_inline
 from rayapp.types import AgentResult, Sample, Token
 
 SAMPLE = Sample("t0", 0, "What is 2+2?", "4")

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from rayapp.record import Actor, EpisodeRecord, Iteration, TurnRecord
+from rayapp.record import Actor, EpisodeRecord, Iteration, TurnRecord, WeightVersion
 from rayapp.types import SamplingParams, StepKind, StoppingCriteria, Token
 
 R = TypeVar("R")
@@ -45,18 +45,18 @@ class EpisodeContext(msgspec.Struct):
     _exits: AsyncExitStack | None = None  # made by the first keep: most episodes keep nothing
 
     def record_turn(self, turn: int, engine: str, actor: Actor | None = None, *,
-                    engine_s: float | None = None, weight_version: str | None = None) -> None:
+                    engine_s: float | None = None, weight_version: WeightVersion | None = None) -> None:
         """Count model turn ``turn`` as done and record who answered it, where, how long the engine
-        took (``engine_s``) and with which weights (``weight_version``, as the engine names them)."""
+        took (``engine_s``) and with which weights (``weight_version``, as the engine reports them)."""
         self.record.turns = turn
         self.record.add_turn(self.turn_record(turn, engine, actor, engine_s=engine_s,
                                                          weight_version=weight_version))
 
     def turn_record(self, turn: int, engine: str, actor: Actor | None = None, *,
-                    engine_s: float | None = None, weight_version: str | None = None) -> TurnRecord:
+                    engine_s: float | None = None, weight_version: WeightVersion | None = None) -> TurnRecord:
         """The record of model turn ``turn`` (``record_turn``), without counting the turn as done."""
         where = (self.token.node, list(self.token.gpu_ids)) if self.token is not None else (None, None)
-        return TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s, weight_version=weight_version or None)
+        return TurnRecord(turn, engine, *where, actor=actor, engine_s=engine_s, weight_version=weight_version)
 
     def keep(self, name: str, resource: R, close: Callable[[], Awaitable[Any]]) -> R:
         """Hold ``resource`` under ``name`` until the episode ends; ``close()`` is awaited then."""

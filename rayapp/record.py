@@ -12,6 +12,24 @@ from typing import Annotated, Any
 
 import msgspec
 
+# The name of the weights an engine serves, one type from the engine's report through the turn record,
+# staleness, weight sync and the trainer's metadata. An int, because every use is arithmetic or order
+# (the manager names each update the last applied + 1, and staleness is the current step minus the
+# oldest version a sample used); the one backend that reports text (SGLang's meta_info) goes through
+# ``weight_version_of`` once, where its answer is read. None where an engine names no version.
+WeightVersion = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def weight_version_of(report: str | int | None, where: str) -> WeightVersion | None:
+    """An engine's report of its weights as a ``WeightVersion``: None when it names none (None or "");
+    text holding a non-negative integer as that int. Anything else is one ValueError naming ``where``."""
+    if report is None or report == "":
+        return None
+    text = str(report)
+    if not text.isdecimal():
+        raise ValueError(f"{where}: weight_version {report!r} is not a non-negative integer")
+    return int(text)
+
 
 class TerminationReason(enum.StrEnum):
     """Why an agent ended its own episode (``AgentResult.termination_reason``)."""
@@ -70,7 +88,7 @@ class TurnRecord(msgspec.Struct, omit_defaults=True):
     gpu_ids: list[int] | None = None
     actor: Actor | None = None
     engine_s: float | None = None
-    weight_version: str | None = None
+    weight_version: WeightVersion | None = None
 
 
 class ToolReplay(msgspec.Struct, forbid_unknown_fields=True):

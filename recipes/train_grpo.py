@@ -42,7 +42,7 @@ def accuracy(samples: list, kind: str | None = None) -> float:
 def stale_samples(groups: list, version: int) -> int:
     """Samples with a model turn that did not run on weight version ``version``."""
     return sum(1 for g in groups for s in g
-               if any(str(t.get("weight_version")) != str(version) for t in s.metadata.get("_turn_placement", [])))
+               if any(t.get("weight_version") != version for t in s.metadata.get("_turn_placement", [])))
 
 
 def tool_share(groups: list) -> float:

@@ -9,9 +9,8 @@ from conftest import run
 from test_agent_multiturn import ScriptedEngine
 
 from rayapp.cli import ROOT
-from rayapp.envs.agents.chat import run_inline
 from rayapp.envs.agents.dagger import DAggerAgent
-from rayapp.envs.protocol import AgentDeps
+from rayapp.envs.protocol import AgentDeps, run_inline
 from rayapp.envs.sandboxes import make_sandbox
 from rayapp.envs.swe import DAggerSweAgent, SweAgent, load_repos, load_swe_tasks
 from rayapp.episode import EpisodeContext

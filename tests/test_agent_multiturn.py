@@ -292,7 +292,7 @@ def test_the_engines_window_ending_a_turn_is_max_context_and_the_budget_is_lengt
 
 
 def test_episodes_starting_at_once_share_one_tokenizer_load_and_a_failed_load_is_retried(model_dir):
-    from rayapp.envs.agents.chat import EngineTokenizer
+    from rayapp.envs.protocol import EngineTokenizer
 
     class CountingEngine:
         def __init__(self):

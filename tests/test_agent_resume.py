@@ -127,7 +127,7 @@ def test_a_cut_short_dagger_roll_in_resumes_with_its_labels_and_per_turn_weights
         return EpisodeContext(0, None, StoppingCriteria(max_turns=5), SamplingParams(max_new_tokens=64),
                               Iteration(beta=0.0, t_max=0))
 
-    student = versioned(recording(ScriptedEngine(tok, model_dir, [CALL] * 8)), "0")
+    student = versioned(recording(ScriptedEngine(tok, model_dir, [CALL] * 8)), 0)
     teacher = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."] * 8))
     hang, real = asyncio.Event(), student.generate
 
@@ -145,7 +145,7 @@ def test_a_cut_short_dagger_roll_in_resumes_with_its_labels_and_per_turn_weights
     point = c1.record.resume
     assert point.turns == 2 and [lab.turn for lab in point.dagger_labels] == [1, 2]
 
-    student2 = versioned(recording(ScriptedEngine(tok, model_dir, ["The answer is 4."])), "1")
+    student2 = versioned(recording(ScriptedEngine(tok, model_dir, ["The answer is 4."])), 1)
     teacher2 = recording(ScriptedEngine(tok, model_dir, ["The answer is 4."] * 8))
     s = sample()
     s.episode.start = point
@@ -157,4 +157,4 @@ def test_a_cut_short_dagger_roll_in_resumes_with_its_labels_and_per_turn_weights
     meta = episode_metadata(c2.record)
     assert [lab["turn"] for lab in meta["_dagger_labels"]] == [1, 2, 3]
     assert meta["_dagger_labels"][:2] == msgspec.to_builtins(point.dagger_labels)
-    assert [r.weight_version for r in c2.record.turn_records] == ["0", "0", "1"]  # the staleness per turn
+    assert [r.weight_version for r in c2.record.turn_records] == [0, 0, 1]  # the staleness per turn

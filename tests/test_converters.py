@@ -54,8 +54,8 @@ def make_sample(task: str, index: int, prompt: list[int], response: list[int], *
 
 def two_groups() -> RolloutResult:
     return RolloutResult(7, [
-        [make_sample("t0", 0, [11, 12, 13], [21, 22], score=1.0, versions=["3"]),
-         make_sample("t0", 1, [11, 12, 13], [31, 32, 33, 34], mask=[1, 0, 0, 1], score=0.0, versions=["3", "4"])],
+        [make_sample("t0", 0, [11, 12, 13], [21, 22], score=1.0, versions=[3]),
+         make_sample("t0", 1, [11, 12, 13], [31, 32, 33, 34], mask=[1, 0, 0, 1], score=0.0, versions=[0, 4])],
         [make_sample("t1", 0, [14], [41], score=0.5),
          make_sample("t1", 1, [14], [51, 52, 53], score=1.0, removed=True)],
     ])
@@ -155,7 +155,7 @@ def test_slime_dicts_carry_what_slime_reads():
     assert all(set(d) == SLIME_FIELDS for d in out)
     assert [d["group_index"] for d in out] == [0, 0, 1, 1] and [d["index"] for d in out] == [0, 1, 0, 1]
     assert [d["reward"] for d in out] == [1.0, 0.0, 0.5, 1.0]
-    assert [d["weight_versions"] for d in out] == [["3"], ["3", "4"], [], []]
+    assert [d["weight_versions"] for d in out] == [["3"], ["0", "4"], [], []]  # slime types them str
     assert out[3]["remove_sample"] is True and out[0]["status"] == "completed"
     s = result.groups[0][1]
     assert out[1]["tokens"] == s.tokens and out[1]["loss_mask"] == s.loss_mask
@@ -189,7 +189,7 @@ def test_the_real_verl_dataproto_takes_the_batch_and_grpo_groups_it():
 
 
 def _full_record() -> EpisodeRecord:
-    turns = [TurnRecord(1, "teacher", "n0", [0], Actor.TEACHER, 0.5, "3"),
+    turns = [TurnRecord(1, "teacher", "n0", [0], Actor.TEACHER, 0.5, 3),
              TurnRecord(2, "student", actor=Actor.STUDENT)]
     point = ResumePoint(2, [1, 2, 3], 1, [1, 0], [-0.5, 0.0], turns, [ToolReplay("bash", {"command": "ls"})],
                         [DaggerLabel(2, 3, [7], "x")], partial=1)
@@ -209,7 +209,7 @@ def test_the_door_writes_the_spec_keys_and_reads_them_back():
     assert m["_dataset_name"] == "a" and m["_turns"] == 2 and m["_termination_reason"] == "max_turns"
     assert m["_placement"] == {"node": "n0", "gpu_ids": [0], "gpu": 0.5} and m["_turn_actor"] == ["teacher", "student"]
     assert m["_turn_placement"][0] == {"turn": 1, "engine": "teacher", "node": "n0", "gpu_ids": [0],
-                                       "actor": "teacher", "engine_s": 0.5, "weight_version": "3"}
+                                       "actor": "teacher", "engine_s": 0.5, "weight_version": 3}
     assert m["_timing"] == {"started": 1.0, "batch": "rollout0/b0", "queued": 0.25, "admitted": 0.5, "run_s": 2.0,
                             "verify_s": 0.5, "ended": 3.5}
     assert m["_resume"]["turns"] == 2 and m["_dagger_labels"] == [{"turn": 2, "state_len": 3, "label_ids": [7],

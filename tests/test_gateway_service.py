@@ -97,7 +97,7 @@ def test_a_multi_turn_tool_episode_through_the_sdk_is_the_engines_exact_tokens(t
     assert "".join(t for t, _ in tokens) == tok.decode(engine.outputs[2], skip_special_tokens=False)
     # the episode record has each call as a turn of the engine that answered it
     assert ctx.record.turns == 3
-    assert [(t.engine, t.weight_version) for t in ctx.record.turn_records] == [("hf", "0")] * 3
+    assert [(t.engine, t.weight_version) for t in ctx.record.turn_records] == [("hf", 0)] * 3
     # every request ran under the cascade's bound and paused after a tool call
     assert all(r.sampling.max_new_tokens == 16 and "</tool_call>" in r.sampling.stop for r in engine.sent)
     assert [r.sampling.seed for r in engine.sent] == [1, 2, 3]

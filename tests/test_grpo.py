@@ -159,7 +159,7 @@ def test_a_step_starts_on_policy_raises_the_rewarded_samples_and_the_engine_serv
     reply = asyncio.run(engine.update_weights_from_disk(str(folder)))
     assert reply["ok"] and reply["version"] == version_before + 1
     fresh = _rollouts(engine, ["What is 40 + 2?"], 2, 1.0)
-    assert {s.metadata["weight_version"] for s in fresh} == {str(version_before + 1)}
+    assert {s.metadata["weight_version"] for s in fresh} == {version_before + 1}
     b = make_batch(fresh, [0.0] * len(fresh))
     with torch.no_grad():
         served = token_logprobs(model, b.ids, b.attention)

@@ -84,7 +84,7 @@ def test_generates_real_text_with_logprobs(backend, greedy, prompt):
     assert greedy.text == backend.tokenizer.decode(greedy.output_ids, skip_special_tokens=True)
     assert greedy.text.startswith("The answer is ") and greedy.text.endswith(".")  # pretraining taught the format
     assert len(greedy.logprobs) == len(greedy.output_ids) and all(lp <= 0 for lp in greedy.logprobs)
-    assert (greedy.prompt_len, greedy.engine, greedy.weight_version) == (len(prompt), "hf", "0")
+    assert (greedy.prompt_len, greedy.engine, greedy.weight_version) == (len(prompt), "hf", 0)
 
 
 def same(a, b) -> bool:
@@ -208,7 +208,7 @@ def test_update_weights_from_disk_changes_outputs_and_back(backend, model_dir, g
     result = run(backend.update_weights_from_disk(str(tmp_path)))
     assert result == {"ok": True, "path": str(tmp_path), "version": version + 1}
     changed = run(backend.generate(GenerateRequest(prompt, GREEDY)))
-    assert changed.logprobs != greedy.logprobs and changed.weight_version == str(version + 1)
+    assert changed.logprobs != greedy.logprobs and changed.weight_version == version + 1
 
     assert run(backend.update_weights_from_disk(str(model_dir)))["version"] == version + 2
     back = run(backend.generate(GenerateRequest(prompt, GREEDY)))
@@ -241,7 +241,7 @@ def test_weight_update_waits_for_requests_in_flight(backend, model_dir, prompt):
         return events
 
     (_, old_version, n), (_, new_version) = run(main())
-    assert n == 60 and int(old_version) == new_version - 1
+    assert n == 60 and old_version == new_version - 1
 
 
 def test_health_and_info(backend, model_dir):

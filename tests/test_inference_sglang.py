@@ -25,7 +25,7 @@ def run(coro):
 def answer(ids, logprobs, finish, text="", prompt_tokens=10, **meta):
     """A non-streaming ``async_generate`` result (tokenizer_manager._handle_batch_output)."""
     return {"text": text, "output_ids": list(ids), "meta_info": {
-        "id": "rid", "finish_reason": finish, "prompt_tokens": prompt_tokens, "weight_version": "default",
+        "id": "rid", "finish_reason": finish, "prompt_tokens": prompt_tokens, "weight_version": "0",
         "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": 0.01, "input_token_logprobs": [],
         "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, ids, strict=True)],
         "output_token_logprobs_length": len(ids), **meta}}
@@ -59,9 +59,9 @@ def test_requests_sglang_would_not_honour_are_refused():
 
 def test_response_translation_finish_reasons():
     out = from_sglang_output("r", answer([279, 287, 2], [-0.1, -0.2, -0.3], {"type": "stop", "matched": 2},
-                                         text="The answer", weight_version="step-3"))
+                                         text="The answer", weight_version="3"))
     assert (out.output_ids, out.logprobs, out.finish_reason) == ([279, 287, 2], [-0.1, -0.2, -0.3], FinishReason.STOP)
-    assert (out.text, out.prompt_len, out.engine, out.weight_version) == ("The answer", 10, "sglang", "step-3")
+    assert (out.text, out.prompt_len, out.engine, out.weight_version) == ("The answer", 10, "sglang", 3)
     matched_str = answer([5, 6], [-1.0, -2.0], {"type": "stop", "matched": "\n\n"})
     assert from_sglang_output("r", matched_str).finish_reason is FinishReason.STOP
     length = answer([5, 6], [-1.0, -2.0], {"type": "length", "length": 2})
@@ -71,7 +71,7 @@ def test_response_translation_finish_reasons():
     # _handle_abort_req: a request aborted while still queued
     queued = {"text": "", "output_ids": [], "meta_info": {
         "id": "r", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-        "weight_version": "default", "e2e_latency": 0.0, "completion_tokens": 0, "input_token_logprobs": [],
+        "weight_version": "0", "e2e_latency": 0.0, "completion_tokens": 0, "input_token_logprobs": [],
         "output_token_logprobs": [], "output_token_logprobs_length": 0}}
     out = from_sglang_output("r", queued)
     assert (out.finish_reason, out.output_ids, out.logprobs, out.prompt_len) == (FinishReason.ABORT, [], [], 0)
@@ -96,6 +96,12 @@ def test_response_translation_variants_and_errors():
     for finish in (None, {"type": "weird"}):
         with pytest.raises(ValueError, match="finish_reason"):
             from_sglang_output("r", answer([3], [-1.0], finish))
+    # sglang reports its weight version as text: read as the int every backend reports, once, here
+    assert from_sglang_output("r", answer([3], [-1.0], "length", weight_version="12")).weight_version == 12
+    assert from_sglang_output("r", answer([3], [-1.0], "length", weight_version=None)).weight_version is None
+    for bad in ("default", "-1", "1.5"):
+        with pytest.raises(ValueError, match=rf"sglang answer for 'r': weight_version '{bad}' is not"):
+            from_sglang_output("r", answer([3], [-1.0], "length", weight_version=bad))
 
 
 def test_missing_sglang_gives_the_install_hint(monkeypatch):
@@ -173,7 +179,7 @@ def test_thin_class_over_a_stand_in_engine(monkeypatch):
         # the engine refuses prompts of max_req_input_len or more: the turn ends as LENGTH, nothing sent
         full = await backend.generate(GenerateRequest([1] * 58))
         assert (full.finish_reason, full.output_ids, len(engine.calls)) == (FinishReason.LENGTH, [], 2)
-        assert full.weight_version == "0"
+        assert full.weight_version == 0
 
         task = asyncio.create_task(backend.generate(GenerateRequest([1], SamplingParams(max_new_tokens=50),
                                                                     request_id="b")))

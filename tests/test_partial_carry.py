@@ -204,7 +204,7 @@ def test_a_carried_group_whose_samples_all_ended_is_returned_without_running(mak
     agent, source = Resuming(seed=5), Stream(group=2)
     task = (run_virtual(source.get_tasks(1)))[0]
     ended = [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED,
-                    episode=EpisodeRecord(turn_records=[TurnRecord(1, "e", weight_version="0")]))
+                    episode=EpisodeRecord(turn_records=[TurnRecord(1, "e", weight_version=0)]))
              for i in (1, 0)]
     ck = RolloutCheckpoint(tmp_path)
     ck.begin(0, source.state_dict())

@@ -195,7 +195,7 @@ def test_a_carried_group_already_complete_is_returned_with_a_batch_of_one(make_p
     agent, source = Resuming(seed=5), Stream(group=2)
     task = run_virtual(source.get_tasks(1))[0]
     ended = [Sample(task.task_id, i, task.prompt, status=Status.COMPLETED,
-                    episode=EpisodeRecord(turn_records=[TurnRecord(1, "e", weight_version="0")]))
+                    episode=EpisodeRecord(turn_records=[TurnRecord(1, "e", weight_version=0)]))
              for i in (0, 1)]
     ck = RolloutCheckpoint(tmp_path)
     ck.begin(0, source.state_dict())

@@ -15,10 +15,10 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import RolloutPlan, SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.record import ResumePoint
+from rayapp.record import EpisodeRecord, ResumePoint, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
-from rayapp.training.partial import PartialConfig, PartialRollouts, staleness
-from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
+from rayapp.training.partial import PartialConfig, PartialRollouts, staleness, stamp_versions
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status, Task, TaskConfig
 
 H = 3600.0
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 64, "memory_gb": 256}}'  # 8 samples of gpu 0.25 at once
@@ -174,7 +174,7 @@ def test_carried_groups_are_the_unfinished_ones_and_restart_discards_their_turns
         assert agent.started[(s.task_id, s.index)] >= 2  # ran again from its first turn
         turns = s.episode.turn_records
         assert [t.turn for t in turns] == list(range(1, TURNS + 1))
-        assert {t.weight_version for t in turns} == {"1"}  # all of this step's attempt
+        assert {t.weight_version for t in turns} == {1}  # all of this step's attempt
 
 
 class Resumable(LongTail):
@@ -244,13 +244,20 @@ def test_resume_keeps_completed_turns_and_staleness_stays_bounded(make_pool, max
 
 def test_staleness_is_measured_from_the_engines_weight_versions(make_pool):
     # an engine one weight update behind the step: every turn is one step stale
-    agent = LongTail(seed=5, version=lambda ctx: str(ctx.rollout_id - 1))
+    agent = LongTail(seed=5, version=lambda ctx: ctx.rollout_id - 1)
     sched, _ = make(make_pool, agent)
     partial = PartialRollouts.over(sched, PartialConfig(over_provision=1.0))
     result = run_virtual(partial.execute_rollout(3))
     assert result.metrics["rollout/partial/staleness_max"] == 1.0
     assert result.metrics["rollout/partial/staleness_mean"] == 1.0
     assert all(staleness(s, 3) == 1 for g in result.groups for s in g)
+
+
+def test_weight_version_0_is_a_version_and_a_turn_without_one_is_the_steps():
+    turns = [TurnRecord(1, "e", weight_version=0), TurnRecord(2, "e")]  # the engine's start, then no report
+    s = Sample("t", 0, "p", episode=EpisodeRecord(turn_records=turns))
+    stamp_versions([s], 3)
+    assert [t.weight_version for t in s.episode.turn_records] == [0, 3] and staleness(s, 3) == 3
 
 
 def test_a_restarted_manager_takes_up_the_carried_groups_from_the_checkpoint(make_pool, tmp_path):

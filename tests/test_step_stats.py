@@ -10,7 +10,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.core.stats import sample_statistics
-from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status, Task, TaskConfig
+from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status, StepKind, Task, TaskConfig
 
 ONE_GPU = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'
 
@@ -88,9 +88,10 @@ def test_every_counter_series_a_sample_can_increment_exists_at_zero():
 
     samples = [sample(n, st) for n in ("a", "b") for st in (Status.COMPLETED, Status.TRUNCATED)]
     samples += [sample(n, Status.ABORTED, r) for n in ("a", "b") for r in AbortReason]
-    zero = {(name, tuple(sorted(tags.items()))) for name, value, tags in zero_observations({"rollout": ["a", "b"]})}
-    assert all(v == 0 for _, v, _ in zero_observations({"rollout": ["a", "b"]}))
-    counted = {(name, tuple(sorted(tags.items()))) for name, _, tags in observations("rollout", samples)
+    at_zero = zero_observations({StepKind.ROLLOUT: ["a", "b"]})
+    zero = {(name, tuple(sorted(tags.items()))) for name, value, tags in at_zero}
+    assert all(v == 0 for _, v, _ in at_zero)
+    counted = {(name, tuple(sorted(tags.items()))) for name, _, tags in observations(StepKind.ROLLOUT, samples)
                if name.endswith("_total")}
     assert counted and counted <= zero, counted - zero
     assert len(zero) == 2 * (3 + len(AbortReason) + 1)

@@ -222,7 +222,7 @@ def test_weights_reach_the_engine_at_every_step_and_the_next_step_runs_on_them(f
     assert not Path(sync.synced[0][1]).exists() and Path(sync.synced[-1][1]).exists()  # the folder before removed
     versions = [{t["weight_version"] for s in g for t in s.metadata["_turn_placement"]}
                 for r in fitted["source"].results for g in r.groups]
-    assert set().union(*versions[:PROMPTS]) == {"1"} and set().union(*versions[PROMPTS:]) == {"2"}
+    assert set().union(*versions[:PROMPTS]) == {1} and set().union(*versions[PROMPTS:]) == {2}
 
 
 def test_a_trainer_resumed_from_its_checkpoint_asks_for_the_same_step_and_is_served_its_result(fitted):

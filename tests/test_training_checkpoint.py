@@ -32,7 +32,7 @@ def sample(task_id="t", index=0, **kw):
                   reward={"score": 1.0}, metadata={"_dataset_name": "a"},
                   episode=EpisodeRecord(turns=2, placement=Placement("n0", (0,), 1.0),
                                         termination_reason=TerminationReason.STOP,
-                                        turn_records=[TurnRecord(1, "e", weight_version="3"), TurnRecord(2, "e")],
+                                        turn_records=[TurnRecord(1, "e", weight_version=3), TurnRecord(2, "e")],
                                         timing=EpisodeTiming(1.0, "b0", 0.5, 0.75, 2.0, 0.5, 3.0)))
     return Sample(task_id, index, "prompt ✓ 日本", **{**fields, **kw})
 

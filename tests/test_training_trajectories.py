@@ -151,6 +151,12 @@ def _torch_bytes(obj):
     return buf.getvalue()
 
 
+def _with_metadata(metadata):
+    """A good file's plain data, its one sample's metadata replaced."""
+    plain = samples_to_plain([[sample()]])
+    return {**plain, "groups": [[{**plain["groups"][0][0], "metadata": metadata}]]}
+
+
 @pytest.mark.parametrize(("content", "problem"), [
     (None, "no such file"),
     ("dir", "is a directory"),
@@ -169,6 +175,9 @@ def _torch_bytes(obj):
      r"groups[0][0]: $.task_id: missing required field"),
     (lambda: _torch_bytes({**samples_to_plain([[sample()]]), "groups": [[{**samples_to_plain([[sample()]])[
         "groups"][0][0], "tokens": torch.zeros(2)}]]}), "groups[0][0].tokens: expected a 1-D integer tensor"),
+    # an earlier version wrote weight versions as strings; one type now, nothing parsed back
+    (lambda: _torch_bytes(_with_metadata({"_turn_placement": [{"turn": 1, "engine": "e", "weight_version": "3"}]})),
+     "groups[0][0].metadata: Expected `int | null`, got `str` - at `$[0].weight_version`"),
 ])
 def test_every_bad_file_is_one_trajectory_error_naming_it(tmp_path, content, problem):
     path = tmp_path / "bad.pt"

@@ -14,6 +14,7 @@ import pytest
 from rayapp.actors.engine import InferenceEngine
 from rayapp.inference.client import GenerateRequest
 from rayapp.inference.weight_paths import checkpoint_files, default_weight_roots
+from rayapp.training.weight_sync import Applied
 from rayapp.types import SamplingParams
 
 
@@ -60,7 +61,7 @@ def test_a_checkpoint_inside_the_roots_loads_and_is_not_loaded_twice(engine, roo
     v = version(engine) + 1
     assert run(engine.update_weights_from_disk(path, v))["version"] == v == version(engine)
     again = run(engine.update_weights_from_disk(path, v))
-    assert again["loaded"] is False and engine.applied_weights() == {"path": path, "version": v}
+    assert again["loaded"] is False and engine.applied_weights() == Applied(path, v)
 
 
 def test_a_path_outside_the_roots_is_refused(engine, roots):

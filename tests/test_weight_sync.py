@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from rayapp.training.weight_sync import WeightSync
+from rayapp.training.weight_sync import Applied, WeightSync
 
 
 class Replicas:
     """Every call reaches every replica, as the engine client's broadcast does."""
 
     def __init__(self, n: int):
-        self.state: list[dict | None] = [None] * n  # None: the model it started from
+        self.state: list[Applied | None] = [None] * n  # None: the model it started from
         self.loads = 0
         self.refuse: str | None = None
 
@@ -23,8 +23,8 @@ class Replicas:
             raise ValueError(f"weights at {path!r} refused")
         out = []
         for i, s in enumerate(self.state):
-            if s != {"path": path, "version": version}:
-                self.state[i], self.loads = {"path": path, "version": version}, self.loads + 1
+            if s != Applied(path, version):
+                self.state[i], self.loads = Applied(path, version), self.loads + 1
             out.append({"ok": True, "path": path, "version": version})
         return out
 
@@ -37,11 +37,12 @@ def test_a_replacement_replica_is_restored_to_the_applied_weights():
     sync = WeightSync({"student": replicas})
     asyncio.run(sync.update("student", "/w/1"))
     asyncio.run(sync.update("student", "/w/2"))
-    assert replicas.state == [{"path": "/w/2", "version": 2}] * 2 and replicas.loads == 4
+    assert replicas.state == [Applied("/w/2", 2)] * 2 and replicas.loads == 4
     replicas.state[1] = None  # killed and replaced: back at version 0
-    assert sync.lagging("student", "0") and not sync.lagging("student", "2")
+    assert sync.lagging("student", 0) and not sync.lagging("student", 2)
+    assert sync.lagging("student", None)  # a turn whose engine named no version is not on the record's weights
     asyncio.run(sync.restore())
-    assert replicas.state == [{"path": "/w/2", "version": 2}] * 2 and replicas.loads == 5  # only the new one
+    assert replicas.state == [Applied("/w/2", 2)] * 2 and replicas.loads == 5  # only the new one
 
 
 def test_a_refused_update_moves_nothing_and_a_new_manager_takes_up_the_record():
@@ -54,4 +55,4 @@ def test_a_refused_update_moves_nothing_and_a_new_manager_takes_up_the_record():
     assert sync.applied["student"].version == 1
     again = WeightSync({"student": replicas})  # the manager replaced: nothing in memory
     assert asyncio.run(again.update("student", "/w/2"))[0]["version"] == 2
-    assert not WeightSync({"teacher": Replicas(1)}).lagging("teacher", "default")  # never updated: no check
+    assert not WeightSync({"teacher": Replicas(1)}).lagging("teacher", None)  # never updated: no check

@@ -41,7 +41,8 @@ from rayapp.inference.client import GenerateOutput, GenerateRequest
 from rayapp.inference.tiny_model import default_cache_dir
 from rayapp.inference.tokenizer_files import cache_tokenizer_files, read_tokenizer_files
 from rayapp.inference.weight_paths import checkpoint_files, default_weight_roots
-from rayapp.training.weight_sync import StaleWeights, WeightSync
+from rayapp.record import WeightVersion
+from rayapp.training.weight_sync import Applied, StaleWeights, WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class InferenceEngine:
         self.backend = make_backend(backend, **backend_kwargs)
         self.weight_roots = list(weight_roots) if weight_roots is not None else default_weight_roots(
             self.backend.info().get("model_path"), checkpoint_dir)
-        self._applied: dict[str, Any] | None = None  # {"path", "version"} this replica last loaded
+        self._applied: Applied | None = None  # what this replica last loaded
         self._loading = asyncio.Lock()
         self.replica = _replica_name()
 
@@ -95,20 +96,20 @@ class InferenceEngine:
         if not status.get("ok", False):
             raise RuntimeError(f"{self.kind} engine unhealthy: {status}")
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
+    async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> dict:
         """Load the checkpoint at ``path`` as ``version`` (None: the backend's next), unless this replica
         serves exactly that already. A path outside ``weight_roots``, or naming anything but regular
         files, raises WeightPathError before anything is read: the replica keeps its weights."""
         async with self._loading:
-            if version is not None and self._applied == {"path": path, "version": version}:
+            if version is not None and self._applied == Applied(path, version):
                 return {"ok": True, "path": path, "version": version, "loaded": False}
             await asyncio.to_thread(checkpoint_files, path, self.weight_roots)
             reply = await (self.backend.update_weights_from_disk(path) if version is None
                            else self.backend.update_weights_from_disk(path, version))
-            self._applied = {"path": path, "version": reply["version"]}
+            self._applied = Applied(path, reply["version"])
             return reply
 
-    def applied_weights(self) -> dict[str, Any] | None:
+    def applied_weights(self) -> Applied | None:
         """The path and version this replica last loaded (None: the model it started from)."""
         return self._applied
 
@@ -209,9 +210,9 @@ class EngineClient:
     async def abort(self, request_id: str | None = None) -> int:
         return sum(await self.broadcast("abort", request_id, timeout_s=30))
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> list[dict]:
+    async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> list[dict]:
         return await self.broadcast("update_weights_from_disk", path, version, timeout_s=600)
 
-    async def applied_weights(self) -> list[dict | None]:
+    async def applied_weights(self) -> list[Applied | None]:
         return await self.broadcast("applied_weights", timeout_s=30)
 

@@ -37,6 +37,7 @@ from rayapp.gateway.service import Gateway
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
 from rayapp.training.step_jobs import StepConflict, StepJobs
 from rayapp.training.weight_sync import WeightSync
+from rayapp.types import StepKind
 
 # A step id in the path, read as text: FastAPI's int would take "+5", " 1" and "1.0" (parse_step_id
 # answers 422 for anything but the canonical spelling, before anything runs). A default, not an
@@ -65,7 +66,8 @@ class SchedulerRolloutManager:
         follow_serve_logging()
         self.cfg = apply_env(parse_recipe(recipe), os.environ)
         self.metrics = RayappMetrics()
-        self.metrics.zero({"rollout": self.cfg.data, "eval": self.cfg.eval}, engines, EngineClient.METHODS)
+        self.metrics.zero({StepKind.ROLLOUT: self.cfg.data, StepKind.EVAL: self.cfg.eval}, engines,
+                          EngineClient.METHODS)
         self.pool_client = PoolClient(pool, owner, packed=True) if pool is not None else None
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s,
                                            observe=self.metrics.engine_call)
@@ -213,41 +215,41 @@ class SchedulerRolloutManager:
     @api.post("/rollout/{rollout_id}", status_code=202, responses=ERRORS)
     async def http_rollout(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Start rollout step ``rollout_id`` (or join it); poll this URL with GET for its summary."""
-        return await self._start("rollout", rollout_id, request, self.generate)
+        return await self._start(StepKind.ROLLOUT, rollout_id, request, self.generate)
 
     @api.get("/rollout/{rollout_id}", responses=ERRORS)
     async def http_rollout_status(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Rollout step ``rollout_id``: running (with the step's progress), done (its summary) or its error."""
-        return await self._poll("rollout", rollout_id, request)
+        return await self._poll(StepKind.ROLLOUT, rollout_id, request)
 
     @api.post("/eval/{rollout_id}", status_code=202, responses=ERRORS)
     async def http_eval(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Start eval step ``rollout_id`` (or join it); poll this URL with GET for its metrics."""
-        return await self._start("eval", rollout_id, request, self.evaluate)
+        return await self._start(StepKind.EVAL, rollout_id, request, self.evaluate)
 
     @api.get("/eval/{rollout_id}", responses=ERRORS)
     async def http_eval_status(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:
         """Eval step ``rollout_id``: running, done (its metrics) or its error."""
-        return await self._poll("eval", rollout_id, request)
+        return await self._poll(StepKind.EVAL, rollout_id, request)
 
-    async def _start(self, kind: str, raw_id: str, request: Request, run: Any) -> JSONResponse:
+    async def _start(self, kind: StepKind, raw_id: str, request: Request, run: Any) -> JSONResponse:
         if (refused := await self._refusal(request)) is not None:
             return refused
         try:
             rollout_id = parse_step_id(raw_id)
         except ValueError as e:
             return exception_response(e)
-        if kind == "eval" and not self.cfg.eval:
+        if kind is StepKind.EVAL and not self.cfg.eval:
             return error_response(404, "NotFound", "this recipe has no eval datasets")
         try:
             job = self.jobs.start(kind, rollout_id, lambda: run(rollout_id))
         except StepConflict as e:
             return error_response(409, "Conflict", str(e))
         url = str(request.url)
-        return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": job.state, "poll": url},
+        return JSONResponse({"kind": kind.value, "rollout_id": rollout_id, "state": job.state, "poll": url},
                             status_code=202, headers={"Location": url})
 
-    async def _poll(self, kind: str, raw_id: str, request: Request) -> JSONResponse:
+    async def _poll(self, kind: StepKind, raw_id: str, request: Request) -> JSONResponse:
         if (refused := await self._refusal(request)) is not None:
             return refused
         try:
@@ -258,10 +260,10 @@ class SchedulerRolloutManager:
         if job is None:
             return error_response(404, "NotFound", f"no {kind} {rollout_id} was asked for here: POST it first")
         if job.state == "running":
-            return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": "running",
+            return JSONResponse({"kind": kind.value, "rollout_id": rollout_id, "state": "running",
                                  "progress": self.steps.status()})
         if job.state == "cancelled":
             return error_response(503, "Cancelled", f"{kind} {rollout_id} was cancelled: POST it again")
         if job.error is not None:
             return exception_response(job.error)
-        return JSONResponse({"kind": kind, "rollout_id": rollout_id, "state": "done", **summary(job.result)})
+        return JSONResponse({"kind": kind.value, "rollout_id": rollout_id, "state": "done", **summary(job.result)})

@@ -89,21 +89,21 @@ class RayappMetrics:
         self.engine_errors = Counter("rayapp_engine_errors_total", "engine calls that failed",
                                      tag_keys=("engine", "method", "error"))
 
-    def zero(self, datasets: dict[str, Iterable[str]], engines: Iterable[str], methods: Iterable[str]) -> None:
+    def zero(self, datasets: dict[StepKind, Iterable[str]], engines: Iterable[str], methods: Iterable[str]) -> None:
         """Every counter's series that the recipe's ``datasets`` (names by step kind), ``engines`` and
         their ``methods`` can take, at 0; an engine error of another class than the client's own two
         (a timeout, a lost engine) starts its series when it first happens."""
         for name, _, tags in zero_observations(datasets):
             at_zero(self.counters[name], tags)
         for kind, names in datasets.items():
-            at_zero(self.step_seconds.total, {"kind": kind})
+            at_zero(self.step_seconds.total, {"kind": kind.value})
             for name in names:
-                tags = {"kind": kind, "dataset": name}
+                tags = {"kind": kind.value, "dataset": name}
                 at_zero(self.histograms["admission_wait_seconds"].total, tags)
                 for phase in ("run", "verify"):
                     at_zero(self.histograms["episode_phase_seconds"].total, {**tags, "phase": phase})
         for kind in StepKind:
-            at_zero(self.steps, {"kind": str(kind)})
+            at_zero(self.steps, {"kind": kind.value})
         at_zero(self.dropped, {})
         for engine in engines:
             for method in methods:
@@ -111,18 +111,18 @@ class RayappMetrics:
                 for error in (AgentTimeout, EngineConnectionError):
                     at_zero(self.engine_errors, {"engine": engine, "method": method, "error": error.__name__})
 
-    def samples(self, kind: str, samples: list[Sample]) -> None:
+    def samples(self, kind: StepKind, samples: list[Sample]) -> None:
         for name, value, tags in observations(kind, samples):
             if name in self.counters:
                 self.counters[name].inc(value, tags)
             else:
                 self.histograms[name].observe(value, tags)
 
-    def step(self, kind: str, metrics: dict[str, float]) -> None:
-        self.steps.inc(1.0, {"kind": kind})
+    def step(self, kind: StepKind, metrics: dict[str, float]) -> None:
+        self.steps.inc(1.0, {"kind": kind.value})
         took = metrics.get(f"{kind}/time/step_s")
         if took is not None:
-            self.step_seconds.observe(took, {"kind": kind})
+            self.step_seconds.observe(took, {"kind": kind.value})
         dropped = metrics.get("filter/input_samples", 0.0) - metrics.get("filter/kept_samples", 0.0)
         if "filter/kept_samples" in metrics and dropped > 0:
             self.dropped.inc(dropped)

@@ -172,8 +172,8 @@ class TaskScheduler:
         unfinished = [UnfinishedGroup(i, tasks[i], groups[i].samples if i not in finished else finished[i])
                       for i in range(len(tasks)) if i not in done]
         metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
-        metrics |= step_times("rollout", sum(map(len, samples)), began, fetched_at)
-        metrics |= sample_statistics("rollout", chain.from_iterable(samples))
+        metrics |= step_times(StepKind.ROLLOUT, sum(map(len, samples)), began, fetched_at)
+        metrics |= sample_statistics(StepKind.ROLLOUT, chain.from_iterable(samples))
         return RolloutResult(rollout_id, samples, metrics, state, unfinished=unfinished)
 
     async def execute_eval(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> EvalResult:
@@ -207,8 +207,8 @@ class TaskScheduler:
         for g in groups:  # split apart by _eval_dataset_name
             by_name[g.task.metadata[TaskKey.EVAL_DATASET_NAME]].extend(g.samples)
         metrics = eval_metrics(by_name, self.config.n_samples_per_eval_prompt)
-        metrics |= step_times("eval", sum(len(g.samples) for g in groups), began, began)
-        metrics |= sample_statistics("eval", (s for g in groups for s in g.samples))
+        metrics |= step_times(StepKind.EVAL, sum(len(g.samples) for g in groups), began, began)
+        metrics |= sample_statistics(StepKind.EVAL, (s for g in groups for s in g.samples))
         return EvalResult(rollout_id, metrics, by_name, state)
 
     def _distribute(self, rollout_id: int, tasks: list[Task]) -> list[TaskRun]:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from rayapp.core.clock import loop_time
 from rayapp.record import AbortReason
-from rayapp.types import Sample, Status, TaskKey
+from rayapp.types import Sample, Status, StepKind, TaskKey
 
 DEFAULT_NAME = "default"
 
@@ -104,13 +104,13 @@ def sample_statistics(prefix: str, samples: Iterable[Sample]) -> dict[str, float
 Observation = tuple[str, float, dict[str, str]]  # (metric, value, tags): a counter's increment or a histogram's value
 
 
-def observations(kind: str, samples: Iterable[Sample]) -> list[Observation]:
+def observations(kind: StepKind, samples: Iterable[Sample]) -> list[Observation]:
     """What a metrics exporter records of finished samples: per sample ``samples_total`` (tags kind,
     dataset, status), ``aborts_total`` (with the abort's reason), ``response_tokens_total``, and from
     its timing ``admission_wait_seconds`` and ``episode_phase_seconds`` (phase run or verify)."""
     out: list[Observation] = []
     for s in samples:
-        tags = {"kind": kind, "dataset": name_of(s)}
+        tags = {"kind": kind.value, "dataset": name_of(s)}
         out.append(("samples_total", 1.0, {**tags, "status": str(s.status)}))
         if s.status is Status.ABORTED:
             reason = str(s.episode.reason or "unknown")
@@ -129,14 +129,14 @@ def observations(kind: str, samples: Iterable[Sample]) -> list[Observation]:
 FINAL_STATUSES = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED)
 
 
-def zero_observations(datasets: dict[str, Iterable[str]]) -> list[Observation]:
+def zero_observations(datasets: dict[StepKind, Iterable[str]]) -> list[Observation]:
     """The counters' series ``observations`` can increment, at 0, for ``datasets`` (dataset names by
     step kind): an exporter makes them exist from the start, so a dashboard reads 0, not "no data",
     until the first sample, abort or token is counted."""
     out: list[Observation] = []
     for kind, names in datasets.items():
         for name in names:
-            tags = {"kind": kind, "dataset": name}
+            tags = {"kind": kind.value, "dataset": name}
             out += [("samples_total", 0.0, {**tags, "status": str(s)}) for s in FINAL_STATUSES]
             out += [("aborts_total", 0.0, {**tags, "reason": str(r)}) for r in AbortReason]
             out.append(("response_tokens_total", 0.0, tags))

@@ -1,4 +1,5 @@
-"""What an environment is: where its tasks come from, which agent runs them, how they are scored.
+"""What an environment is, and what an agent is lent: where its tasks come from, which agent runs them,
+how they are scored, and the interfaces the agent reaches its host through.
 
 Built-in environments (``rayapp.envs.arithmetic``, ``math``, ``humaneval``, ``swe``) and a user's
 own (a recipe's ``env: "my_pkg.my_env:ENV"``) are the same thing: one module holding its rows, its
@@ -6,18 +7,71 @@ verifier, its agent and, where it has one, its DAgger agent, and one ``Env`` nam
 an ``AgentHandler`` (``rayapp.core.agent``), built per evaluator from ``AgentDeps``: what the host
 lends it (engines, the bundle executor, a sandbox opener, the agent gateway) and what the recipe
 chose for it (the verifier and tools, a plug-in's or the env's own).
+
+The interfaces of what is lent (``Engine``, ``Executor``, ``Verifier``, and ``EngineTokenizer``, an
+engine's tokenizer loaded once) live here, beside ``AgentDeps`` that carries them: every agent
+(``envs/agents``, the gateway's), the recipe wiring that lends them and the tests import them from
+this one module, which imports no agent.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from rayapp.core.agent import AgentHandler
-from rayapp.envs.agents.chat import Engine, Executor, Verifier
 from rayapp.envs.agents.tools import ToolFn
-from rayapp.types import Task, Token
+from rayapp.inference.client import GenerateOutput, GenerateRequest
+from rayapp.types import AgentResult, Sample, Task, Token
+
+# verify(sample, result) -> the sample's rewards, e.g. {"score": 1.0}; plain or async
+Verifier = Callable[[Sample, AgentResult], dict[str, float] | Awaitable[dict[str, float]]]
+# executor(token, fn, *args) runs fn(*args) where the token's resources are reserved
+Executor = Callable[..., Awaitable[Any]]
+
+
+class Engine(Protocol):
+    """An inference engine as an agent reaches it (the host's engine client)."""
+
+    async def generate(self, req: GenerateRequest, timeout_s: float | None = None) -> GenerateOutput: ...
+
+    async def info(self) -> dict: ...
+
+
+async def run_inline(token: Token | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """The executor when no placement group backs the token: a worker thread of this process."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def engine_tokenizer(engine: Engine) -> Any:
+    """The tokenizer of the model ``engine`` serves (its files, as the engine's ``info`` names them)."""
+    from transformers import AutoTokenizer
+
+    info = await engine.info()
+    return await asyncio.to_thread(AutoTokenizer.from_pretrained, info["tokenizer_path"], local_files_only=True)
+
+
+class EngineTokenizer:
+    """An engine's tokenizer, loaded once however many episodes ask for it at once: the first episodes
+    of a step share one load instead of each loading its own. A load that failed is tried again by
+    the next caller."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.value: Any = None
+        self._loading: asyncio.Task | None = None
+
+    async def get(self) -> Any:
+        if self.value is None:
+            loop, loading = asyncio.get_running_loop(), self._loading
+            if (loading is None or loading.get_loop() is not loop
+                    or (loading.done() and (loading.cancelled() or loading.exception() is not None))):
+                self._loading = loading = loop.create_task(engine_tokenizer(self.engine))
+            self.value = await asyncio.shield(loading)  # a caller that is cancelled leaves the load to the rest
+        return self.value
+
 
 # open_sandbox(token) -> an open Sandbox where the token's resources are reserved
 OpenSandbox = Callable[[Token | None], Awaitable[Any]]

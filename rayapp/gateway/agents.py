@@ -31,7 +31,7 @@ import msgspec
 
 from rayapp.core.agent import AgentHandler
 from rayapp.core.termination import AgentOutputError
-from rayapp.envs.agents.chat import Engine, EngineTokenizer, Executor, Verifier, run_inline
+from rayapp.envs.protocol import Engine, EngineTokenizer, Executor, Verifier, run_inline
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.service import EpisodeBinding, EpisodeLog, Gateway
 from rayapp.gateway.tool_calls import ToolParser

@@ -49,9 +49,9 @@ from typing import Any
 import msgspec
 
 from rayapp.core.clock import loop_time
-from rayapp.envs.agents.chat import Engine
 from rayapp.envs.agents.observation import length_reason, turn_budget
 from rayapp.envs.agents.tools import with_tool_stops
+from rayapp.envs.protocol import Engine
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.accounting import Conversation, Segment, SegmentReason
 from rayapp.gateway.episodes import EpisodeKeys

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, Protocol, get_args, runtime_checkabl
 import msgspec
 
 from rayapp.core.convert import InputError, check
+from rayapp.record import WeightVersion
 from rayapp.types import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # when SamplingParams.max_new_tokens is None; sglang's default too
@@ -57,7 +58,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 class GenerateOutput(msgspec.Struct):
     """What one generation produced. ``logprobs[i]`` is the log-prob of ``output_ids[i]``;
-    ``weight_version`` names the weights that produced it (see ``update_weights_from_disk``)."""
+    ``weight_version`` names the weights that produced it (see ``update_weights_from_disk``; None: the
+    engine names none)."""
 
     request_id: str
     output_ids: list[int]
@@ -66,7 +68,7 @@ class GenerateOutput(msgspec.Struct):
     text: str = ""
     prompt_len: int = 0
     engine: str = ""
-    weight_version: str = ""
+    weight_version: WeightVersion | None = None
 
     def __post_init__(self):
         if len(self.logprobs) != len(self.output_ids):
@@ -88,7 +90,7 @@ class InferenceBackend(Protocol):
         """``{"ok": bool, "backend": name, "model": path, "in_flight": n, ...}``."""
         ...
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+    async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> dict[str, Any]:
         """Load new weights between requests, named ``version`` (None: one past the current);
         ``{"ok": True, "path": path, "version": n}``. The path is the engine deployment's to confine
         (``rayapp.inference.weight_paths``) before it gets here."""

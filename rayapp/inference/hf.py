@@ -41,6 +41,7 @@ from rayapp.inference.prefix_cache import PrefixCache
 from rayapp.inference.sampling import sample_next
 from rayapp.inference.tiny_model import ensure_tiny_model, load_tokenizer, quiet_progress
 from rayapp.inference.weight_paths import checkpoint_files
+from rayapp.record import WeightVersion
 
 MAX_WEIGHT_FILE_BYTES = 1 << 40  # read whole into memory: the hf backend serves small models
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -206,7 +207,7 @@ class HFBackend:
         return GenerateOutput(
             request_id=rid, output_ids=state.output_ids, logprobs=state.logprobs, finish_reason=state.finish,
             text=state.text, prompt_len=len(state.input_ids), engine=self.name,
-            weight_version=str(state.weight_version),
+            weight_version=state.weight_version,
         )
 
     async def abort(self, request_id: str | None = None) -> int:
@@ -232,7 +233,7 @@ class HFBackend:
             "prefix_cache": self._prefix.stats(),
         }
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+    async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> dict[str, Any]:
         """Load safetensors weights (a model folder, a sharded index, or one file) into the live model,
         named ``version`` (default: one past the current). A checkpoint that does not fit the served
         model raises ValueError and changes nothing."""
@@ -373,7 +374,8 @@ class HFBackend:
             raise ValueError(f"weights at {str(path)!r} do not fit the served model: " + "; ".join(problems[:8]))
         return weights
 
-    def _copy_weights(self, weights: dict[str, torch.Tensor], path: str, version: int | None) -> int:
+    def _copy_weights(self, weights: dict[str, torch.Tensor], path: str,
+                      version: WeightVersion | None) -> WeightVersion:
         """On the worker, so the version moves with the weights even if the caller was cancelled."""
         live = self.model.state_dict()  # tensors share storage with the parameters
         with torch.no_grad():

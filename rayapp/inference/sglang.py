@@ -15,7 +15,8 @@ never on a GPU. What the engine showed there, and this backend therefore does:
   min(context - 1, KV pool - 1) - 5); such a prompt finishes LENGTH with nothing generated, as a
   prompt that fills the hf engine's context does, and ``info()["max_prompt_len"]`` says the limit;
 - weight versions: the engine starts as version "0" (sglang's own name is "default"), then each
-  update names its version, the scheme every backend uses;
+  update names its version, the scheme every backend uses; sglang reports them as text, read as
+  the int every backend reports here, once, as its answer is converted;
 - seeds: ``sampling_seed`` is used only by an engine started with ``enable_deterministic_inference``;
   any other refuses a seeded sampling request (greedy ones drop the seed: it changes nothing there);
 - ``ignore_eos`` also switches off ``stop_token_ids`` in sglang: the two together are refused;
@@ -65,6 +66,7 @@ from rayapp.inference.client import (
     GenerateRequest,
     validate_request,
 )
+from rayapp.record import WeightVersion, weight_version_of
 
 INSTALL_HINT = "pip install rayapp[sglang] on a GPU node"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -145,7 +147,7 @@ def from_sglang_output(request_id: str, out: dict[str, Any]) -> GenerateOutput:
         request_id=request_id, output_ids=[int(t) for t in ids], logprobs=logprobs,
         finish_reason=finish_reason_from_sglang(meta.get("finish_reason")), text=out.get("text") or "",
         prompt_len=int(meta.get("prompt_tokens") or 0), engine="sglang",
-        weight_version=str(meta.get("weight_version") or ""),
+        weight_version=weight_version_of(meta.get("weight_version"), f"sglang answer for {request_id!r}"),
     )
 
 
@@ -230,7 +232,7 @@ class SGLangBackend:
         if kwargs["sampling_params"]["max_new_tokens"] <= 0 or (limit is not None and len(req.input_ids) > limit):
             # the prompt alone fills what the engine takes: the turn ends as the context's end
             return GenerateOutput(caller_id, [], [], FinishReason.LENGTH, prompt_len=len(req.input_ids),
-                                  engine=self.name, weight_version=str(self._version))
+                                  engine=self.name, weight_version=self._version)
         self._in_flight[caller_id] = rid
         # The engine's call in a task of its own: a caller that gives up aborts the request in sglang, and
         # sglang's answer still comes back (to ``_settle``), saying whether the abort stopped it.
@@ -305,7 +307,7 @@ class SGLangBackend:
         except TypeError:  # sglang before weight_version
             return UpdateWeightFromDiskReqInput(model_path=path)
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict[str, Any]:
+    async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> dict[str, Any]:
         """Load the trainer's checkpoint in place as ``version`` (default: one past the current; sglang
         waits for in-flight requests, then loads, and rolls back on failure). Raises ValueError when
         sglang refuses it."""

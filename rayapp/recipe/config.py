@@ -26,6 +26,7 @@ from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs import watch
 from rayapp.envs.datasets.files import FieldMap
 from rayapp.envs.plugins import load_strategy
+from rayapp.inference.client import Backend
 from rayapp.recipe.gateway_config import GatewayConfig, check_gateways
 from rayapp.recipe.limits import (
     MAX_CPUS,
@@ -54,7 +55,6 @@ Seconds = Annotated[float, Meta(gt=0, le=FINITE)]
 Cpus = Annotated[float, Meta(ge=0, le=MAX_CPUS)]
 Gpus = Annotated[float, Meta(ge=0, le=MAX_GPUS)]
 MemoryGb = Annotated[float, Meta(ge=0, le=MAX_MEMORY_GB)]
-Backend = Literal["hf", "sglang"]  # rayapp.inference.make_backend's names
 SandboxKind = Literal["local", "docker"]
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "STRICT_SPREAD", "SPREAD"]  # Ray's placement group strategies
 

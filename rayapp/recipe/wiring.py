@@ -18,7 +18,6 @@ from rayapp.core.contracts import Pool
 from rayapp.core.convert import InputError
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs import watch
-from rayapp.envs.agents.chat import Engine, Executor
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource, eval_tasks
 from rayapp.envs.plugins import (
     PluginError,
@@ -28,7 +27,7 @@ from rayapp.envs.plugins import (
     load_tools,
     load_verifier,
 )
-from rayapp.envs.protocol import AgentDeps
+from rayapp.envs.protocol import AgentDeps, Engine, Executor
 from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.recipe.config import ARGS_SOURCE, DatasetConfig, EvaluatorConfig, RecipeConfig, RecipeError

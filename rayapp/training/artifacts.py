@@ -49,7 +49,7 @@ from rayapp.core.metrics import failure_summary
 from rayapp.core.termination import classify_termination
 from rayapp.training.files import atomic_write
 from rayapp.training.timeline import write_timeline
-from rayapp.types import Sample, Task, TaskKey
+from rayapp.types import Sample, StepKind, Task, TaskKey
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def _per_dataset(by_name: dict[str, list[Sample]]) -> dict:
 
 def eval_summary(rollout_id: int, result: EvalResult) -> dict:
     every = [s for ss in result.samples.values() for s in ss]
-    return {"rollout_id": rollout_id, "kind": "eval", "n_samples": len(every),
+    return {"rollout_id": rollout_id, "kind": StepKind.EVAL.value, "n_samples": len(every),
             "failure_classes": failure_summary(every), "datasets": _per_dataset(result.samples),
             "metrics": dict(result.metrics)}
 

@@ -309,8 +309,9 @@ def to_verl(result: RolloutResult, **kwargs: Any) -> Any:
 
 
 def _weight_versions(metadata: dict[str, Any]) -> list[str]:
+    """Each model turn's weight version as slime types it (``Sample.weight_versions``: a list of str)."""
     turns = metadata.get(EpisodeKey.TURN_PLACEMENT.value) or []
-    return [str(t["weight_version"]) for t in turns if isinstance(t, dict) and t.get("weight_version")]
+    return [str(t["weight_version"]) for t in turns if isinstance(t, dict) and t.get("weight_version") is not None]
 
 
 def to_slime(result: RolloutResult, *, reward_key: str | None = "score") -> list[dict[str, Any]]:

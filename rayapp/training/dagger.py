@@ -32,7 +32,7 @@ import argparse
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import msgspec
 
@@ -40,7 +40,7 @@ from rayapp.record import Actor, Iteration
 from rayapp.types import StepKind
 
 BetaSchedule = Literal["linear", "cosine", "exponential", "step"]
-BETA_SCHEDULES: tuple[str, ...] = ("linear", "cosine", "exponential", "step")
+BETA_SCHEDULES: tuple[str, ...] = get_args(BetaSchedule)
 
 # Code-set per iteration by the scheduler: never set these by hand (docs/scheduler.md §6).
 ENV_ROLLOUT_ID = "STACX_ROLLOUT_ID"

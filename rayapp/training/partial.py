@@ -92,16 +92,13 @@ def stamp_versions(samples: list[Sample], rollout_id: int) -> None:
         episode.start = None
         point_turns: list[TurnRecord] = episode.resume.turn_records if episode.resume is not None else []
         for t in [*episode.turn_records, *point_turns]:
-            if not t.weight_version:
-                t.weight_version = str(rollout_id)
+            if t.weight_version is None:
+                t.weight_version = rollout_id
 
 
 def staleness(sample: Sample, rollout_id: int) -> int:
     """Steps between ``rollout_id`` and the oldest weights that produced a turn of ``sample``."""
-    steps = []
-    for t in sample.episode.turn_records:
-        v = t.weight_version or ""
-        steps.append(int(v) if v.lstrip("-").isdigit() else rollout_id)
+    steps = [t.weight_version if t.weight_version is not None else rollout_id for t in sample.episode.turn_records]
     return max(0, rollout_id - min(steps)) if steps else 0
 
 

@@ -53,7 +53,7 @@ from rayapp.training.partial import PartialConfig, PartialRollouts
 from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
 from rayapp.training.step_results import StepResults, check_step_id
 from rayapp.training.trainer_tasks import step_tasks, tasks_digest
-from rayapp.types import Sample, Status, Task
+from rayapp.types import Sample, Status, StepKind, Task
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,12 @@ class StepObserver(Protocol):
     """What watches the steps (a metrics exporter): every finished group's samples as they come,
     and each step's metrics once it ran (not when a finished step is served again)."""
 
-    def samples(self, kind: str, samples: list[Sample]) -> None: ...
+    def samples(self, kind: StepKind, samples: list[Sample]) -> None: ...
 
-    def step(self, kind: str, metrics: dict[str, float]) -> None: ...
+    def step(self, kind: StepKind, metrics: dict[str, float]) -> None: ...
 
 
-def summary_line(kind: str, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> str:
+def summary_line(kind: StepKind, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> str:
     """The one INFO line a step logs: its size, outcomes, mean score and time."""
     aborted = sum(s.status is Status.ABORTED for s in samples)
     scores = [s.reward["score"] for s in samples if s.status is not Status.ABORTED and "score" in s.reward]
@@ -134,7 +134,8 @@ class StepRunner:
 
     def status(self) -> dict[str, Any]:
         return {**self.scheduler.status().as_dict(), "busy": self.busy,
-                "steps_run": dict(self.results.ran), "steps_served": dict(self.results.served)}
+                "steps_run": {k.value: n for k, n in self.results.ran.items()},
+                "steps_served": {k.value: n for k, n in self.results.served.items()}}
 
     @contextlib.asynccontextmanager
     async def between_steps(self) -> AsyncIterator[None]:
@@ -153,7 +154,7 @@ class StepRunner:
         """Rollout step ``rollout_id``'s result: run once, then served again (module docstring).
         ``tasks``: the trainer's choice (Tasks, or dicts of a Task's fields), run instead of fetching."""
         if tasks is None:
-            return await self.results.once("rollout", rollout_id, self._rollout)
+            return await self.results.once(StepKind.ROLLOUT, rollout_id, self._rollout)
         check_step_id(rollout_id)
         if isinstance(self._rollouts, PartialRollouts):
             raise ValueError(f"rollout {rollout_id}: partial rollouts choose a step's groups themselves (carried "
@@ -161,11 +162,12 @@ class StepRunner:
                              "turn scheduler.partial off, or pass no tasks")
         chosen = step_tasks(rollout_id, tasks)
         plan = RolloutPlan(fetch=_given(chosen), digest=tasks_digest(chosen))
-        return await self.results.once("rollout", rollout_id, lambda rid: self._rollout(rid, plan), digest=plan.digest)
+        return await self.results.once(StepKind.ROLLOUT, rollout_id, lambda rid: self._rollout(rid, plan),
+                                       digest=plan.digest)
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         """Eval step ``rollout_id``'s result: run once, then served again (module docstring)."""
-        return await self.results.once("eval", rollout_id, self._evaluate)
+        return await self.results.once(StepKind.EVAL, rollout_id, self._evaluate)
 
     async def _rollout(self, rollout_id: int, plan: RolloutPlan = PLAIN) -> RolloutResult:
         async with self._lock:
@@ -173,7 +175,7 @@ class StepRunner:
             ran = await self._run_or_reuse(rollout_id, plan)
             ran.metrics.update(roll_in_metrics(ran.groups))  # before the filters: every roll-in counts
             result, report = filter_step(ran, self.filters, self.abort_cap)
-            self._step_ran("rollout", rollout_id, [s for g in ran.groups for s in g], result.metrics)
+            self._step_ran(StepKind.ROLLOUT, rollout_id, [s for g in ran.groups for s in g], result.metrics)
             artifacts = dict(result.artifacts)
             folder = self.checkpoint.folder(rollout_id) if self.checkpoint is not None else None
             if folder is not None and folder.exists():  # not when the step was reused
@@ -187,7 +189,7 @@ class StepRunner:
                     artifacts |= await self._timeline("train", rollout_id, [s for g in ran.groups for s in g])
             return for_trainer(msgspec.structs.replace(result, artifacts=artifacts))
 
-    def _observed(self, kind: str, then: OnTaskDone | None = None) -> OnTaskDone | None:
+    def _observed(self, kind: StepKind, then: OnTaskDone | None = None) -> OnTaskDone | None:
         """The step's group callback: ``then`` (streaming details), then the observers, whose
         failures are logged and never fail the step."""
         if not self.observers:
@@ -203,7 +205,7 @@ class StepRunner:
                     log.exception("step observer %r failed on a group of %s", o, kind)
         return done
 
-    def _step_ran(self, kind: str, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> None:
+    def _step_ran(self, kind: StepKind, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> None:
         log.info("%s", summary_line(kind, rollout_id, samples, metrics))
         for o in self.observers:
             try:
@@ -224,7 +226,7 @@ class StepRunner:
         """A fresh rollout, or the saved one the reuse policy (docs/scheduler.md §5) points at; the
         trainer's tasks (``plan.fetch``) always run fresh, and a policy that would reuse is refused."""
         if self.trajectory_dir is None:
-            return await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"), plan)
+            return await self._rollouts.execute_rollout(rollout_id, self._observed(StepKind.ROLLOUT), plan)
         ran: list[RolloutResult] = []
         policy = self.reuse or ReusePolicy.from_env()
         if plan.fetch is not None and not (decision := policy.decide(rollout_id, self.trajectory_dir)).fresh:
@@ -233,7 +235,7 @@ class StepRunner:
                              f"STACX_FORCE_FRESH_ROLLOUT=1, or unset scheduler.trajectory_dir")
 
         async def run() -> list[list[Sample]]:
-            ran.append(await self._rollouts.execute_rollout(rollout_id, self._observed("rollout"), plan))
+            ran.append(await self._rollouts.execute_rollout(rollout_id, self._observed(StepKind.ROLLOUT), plan))
             return ran[0].groups
 
         groups, decision = await rollout_or_reuse(rollout_id, self.trajectory_dir, run, policy)
@@ -247,20 +249,24 @@ class StepRunner:
         async with self._lock:
             await self._begin()
             if self.details is None:
-                result = await self.scheduler.execute_eval(rollout_id, self._observed("eval"))
-                self._step_ran("eval", rollout_id, [s for ss in result.samples.values() for s in ss], result.metrics)
+                result = await self.scheduler.execute_eval(rollout_id, self._observed(StepKind.EVAL))
+                self._step_ran(StepKind.EVAL, rollout_id, _every(result), result.metrics)
                 return for_trainer(result)
             # samples stream into eval_details/{id}.jsonl as they finish (an earlier run's files
             # removed first); the complete files and the summary replace them at the end
             await asyncio.to_thread(self.details.start_eval, rollout_id)
             try:
                 result = await self.scheduler.execute_eval(
-                    rollout_id, self._observed("eval", self.details.on_task_done(rollout_id)))
+                    rollout_id, self._observed(StepKind.EVAL, self.details.on_task_done(rollout_id)))
             except BaseException:
                 self.details.close_stream(rollout_id)  # here, not in a thread: it must happen if cancelled
                 raise
-            self._step_ran("eval", rollout_id, [s for ss in result.samples.values() for s in ss], result.metrics)
+            self._step_ran(StepKind.EVAL, rollout_id, _every(result), result.metrics)
             paths = await asyncio.to_thread(self.details.write_eval, rollout_id, result)
             artifacts = {k: str(p) for k, p in paths.items()}
-            artifacts |= await self._timeline("eval", rollout_id, [s for ss in result.samples.values() for s in ss])
+            artifacts |= await self._timeline(StepKind.EVAL.value, rollout_id, _every(result))
             return for_trainer(msgspec.structs.replace(result, artifacts=artifacts))
+
+
+def _every(result: EvalResult) -> list[Sample]:
+    return [s for samples in result.samples.values() for s in samples]

@@ -15,6 +15,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
+from rayapp.types import StepKind
+
 JobState = Literal["running", "done", "failed", "cancelled"]
 
 
@@ -23,7 +25,7 @@ class StepConflict(Exception):
 
 
 class StepJob:
-    def __init__(self, kind: str, rollout_id: int, task: asyncio.Task):
+    def __init__(self, kind: StepKind, rollout_id: int, task: asyncio.Task):
         self.kind, self.rollout_id, self.task = kind, rollout_id, task
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by get(), or by no one
 
@@ -49,7 +51,7 @@ class StepJobs:
         self.keep = keep
         self._jobs: dict[tuple[str, int], StepJob] = {}
 
-    def start(self, kind: str, rollout_id: int, run: Callable[[], Awaitable[Any]]) -> StepJob:
+    def start(self, kind: StepKind, rollout_id: int, run: Callable[[], Awaitable[Any]]) -> StepJob:
         job = self._jobs.get((kind, rollout_id))
         if job is not None and job.state in ("running", "done"):
             return job
@@ -64,5 +66,5 @@ class StepJobs:
                 del self._jobs[key]
         return job
 
-    def get(self, kind: str, rollout_id: int) -> StepJob | None:
+    def get(self, kind: StepKind, rollout_id: int) -> StepJob | None:
         return self._jobs.get((kind, rollout_id))

@@ -47,12 +47,12 @@ from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.convert import InputError, decode
 from rayapp.training.files import atomic_write
 from rayapp.training.trainer_tasks import tasks_named
+from rayapp.types import StepKind
 
 log = logging.getLogger(__name__)
 
 MAX_STEP_ID = 2**31 - 1
-StepKindName = Literal["rollout", "eval"]
-_FILE_RE = re.compile(r"^(rollout|eval)_(\d{6,})\.msgpack$")
+_FILE_RE = re.compile(rf"^({'|'.join(k.value for k in StepKind)})_(\d{{6,}})\.msgpack$")
 R = TypeVar("R")
 
 
@@ -66,7 +66,7 @@ def check_step_id(rollout_id: Any) -> int:
 
 class _Stored(msgspec.Struct, tag_field="format", tag="rayapp.step_result", forbid_unknown_fields=True):
     version: Literal[1]
-    kind: StepKindName
+    kind: StepKind
     rollout_id: Annotated[int, Meta(ge=0, le=MAX_STEP_ID)]
 
 
@@ -80,7 +80,8 @@ class StoredEval(_Stored):
     result: EvalResult
 
 
-_ENVELOPES: dict[str, type[StoredRollout] | type[StoredEval]] = {"rollout": StoredRollout, "eval": StoredEval}
+_ENVELOPES: dict[StepKind, type[StoredRollout] | type[StoredEval]] = {StepKind.ROLLOUT: StoredRollout,
+                                                                     StepKind.EVAL: StoredEval}
 
 
 class StepResults:
@@ -92,23 +93,23 @@ class StepResults:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         self.dir = Path(folder) / "step_results" if folder is not None else None
         self.keep = keep
-        self._memo: dict[str, dict[int, Any]] = {kind: {} for kind in _ENVELOPES}
-        self._digests: dict[tuple[str, int], str | None] = {}  # of each step kept or in flight
-        self._flight: dict[tuple[str, int], asyncio.Task] = {}
-        self._waiters: dict[tuple[str, int], int] = {}
+        self._memo: dict[StepKind, dict[int, Any]] = {kind: {} for kind in _ENVELOPES}
+        self._digests: dict[tuple[StepKind, int], str | None] = {}  # of each step kept or in flight
+        self._flight: dict[tuple[StepKind, int], asyncio.Task] = {}
+        self._waiters: dict[tuple[StepKind, int], int] = {}
         # requests by kind: how many ran a step, how many got one kept or in flight (the status page's)
-        self.ran: dict[str, int] = dict.fromkeys(_ENVELOPES, 0)
-        self.served: dict[str, int] = dict.fromkeys(_ENVELOPES, 0)
+        self.ran: dict[StepKind, int] = dict.fromkeys(_ENVELOPES, 0)
+        self.served: dict[StepKind, int] = dict.fromkeys(_ENVELOPES, 0)
 
-    def path(self, kind: StepKindName, rollout_id: int) -> Path | None:
-        return self.dir / f"{kind}_{check_step_id(rollout_id):06d}.msgpack" if self.dir is not None else None
+    def path(self, kind: StepKind, rollout_id: int) -> Path | None:
+        return self.dir / f"{kind.value}_{check_step_id(rollout_id):06d}.msgpack" if self.dir is not None else None
 
-    async def once(self, kind: StepKindName, rollout_id: int, run: Callable[[int], Awaitable[R]], *,
+    async def once(self, kind: StepKind, rollout_id: int, run: Callable[[int], Awaitable[R]], *,
                    digest: str | None = None) -> R:
         """Step ``kind``/``rollout_id``'s result: the kept one, the one in flight, else ``run(rollout_id)``.
         ``digest`` names the tasks the trainer chose for it (None: the data source chooses)."""
-        if kind not in _ENVELOPES:
-            raise ValueError(f"kind must be one of {sorted(_ENVELOPES)}, got {kind!r}")
+        if not isinstance(kind, StepKind):
+            raise ValueError(f"kind must be a StepKind ({', '.join(k.name for k in StepKind)}), got {kind!r}")
         check_step_id(rollout_id)
         key = (kind, rollout_id)
         while (task := self._flight.get(key)) is not None and task.cancelling():
@@ -125,7 +126,7 @@ class StepResults:
             self.served[kind] += 1
         return await self._wait(key, task)
 
-    async def _wait(self, key: tuple[str, int], task: asyncio.Task) -> Any:
+    async def _wait(self, key: tuple[StepKind, int], task: asyncio.Task) -> Any:
         self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
             return await asyncio.shield(task)
@@ -143,7 +144,7 @@ class StepResults:
             if not self._waiters[key]:
                 del self._waiters[key]
 
-    async def _load_or_run(self, kind: str, rollout_id: int, run: Callable[[int], Awaitable[Any]],
+    async def _load_or_run(self, kind: StepKind, rollout_id: int, run: Callable[[int], Awaitable[Any]],
                            digest: str | None) -> Any:
         try:
             stored = await asyncio.to_thread(self._load, kind, rollout_id) if self.dir is not None else None
@@ -164,7 +165,7 @@ class StepResults:
             if rollout_id not in self._memo[kind]:
                 self._digests.pop((kind, rollout_id), None)
 
-    def _remember(self, kind: str, rollout_id: int, result: Any) -> None:
+    def _remember(self, kind: StepKind, rollout_id: int, result: Any) -> None:
         memo = self._memo[kind]
         memo[rollout_id] = result
         for old in sorted(memo)[:-self.keep]:
@@ -172,8 +173,8 @@ class StepResults:
             if (kind, old) not in self._flight:
                 self._digests.pop((kind, old), None)
 
-    def _load(self, kind: str, rollout_id: int) -> StoredRollout | StoredEval | None:
-        path = self.path(kind, rollout_id)  # type: ignore[arg-type]
+    def _load(self, kind: StepKind, rollout_id: int) -> StoredRollout | StoredEval | None:
+        path = self.path(kind, rollout_id)
         if path is None or not path.exists():
             return None
         try:
@@ -186,12 +187,12 @@ class StepResults:
             return None
         return stored
 
-    def _store(self, kind: str, rollout_id: int, result: Any, digest: str | None) -> None:
+    def _store(self, kind: StepKind, rollout_id: int, result: Any, digest: str | None) -> None:
         """Save the result, then drop the files of all but the ``keep`` highest ids of this kind. A
         result that cannot be saved fails the step (a ``WriteError`` naming the file, or the
         TypeError of a value msgpack cannot hold): the trainer never holds a result that a restart
         would answer differently, and its retry runs the step again. A failed prune is only logged."""
-        path = self.path(kind, rollout_id)  # type: ignore[arg-type]
+        path = self.path(kind, rollout_id)
         if path is None:
             return
         try:
@@ -202,14 +203,14 @@ class StepResults:
         atomic_write(path, lambda f: f.write(data), what="step result")
         try:
             kept = sorted((int(m.group(2)), p) for p in self.dir.iterdir()  # type: ignore[union-attr]
-                          if (m := _FILE_RE.match(p.name)) and m.group(1) == kind)
+                          if (m := _FILE_RE.match(p.name)) and m.group(1) == kind.value)
             for _, old in kept[:-self.keep]:
                 old.unlink(missing_ok=True)
         except OSError as e:
             log.warning("%s %d: could not remove older step results in %s: %s", kind, rollout_id, self.dir, e)
 
 
-def _same_tasks(kind: str, rollout_id: int, asked: str | None, had: str | None, how: str) -> None:
+def _same_tasks(kind: StepKind, rollout_id: int, asked: str | None, had: str | None, how: str) -> None:
     """Nothing, when step ``kind``/``rollout_id`` is asked for with the tasks it ``how`` with; else one
     ValueError naming the step and both (a step's tasks never change: steps are idempotent)."""
     if asked != had:

@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from rayapp.core.convert import InputError, convert
@@ -157,7 +158,10 @@ def _sample_from_plain(d: Any, where: str) -> Sample:
     s = _sample_from_fields(_plain({k: x for k, x in d.items() if k not in arrays}, (where,)), where)
     for k, v in arrays.items():
         setattr(s, k, v)
-    return stored_sample(s)
+    try:
+        return stored_sample(s)
+    except msgspec.ValidationError as e:  # the spec's keys not fitting the record (a string weight version)
+        raise TypeError(f"{where}.metadata: {e}") from None
 
 
 def samples_to_plain(groups: list[list[Sample]], rollout_id: int | None = None) -> dict:

@@ -26,21 +26,26 @@ from typing import Any, Protocol
 import msgspec
 
 from rayapp.core.termination import EngineConnectionError
+from rayapp.record import WeightVersion
 
 log = logging.getLogger(__name__)
+
+
+class Applied(msgspec.Struct, frozen=True):
+    """The weights a replica loaded last, as it reports them (``InferenceEngine.applied_weights``) and
+    as the manager keeps them per engine."""
+
+    path: str
+    version: WeightVersion
 
 
 class WeightTarget(Protocol):
     """An engine as the manager reaches it: every call goes to every replica."""
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> list[dict[str, Any]]: ...
+    async def update_weights_from_disk(self, path: str,
+                                       version: WeightVersion | None = None) -> list[dict[str, Any]]: ...
 
-    async def applied_weights(self) -> list[dict[str, Any] | None]: ...
-
-
-class Applied(msgspec.Struct, frozen=True):
-    path: str
-    version: int
+    async def applied_weights(self) -> list[Applied | None]: ...
 
 
 class StaleWeights(EngineConnectionError):
@@ -54,9 +59,9 @@ class WeightSync:
         self._adopted = False
         self._lock = asyncio.Lock()  # one round of weights at a time: a restore never overtakes an update
 
-    def lagging(self, engine: str, weight_version: str) -> bool:
+    def lagging(self, engine: str, weight_version: WeightVersion | None) -> bool:
         record = self.applied.get(engine)
-        return record is not None and weight_version != str(record.version)
+        return record is not None and weight_version != record.version
 
     async def update(self, engine: str, path: str) -> list[dict[str, Any]]:
         """Every replica of ``engine`` on the weights at ``path``, as the next version; their replies."""
@@ -91,8 +96,7 @@ class WeightSync:
                 log.warning("engine %s: cannot ask its replicas for their weights: %s", name, e)
                 adopted, reports = False, []
             if reports:
-                best = max(reports, key=lambda r: r["version"])
-                self.applied[name] = Applied(best["path"], best["version"])
+                best = self.applied[name] = max(reports, key=lambda r: r.version)
                 log.warning("engine %s: taking up weights version %d (%s) from its replicas",
-                            name, best["version"], best["path"])
+                            name, best.version, best.path)
         self._adopted = adopted

@@ -14,10 +14,11 @@ ray = pytest.importorskip("ray")
 
 from rayapp.actors.engine import EngineClient  # noqa: E402
 from rayapp.cli.local import auth_token  # noqa: E402
+from rayapp.types import StepKind  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-DATASETS = {"rollout": ["arith"], "eval": ["held_out"]}
+DATASETS = {StepKind.ROLLOUT: ["arith"], StepKind.EVAL: ["held_out"]}
 
 
 @ray.remote(num_cpus=0)
@@ -31,7 +32,7 @@ class Recorder:
         self.metrics.zero(DATASETS, ["policy"], EngineClient.METHODS)
 
     def step(self, seconds: float) -> None:
-        self.metrics.step("rollout", {"rollout/time/step_s": seconds})
+        self.metrics.step(StepKind.ROLLOUT, {"rollout/time/step_s": seconds})
 
 
 @pytest.fixture(scope="module")

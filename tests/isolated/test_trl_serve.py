@@ -128,8 +128,8 @@ def test_the_trainers_loss_is_on_rayapps_tokens_masks_and_log_probs(trained):
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), losses
 
 
-def versions(result) -> set[str]:
-    return {str(t["weight_version"]) for g in result.groups for s in g for t in s.metadata["_turn_placement"]}
+def versions(result) -> set[int]:
+    return {t["weight_version"] for g in result.groups for s in g for t in s.metadata["_turn_placement"]}
 
 
 def test_each_update_reaches_both_replicas_and_the_next_step_runs_on_it(trained, model_dir):
@@ -141,7 +141,7 @@ def test_each_update_reaches_both_replicas_and_the_next_step_runs_on_it(trained,
         assert len(replies) == 2, replies  # the recipe's two replicas, each answering for itself
         assert all(r["ok"] and r["version"] == step and r["path"] == sync.synced[step - 1][1] for r in replies)
     for k, result in enumerate(source.results):
-        assert versions(result) == {str(k)}  # every turn of step k on the weights of optimiser step k
+        assert versions(result) == {k}  # every turn of step k on the weights of optimiser step k
     engines = {t["engine"] for r in source.results for g in r.groups for s in g for t in s.metadata["_turn_placement"]}
     replica = "hf@engine-student#"  # the backend @ the Serve replica that answered
     assert len(engines) == 2 and all(e.startswith(replica) for e in engines), engines

@@ -41,15 +41,15 @@ def handle(tmp_path_factory, model_dir, cache_dir):
             ray.shutdown()
 
 
-def versions(result) -> set[str]:
-    return {str(t["weight_version"]) for g in result.groups for s in g for t in s.metadata["_turn_placement"]}
+def versions(result) -> set[int]:
+    return {t["weight_version"] for g in result.groups for s in g for t in s.metadata["_turn_placement"]}
 
 
 def test_every_replica_loads_the_checkpoint_and_later_samples_record_and_use_it(handle, model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     first = handle.generate.remote(0).result(timeout_s=600)
-    assert versions(first) == {"0"}
+    assert versions(first) == {0}
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).eval()
     trainer = GRPOTrainer(model, lr=5e-2, micro_steps=1)
@@ -64,7 +64,7 @@ def test_every_replica_loads_the_checkpoint_and_later_samples_record_and_use_it(
     assert all(r["ok"] and r["version"] == 1 and r["path"] == str(folder) for r in replies)
 
     second = handle.generate.remote(1).result(timeout_s=600)
-    assert versions(second) == {"1"}
+    assert versions(second) == {1}
     samples = [s for g in second.groups for s in g if s.response_length > 0]
     b = make_batch(samples, [0.0] * len(samples))
     with torch.no_grad():
@@ -90,4 +90,4 @@ def test_every_replica_loads_the_checkpoint_and_later_samples_record_and_use_it(
         time.sleep(0.5)
     assert len(now) == 2 and before[0] not in now, now
     third = handle.generate.remote(2).result(timeout_s=600)
-    assert versions(third) == {"1"}  # every turn on the updated weights, the replacement's too
+    assert versions(third) == {1}  # every turn on the updated weights, the replacement's too

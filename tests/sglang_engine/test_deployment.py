@@ -19,6 +19,7 @@ from rayapp.actors.engine import InferenceEngine
 from rayapp.inference import GenerateRequest
 from rayapp.inference.tiny_model import ensure_tiny_model
 from rayapp.inference.weight_paths import WeightPathError
+from rayapp.training.weight_sync import Applied
 from rayapp.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
@@ -44,7 +45,7 @@ def test_a_replica_serves_and_says_what_it_serves(replica):
     assert "tokenizer.json" in engine.tokenizer_files()
     run(engine.check_health())  # raises when unhealthy
     out = run(engine.generate(GenerateRequest([1, 4, 302], GREEDY)))
-    assert out.output_ids and out.weight_version == "0" and engine.applied_weights() is None
+    assert out.output_ids and out.weight_version == 0 and engine.applied_weights() is None
 
 
 def test_weights_outside_the_roots_are_refused_before_sglang_reads_them(replica, tmp_path):
@@ -64,5 +65,5 @@ def test_weights_inside_the_roots_load_once_per_path_and_version(replica, root):
     assert first["ok"] and first["version"] == 1
     again = run(engine.update_weights_from_disk(str(inside), 1))
     assert again == {"ok": True, "path": str(inside), "version": 1, "loaded": False}
-    assert engine.applied_weights() == {"path": str(inside), "version": 1}
-    assert run(engine.generate(GenerateRequest([1, 4, 302], GREEDY))).weight_version == "1"
+    assert engine.applied_weights() == Applied(str(inside), 1)
+    assert run(engine.generate(GenerateRequest([1, 4, 302], GREEDY))).weight_version == 1

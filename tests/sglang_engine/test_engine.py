@@ -175,7 +175,7 @@ def test_weights_before_any_update_are_version_0_and_their_staleness_counts(back
     """Defect 2: SGLang names the weights it started with "default"; the partial-rollout code read that
     as the current step, so a turn made before any update looked fresh however old it was."""
     out = run(backend.generate(GenerateRequest(PROMPT, GREEDY)))
-    assert out.weight_version == "0" == str(run(backend.health())["weight_version"])
+    assert out.weight_version == 0 == run(backend.health())["weight_version"]
     carried = Sample("t", 0, "p", episode=EpisodeRecord(turn_records=[TurnRecord(1, "policy",
                                                                                  weight_version=out.weight_version)]))
     assert staleness(carried, 3) == 3
@@ -289,11 +289,11 @@ def test_weights_from_disk_change_the_answers_and_name_the_version(backend, run,
     reply = run(backend.update_weights_from_disk(str(changed)))
     assert reply["ok"] and reply["version"] == 1
     after = run(backend.generate(GenerateRequest(PROMPT, GREEDY, ignore_eos=True)))
-    assert after.weight_version == "1" and after.output_ids != before.output_ids
+    assert after.weight_version == 1 and after.output_ids != before.output_ids
 
     assert run(backend.update_weights_from_disk(str(model), 2))["version"] == 2
     back = run(backend.generate(GenerateRequest(PROMPT, GREEDY, ignore_eos=True)))
-    assert back.weight_version == "2" and back.output_ids == before.output_ids
+    assert back.weight_version == 2 and back.output_ids == before.output_ids
     assert backend.info()["weight_version"] == 2
 
 

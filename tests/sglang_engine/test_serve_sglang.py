@@ -98,8 +98,8 @@ def samples_of(result) -> list:
     return [s for g in result.groups for s in g]
 
 
-def versions(samples) -> set[str]:
-    return {str(t["weight_version"]) for s in samples for t in s.metadata.get("_turn_placement", [])}
+def versions(samples) -> set[int]:
+    return {t["weight_version"] for s in samples for t in s.metadata.get("_turn_placement", [])}
 
 
 def in_flight(engine, key: str = "in_flight") -> int:
@@ -141,7 +141,7 @@ def test_a_rollout_and_an_eval_return_samples_of_real_sglang_tokens(app):
         assert all(lp <= 0 for lp in s.rollout_log_probs) and any(lp < 0 for lp in s.rollout_log_probs)
     turns = [t for s in samples for t in s.metadata["_turn_placement"]]
     # the backend, then the Serve replica that ran the turn
-    assert {t["engine"].split("@")[0] for t in turns} == {"sglang"} and versions(samples) == {"0"}
+    assert {t["engine"].split("@")[0] for t in turns} == {"sglang"} and versions(samples) == {0}
 
     ev = app["manager"].evaluate.remote(0).result(timeout_s=STEP_S)
     assert len(ev.samples["arithmetic"]) == 4
@@ -197,7 +197,7 @@ def test_a_weight_update_between_steps_reaches_every_replica_and_the_next_step(a
 
     samples = [s for s in samples_of(app["manager"].generate.remote(1).result(timeout_s=STEP_S))
                if s.response_length > 0]
-    assert samples and versions(samples) == {"1"}  # every turn of the step on the new weights
+    assert samples and versions(samples) == {1}  # every turn of the step on the new weights
     model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
     b = make_batch(samples, [0.0] * len(samples))
     with torch.no_grad():
@@ -207,8 +207,8 @@ def test_a_weight_update_between_steps_reaches_every_replica_and_the_next_step(a
     assert gap < 1e-2  # sampled from the checkpoint's weights (SGLang's CPU kernels vs transformers')
 
 
-def turn_versions(sample) -> list[str]:
-    return [str(t["weight_version"]) for t in sample.metadata["_turn_placement"]]
+def turn_versions(sample) -> list[int]:
+    return [t["weight_version"] for t in sample.metadata["_turn_placement"]]
 
 
 def test_a_partial_rollout_cuts_a_turn_and_the_next_step_resumes_it(app, tmp_path):
@@ -242,7 +242,7 @@ def test_a_partial_rollout_cuts_a_turn_and_the_next_step_resumes_it(app, tmp_pat
                if s.status is Status.PENDING and s.episode.resume is not None and s.episode.resume.partial}
         assert cut, [(s.status, s.episode.resume) for s in carried.samples]  # a turn cut mid-generation
         for point in cut.values():
-            assert point.turns == 0 and [t.weight_version for t in point.turn_records] == ["1"]
+            assert point.turns == 0 and [t.weight_version for t in point.turn_records] == [1]
             assert len(point.tokens) == point.prompt_len + point.partial
 
         weights = shutil.copytree(ensure_tiny_model(), app["roots"] / "partial-2")
@@ -259,10 +259,10 @@ def test_a_partial_rollout_cuts_a_turn_and_the_next_step_resumes_it(app, tmp_pat
             assert s.tokens[:len(point.tokens)] == point.tokens  # the carried tokens begin the turn
             assert s.response_length >= point.partial
             assert s.rollout_log_probs[:point.partial] == point.rollout_log_probs[-point.partial:]
-            assert turn_versions(s) == ["1", "2"]  # cut on the weights of step 1, finished on step 2's
+            assert turn_versions(s) == [1, 2]  # cut on the weights of step 1, finished on step 2's
         for s in carried.samples:  # a sample that had ended in rollout 1 comes back as it was
             if s.index not in cut and s.status is not Status.PENDING:
-                assert resumed[s.index].tokens == s.tokens and turn_versions(resumed[s.index]) == ["1"]
+                assert resumed[s.index].tokens == s.tokens and turn_versions(resumed[s.index]) == [1]
         assert second.metrics["rollout/partial/resumed"] == 1.0
         assert second.metrics["rollout/partial/staleness_max"] == 1.0  # step 2 returns turns of step 1
         keys = [(s.task_id, s.index) for r in (first, second) for g in r.groups for s in g]

@@ -15,10 +15,8 @@ spanning it, is the one thing this can miss).
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -26,6 +24,7 @@ from rayapp.core.agent import AgentHandler
 from rayapp.core.clock import loop_time
 from rayapp.core.termination import EngineConnectionError
 from rayapp.envs.agents.observation import length_reason, turn_budget
+from rayapp.envs.protocol import Engine, EngineTokenizer, Executor, Verifier, run_inline
 from rayapp.episode import EPISODE, EpisodeContext
 from rayapp.inference.client import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -37,51 +36,7 @@ from rayapp.inference.client import (
     session_key,
 )
 from rayapp.record import ResumePoint, TerminationReason
-from rayapp.types import AgentResult, Sample, Token
-
-Verifier = Callable[[Sample, AgentResult], dict[str, float] | Awaitable[dict[str, float]]]
-# executor(token, fn, *args) runs fn(*args) where the token's resources are reserved
-Executor = Callable[..., Awaitable[Any]]
-
-
-class Engine(Protocol):
-    async def generate(self, req: GenerateRequest, timeout_s: float | None = None) -> GenerateOutput: ...
-
-    async def info(self) -> dict: ...
-
-
-async def run_inline(token: Token | None, fn: Callable[..., Any], *args: Any) -> Any:
-    """The executor when no placement group backs the token: a worker thread of this process."""
-    return await asyncio.to_thread(fn, *args)
-
-
-async def engine_tokenizer(engine: Engine) -> Any:
-    """The tokenizer of the model ``engine`` serves (its files, as the engine's ``info`` names them)."""
-    from transformers import AutoTokenizer
-
-    info = await engine.info()
-    return await asyncio.to_thread(AutoTokenizer.from_pretrained, info["tokenizer_path"], local_files_only=True)
-
-
-class EngineTokenizer:
-    """An engine's tokenizer, loaded once however many episodes ask for it at once: the first episodes
-    of a step share one load (each loading its own was 32 loads at the start of the GRPO demo's first
-    eval, seconds of CPU each). A load that failed is tried again by the next caller."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.value: Any = None
-        self._loading: asyncio.Task | None = None
-
-    async def get(self) -> Any:
-        if self.value is None:
-            loop, loading = asyncio.get_running_loop(), self._loading
-            if (loading is None or loading.get_loop() is not loop
-                    or (loading.done() and (loading.cancelled() or loading.exception() is not None))):
-                self._loading = loading = loop.create_task(engine_tokenizer(self.engine))
-            self.value = await asyncio.shield(loading)  # a caller that is cancelled leaves the load to the rest
-        return self.value
-
+from rayapp.types import AgentResult, Sample
 
 Tail = tuple[list[int], list[float]]  # a cut turn's kept tokens and their log-probs
 

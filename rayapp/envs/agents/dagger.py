@@ -19,8 +19,8 @@ import random
 from typing import Any
 
 from rayapp.core.clock import loop_time
-from rayapp.envs.agents.chat import Engine
 from rayapp.envs.agents.multiturn import ToolAgent
+from rayapp.envs.protocol import Engine
 from rayapp.episode import EpisodeContext
 from rayapp.inference.client import GenerateOutput, GenerateRequest
 from rayapp.record import Actor, DaggerLabel

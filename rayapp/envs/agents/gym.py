@@ -38,8 +38,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from rayapp.core.agent import phase_caller
-from rayapp.envs.agents.chat import ChatAgent, Engine
+from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.agents.observation import TokenData, length_reason, observation_tokens, turn_budget
+from rayapp.envs.protocol import Engine
 from rayapp.episode import EpisodeContext
 from rayapp.inference.client import FinishReason
 from rayapp.record import TerminationReason

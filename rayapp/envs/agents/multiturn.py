@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 
 from rayapp.core.termination import SandboxError
-from rayapp.envs.agents.chat import ChatAgent, Engine, Executor, Verifier, cut_tail, run_inline
+from rayapp.envs.agents.chat import ChatAgent, cut_tail
 from rayapp.envs.agents.observation import TokenData, length_reason, observation_tokens, turn_budget
 from rayapp.envs.agents.tools import (
     SANDBOX_TOOLS,
@@ -45,6 +45,7 @@ from rayapp.envs.agents.tools import (
     tool_result_message,
     with_tool_stops,
 )
+from rayapp.envs.protocol import Engine, Executor, Verifier, run_inline
 from rayapp.episode import EpisodeContext
 from rayapp.inference.client import FinishReason, GenerateOutput
 from rayapp.record import ResumePoint, TerminationReason, ToolReplay

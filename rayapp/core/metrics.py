@@ -3,7 +3,7 @@
 pass@k is the unbiased estimator of Chen et al. 2021 (the HumanEval paper): for a prompt with n
 samples of which c pass, ``1 - C(n-c, k) / C(n, k)``, averaged over prompts. Aborted samples stay
 in the counts as failures: dropping them would flatter the figures. "Passes" is ``is_solved``, the
-same test the failure classes' ``success`` uses.
+same test the failure classes' ``success`` uses. A prompt is its group (``group_of``), not its task_id.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from math import comb
 
 from rayapp.core.termination import FailureClass, classify_termination, is_solved
-from rayapp.types import Sample
+from rayapp.types import Sample, TaskKey
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -30,6 +30,13 @@ def is_correct(sample: Sample) -> bool:
     return is_solved(sample.reward)
 
 
+def group_of(sample: Sample) -> str:
+    """The group a sample's pass@k pools it in: its ``TaskKey.GROUP_ID`` (an eval step gives a
+    prompt's copies one), else its task_id for samples built by hand. Not the task_id first: two
+    prompts sharing an id would pool as one prompt with twice the copies."""
+    return str(sample.metadata.get(TaskKey.GROUP_ID.value, sample.task_id))
+
+
 def eval_metrics(samples_by_dataset: dict[str, list[Sample]], n_copies: int) -> dict[str, float]:
     """``eval/{name}/accuracy`` for every dataset and, when n_copies > 1, ``eval/{name}/pass@k``
     for k = 1 and k = n_copies (and the powers of two between)."""
@@ -43,7 +50,7 @@ def eval_metrics(samples_by_dataset: dict[str, list[Sample]], n_copies: int) -> 
         if n_copies > 1:
             groups: dict[str, list[Sample]] = defaultdict(list)
             for s in samples:
-                groups[s.task_id].append(s)
+                groups[group_of(s)].append(s)
             for k in ks:
                 scores = [pass_at_k(len(g), sum(is_correct(s) for s in g), k)
                           for g in groups.values() if len(g) >= k]

@@ -184,9 +184,12 @@ class TaskScheduler:
         began, per_dataset = loop_time(), []
         for name, tasks in self.eval_datasets.items():
             copies = []
-            for task in tasks:
+            for j, task in enumerate(tasks):
+                # The prompt's copies share one group id, which pass@k pools by: two prompts that
+                # share a task_id stay two groups.
+                group = {TaskKey.EVAL_DATASET_NAME.value: name, TaskKey.GROUP_ID.value: f"{rollout_id}/{name}/{j}"}
                 for copy in range(self.config.n_samples_per_eval_prompt):
-                    meta = {**task.metadata, TaskKey.EVAL_DATASET_NAME.value: name, TaskKey.EVAL_COPY.value: copy}
+                    meta = {**task.metadata, **group, TaskKey.EVAL_COPY.value: copy}
                     config = msgspec.structs.replace(task.config, n_samples=1)
                     copies.append(msgspec.structs.replace(task, config=config, metadata=meta))
             per_dataset.append(copies)

@@ -34,7 +34,7 @@ from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.recipe.config import ARGS_SOURCE, DatasetConfig, EvaluatorConfig, RecipeConfig, RecipeError
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.dagger import DAggerIterations
+from rayapp.training.dagger import DAggerIterations, StepIterations
 from rayapp.training.stacx_env import StacxEnv
 from rayapp.training.step import StepRunner
 from rayapp.types import EvaluatorSpec, Task
@@ -213,7 +213,8 @@ def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool
         build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox, gateway=gateway),
         build_data_source(cfg), pool, s.scheduler_config(), batching_strategy=s.strategy,
         eval_datasets=build_eval_sets(cfg),
-        iteration=DAggerIterations(cfg.dagger, observers=[StacxEnv()]) if cfg.dagger else None,
+        iteration=(DAggerIterations(cfg.dagger, observers=[StacxEnv()]) if cfg.dagger
+                   else StepIterations(observers=[StacxEnv(dagger=False)])),
     )
 
 

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from math import comb
 
+from rayapp.core.stats import sample_statistics
 from rayapp.core.termination import FailureClass, classify_termination, is_solved
 from rayapp.types import Sample, TaskKey
 
@@ -65,3 +66,11 @@ def failure_summary(samples: Iterable[Sample]) -> dict[str, int]:
         classify_termination(s.reward, s.episode.reason).value for s in samples
     )
     return {fc.value: counts.get(fc.value, 0) for fc in FailureClass}
+
+
+def outcome_metrics(prefix: str, samples: Iterable[Sample]) -> dict[str, float]:
+    """``{prefix}/<failure class>`` counts and the per-dataset sample statistics of what a step
+    returns: counted over the samples handed back, whichever step ran them (a partial rollout's
+    carried group brings samples an earlier step ran)."""
+    samples = list(samples)
+    return {f"{prefix}/{k}": float(v) for k, v in failure_summary(samples).items()} | sample_statistics(prefix, samples)

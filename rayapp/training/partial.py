@@ -42,7 +42,8 @@ small dataset hands the same task out twice in a step, and again each epoch. Eac
   bring in, not run again) and the staleness of what it returns
   (``rollout/partial/staleness_{mean,max}``: current step minus the step of the oldest weights in
   each returned sample; an integer weight version is read as that step, as the trainer loads new
-  weights once a step).
+  weights once a step). The failure-class counts (``rollout/<class>``) and the sample statistics are
+  of the whole groups it returns, kept samples and complete carried groups included.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from rayapp.core.contracts import (
     identified,
     require_async,
 )
+from rayapp.core.metrics import outcome_metrics
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import CarriedRun, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
@@ -245,6 +247,9 @@ class PartialRollouts:
                    "restarted": sum(t is g.task for g, t in runs), "resumed": sum(t is not g.task for g, t in runs),
                    "kept_samples": sum(_ended(s) for g in carried for s in g.samples),
                    "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0)}
+        # The scheduler counted what it ran; the step returns whole groups (kept samples, complete
+        # carried groups): count those, replacing its counts key by key.
+        result.metrics |= outcome_metrics("rollout", (s for g in groups for s in g))
         result.metrics |= {f"rollout/partial/{k}": float(v) for k, v in metrics.items()}
         return msgspec.structs.replace(result, groups=groups, unfinished=[])
 

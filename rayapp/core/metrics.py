@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from math import comb
+from math import comb, inf
+from typing import Any
 
 from rayapp.core.stats import sample_statistics
 from rayapp.core.termination import FailureClass, classify_termination, is_solved
@@ -74,3 +75,18 @@ def outcome_metrics(prefix: str, samples: Iterable[Sample]) -> dict[str, float]:
     carried group brings samples an earlier step ran)."""
     samples = list(samples)
     return {f"{prefix}/{k}": float(v) for k, v in failure_summary(samples).items()} | sample_statistics(prefix, samples)
+
+
+def abort_digest(samples: Iterable[Sample]) -> dict[str, Any] | None:
+    """How many of ``samples`` aborted, by reason, and the first abort by the evaluator's clock (its
+    task, sample, phase, reason and error text): what a step says once, so that a fault every sample
+    meets (a verifier that returns a float) reads as its error, not only as an abort count. None
+    when none aborted."""
+    aborted = [s for s in samples if s.episode.abort is not None]
+    if not aborted:
+        return None
+    first = min(aborted, key=lambda s: s.episode.abort.window[-1] if s.episode.abort.window else inf)
+    a = first.episode.abort
+    return {"n_aborted": len(aborted), "by_reason": dict(Counter(s.episode.abort.reason.value for s in aborted)),
+            "first": {"task_id": first.task_id, "index": first.index, "reason": a.reason.value,
+                      "phase": str(a.phase), "error": a.error}}

@@ -11,7 +11,9 @@ Files under ``{root}/eval_details/``, one set per iteration ``id``:
   (``engine_s``: seconds the engine call took; ``actor`` in a DAgger roll-in); node and GPUs fall
   back to the sample's token when the turn did not name them.
 - ``{id}.summary.json``: ``rollout_id, kind="eval", n_samples, failure_classes`` (the eight of
-  ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, and ``metrics``.
+  ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, ``aborts`` (null, or
+  ``core.metrics.abort_digest``: the count by reason and the first abort's task and error text), and
+  ``metrics``.
 - ``train_{id}.summary.json``: the same for a rollout step, ``kind="train"``, plus ``n_groups`` and
   ``n_removed``; datasets from ``metadata["_dataset_name"]`` ("unknown" when absent). It counts every
   sample of the step as it ran, before the survivorship filters, and ``filters`` says what they did
@@ -45,7 +47,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from rayapp.core.contracts import EvalResult, RolloutResult
-from rayapp.core.metrics import failure_summary
+from rayapp.core.metrics import abort_digest, failure_summary
 from rayapp.core.termination import classify_termination
 from rayapp.training.files import atomic_write
 from rayapp.training.timeline import write_timeline
@@ -185,7 +187,7 @@ def eval_summary(rollout_id: int, result: EvalResult) -> dict:
     every = [s for ss in result.samples.values() for s in ss]
     return {"rollout_id": rollout_id, "kind": "eval", "n_samples": len(every),
             "failure_classes": failure_summary(every), "datasets": _per_dataset(result.samples),
-            "metrics": dict(result.metrics)}
+            "aborts": abort_digest(every), "metrics": dict(result.metrics)}
 
 
 def rollout_summary(rollout_id: int, result: RolloutResult, filters: dict | None = None) -> dict:
@@ -196,7 +198,8 @@ def rollout_summary(rollout_id: int, result: RolloutResult, filters: dict | None
         by_name[dataset_of(s)].append(s)
     return {"rollout_id": rollout_id, "kind": "train", "n_groups": len(result.groups), "n_samples": len(every),
             "n_removed": sum(s.remove_sample for s in every), "failure_classes": failure_summary(every),
-            "datasets": _per_dataset(dict(by_name)), "filters": filters, "metrics": dict(result.metrics)}
+            "datasets": _per_dataset(dict(by_name)), "aborts": abort_digest(every), "filters": filters,
+            "metrics": dict(result.metrics)}
 
 
 def _write_lines(records: Iterable[dict]) -> Callable[[BinaryIO], None]:

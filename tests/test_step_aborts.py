@@ -46,3 +46,24 @@ def test_every_sample_aborting_logs_the_first_error_once_per_step(make_pool, tmp
         aborts = json.loads((tmp_path / "eval_details" / name).read_text())["aborts"]
         assert aborts["by_reason"] == {"infra_other": aborts["n_aborted"]}
         assert "handler.evaluate returned 1.0" in aborts["first"]["error"]
+
+
+def test_eval_details_carry_the_token_data_when_asked(make_pool, tmp_path):
+    from rayapp.training.artifacts import read_jsonl
+
+    def run_fn(sample, ctx):
+        return AgentResult(tokens=[5, 6, 7], response_length=2, response=str(sample.label),
+                           loss_mask=[1, 1], rollout_log_probs=[-0.5, -0.25])
+
+    spec = arithmetic_spec(batch_size=2)
+    spec.handler = FunctionAgent(run_fn, spec.handler.verify_fn)
+    sched = TaskScheduler([spec], None, make_pool(ONE_NODE), SchedulerConfig(progress=False),
+                          eval_datasets={"arith": ArithmeticSource(seed=9).take(2)})
+    run(StepRunner(sched, details=EvalDetailsWriter(tmp_path, tokens=True)).evaluate(1))
+    rows = read_jsonl(tmp_path / "eval_details" / "1.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert (row["tokens"], row["loss_mask"], row["rollout_log_probs"]) == ([5, 6, 7], [1, 1], [-0.5, -0.25])
+    plain = tmp_path / "plain"
+    run(StepRunner(sched, details=EvalDetailsWriter(plain)).evaluate(1))
+    assert not {"tokens", "loss_mask", "rollout_log_probs"} & set(read_jsonl(plain / "eval_details" / "1.jsonl")[0])

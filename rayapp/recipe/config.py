@@ -206,6 +206,9 @@ class SchedulerSection(SchedulerConfig, forbid_unknown_fields=True, frozen=True,
                                               "to a callable")] = "fifo"
     save_eval_details: Annotated[str | None, Meta(description="folder for eval_details/ artifacts (per-sample "
                                                               "JSONL, eval and train summaries); unset: none")] = None
+    eval_details_tokens: Annotated[bool, Meta(description="eval_details/{id}.jsonl also holds each sample's token "
+                                                          "data as a trainer gets it (tokens, loss_mask, "
+                                                          "rollout_log_probs); needs save_eval_details")] = False
     trajectory_dir: Annotated[str | None, Meta(description="folder where rollouts are saved and reused per the "
                                                            "STACX_* reuse variables; unset: always roll out fresh, "
                                                            "save nothing")] = None

@@ -229,5 +229,6 @@ def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Po
     scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox, gateway=gateway)
     return StepRunner(scheduler, filters=cfg.filters.chain(), abort_cap=cfg.filters.abort_cap,
                       trajectory_dir=s.trajectory_dir, checkpoint=checkpoint,
-                      details=EvalDetailsWriter(s.save_eval_details) if s.save_eval_details else None,
+                      details=(EvalDetailsWriter(s.save_eval_details, tokens=s.eval_details_tokens)
+                               if s.save_eval_details else None),
                       release_previous=release_previous, partial=s.partial)

@@ -5,7 +5,9 @@ Files under ``{root}/eval_details/``, one set per iteration ``id``:
 - ``{id}.jsonl``: one JSON object per sample: ``dataset, task_id, index, status, reward,
   termination_reason, failure_class, turns, prompt_tokens, response_tokens, remove_sample, abort,
   response`` (``abort`` is the episode's abort record without its reason, as the trainer's ``_abort``
-  holds it; null for samples that did not abort).
+  holds it; null for samples that did not abort). With ``tokens`` (the recipe's
+  ``scheduler.eval_details_tokens``) also ``tokens, loss_mask, rollout_log_probs``: the sample's token
+  data as a trainer gets it (prompt + response ids; mask and log-probs of the response).
 - ``{id}.placement.jsonl``: one object per model turn, from the episode's turn records:
   ``dataset, task_id, index, turn, node, gpu_ids, engine`` plus what else the turn's record holds
   (``engine_s``: seconds the engine call took; ``actor`` in a DAgger roll-in); node and GPUs fall
@@ -151,10 +153,11 @@ def dataset_of(sample: Sample, default: str = "unknown") -> str:
     return m.get(TaskKey.EVAL_DATASET_NAME) or m.get(TaskKey.DATASET_NAME) or default
 
 
-def sample_record(dataset: str, s: Sample) -> dict:
-    """The ``{id}.jsonl`` line of one sample."""
+def sample_record(dataset: str, s: Sample, tokens: bool = False) -> dict:
+    """The ``{id}.jsonl`` line of one sample; with ``tokens``, its token data too."""
     episode = s.episode
     reason, abort = episode.reason, episode.abort
+    token_data = {"tokens": s.tokens, "loss_mask": s.loss_mask, "rollout_log_probs": s.rollout_log_probs}
     return {
         "dataset": dataset, "task_id": s.task_id, "index": s.index, "status": str(s.status),
         "reward": s.reward, "termination_reason": reason,
@@ -164,7 +167,7 @@ def sample_record(dataset: str, s: Sample) -> dict:
         "remove_sample": s.remove_sample,
         "abort": None if abort is None else {k: v for k, v in msgspec.to_builtins(abort).items() if k != "reason"},
         "response": s.response,
-    }
+    } | (token_data if tokens else {})
 
 
 def placement_records(dataset: str, s: Sample) -> list[dict]:
@@ -223,8 +226,8 @@ class EvalDetailsWriter:
     ``write_eval`` replaces both atomically with the complete files, in dataset order, and writes
     the summary. A crashed eval thus leaves whole lines of what finished, and no summary."""
 
-    def __init__(self, root: str | os.PathLike):
-        self.dir = Path(root) / "eval_details"
+    def __init__(self, root: str | os.PathLike, tokens: bool = False):
+        self.dir, self.tokens = Path(root) / "eval_details", tokens
         self._streams: dict[int, tuple[JsonlAppender, JsonlAppender]] = {}
 
     def paths(self, rollout_id: int) -> dict[str, Path]:
@@ -241,7 +244,7 @@ class EvalDetailsWriter:
             self._streams[rollout_id] = (JsonlAppender(p["samples"]), JsonlAppender(p["placement"]))
         samples, placement = self._streams[rollout_id]
         name = dataset or dataset_of(sample)
-        samples.append(sample_record(name, sample))
+        samples.append(sample_record(name, sample, self.tokens))
         for rec in placement_records(name, sample):
             placement.append(rec)
 
@@ -281,7 +284,8 @@ class EvalDetailsWriter:
         p = self.paths(rollout_id)
         self.close_stream(rollout_id)
         named = [(name, s) for name, ss in result.samples.items() for s in ss]
-        atomic_write(p["samples"], _write_lines(sample_record(n, s) for n, s in named), what="eval details")
+        atomic_write(p["samples"], _write_lines(sample_record(n, s, self.tokens) for n, s in named),
+                     what="eval details")
         atomic_write(p["placement"], _write_lines(r for n, s in named for r in placement_records(n, s)),
                      what="eval placement")
         atomic_write(p["summary"], _json(eval_summary(rollout_id, result)), what="eval summary")

@@ -32,6 +32,7 @@ from rayapp.envs.protocol import AgentDeps
 from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.recipe.config import ARGS_SOURCE, DatasetConfig, EvaluatorConfig, RecipeConfig, RecipeError
+from rayapp.recipe.runnable import rows_problem
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import RolloutCheckpoint
 from rayapp.training.dagger import DAggerIterations, StepIterations
@@ -159,7 +160,8 @@ class _NoGateway:
 def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
     """Every evaluator's agent built as the manager will build it (its factory called with its
     AgentDeps, engines that must not be called yet) and every source plug-in's rows made, so a wrong
-    factory or source fails here as (JSON path, reason) instead of at the deployment."""
+    factory or source (its rows fail, are none, or are not Tasks) fails here as (JSON path, reason)
+    instead of at the deployment."""
     problems = []
     engines = {name: _NoEngine(name) for name in cfg.engines}
     for i, ev in enumerate(cfg.evaluators):
@@ -171,9 +173,12 @@ def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
         for name, d in sorted(getattr(cfg, where).items()):
             if d.source is not None:
                 try:
-                    _dataset(where, name, d)
+                    problem = rows_problem(list(_dataset(where, name, d).rows), f"data source {d.source!r}")
                 except RecipeError as e:
                     problems.append((e.path or f"$.{where}.{name}", e.reason))
+                    continue
+                if problem is not None:
+                    problems.append((f"$.{where}.{name}.source", problem))
     return problems
 
 

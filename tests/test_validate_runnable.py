@@ -122,3 +122,10 @@ def test_validate_warns_of_rows_no_evaluator_runs_and_still_passes(tmp_path, cap
     assert (f'recipe "{recipe}": $.applications[0].args.data.arithmetic.task_type: warning: rows of '
             "data.arithmetic name evaluator 'nope', which is not one of ['arithmetic', 'math', 'humaneval', "
             "'swe']: they would run on the first, 'arithmetic'") in err
+
+
+def test_the_hf_backend_refuses_a_cuda_device_this_process_lacks_before_loading_the_model():
+    from rayapp.inference.hf import HFBackend
+
+    with pytest.raises(ValueError, match=r"device 'cuda:999': this process sees \d+ CUDA device\(s\)"):
+        HFBackend(model_path="/nonexistent", device="cuda:999")  # refused before the model path is looked at

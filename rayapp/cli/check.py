@@ -104,17 +104,17 @@ def _recipe_findings(path: str | os.PathLike, app: int | None) -> list[Any]:
     warnings (``recipe.runnable.recipe_warnings``)."""
     from rayapp.recipe import RecipeError, load_recipe
     from rayapp.recipe.config import recipe_document
-    from rayapp.recipe.runnable import recipe_warnings, verifier_problems
+    from rayapp.recipe.runnable import recipe_warnings, routed_rows, verifier_problems
 
     try:
         _, cfg = load_recipe(path, app)
     except RecipeError as e:
         return [str(e), []]
-    root = recipe_document(path, app)[2]
-    bad = verifier_problems(cfg)
+    root, datasets = recipe_document(path, app)[2], routed_rows(cfg)
+    bad = verifier_problems(cfg, datasets)
     problem = str(RecipeError(path, root + bad[0][0][1:], bad[0][1])) if bad else None
     where = f'recipe "{os.fsdecode(path)}"'
-    return [problem, [f"{where}: {root}{at[1:]}: warning: {reason}" for at, reason in recipe_warnings(cfg)]]
+    return [problem, [f"{where}: {root}{at[1:]}: warning: {reason}" for at, reason in recipe_warnings(cfg, datasets)]]
 
 
 def problems(path: str | os.PathLike) -> list[str]:

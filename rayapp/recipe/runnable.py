@@ -128,25 +128,28 @@ def rows_problem(rows: list[Any], what: str) -> str | None:
     return None
 
 
-def _routed_rows(recipe: Any) -> Iterator[tuple[str, str, list[Task]]]:
-    """(JSON path, dataset label, rows) of each dataset whose rows can be made here; a dataset whose rows
-    fail is the other checks' to report."""
+def routed_rows(recipe: Any) -> list[tuple[str, str, list[Task]]]:
+    """(JSON path, dataset label, rows) of each dataset whose rows can be made here, made once for
+    ``recipe_warnings`` and ``verifier_problems``; a dataset whose rows fail is the other checks' to
+    report."""
     from rayapp.envs.registry import dataset_rows
 
+    found = []
     for where in ("data", "eval"):
         for name, d in sorted(getattr(recipe, where).items()):
             try:
                 rows = dataset_rows(d, name)
             except Exception:  # said by load_recipe's own checks
                 continue
-            yield f"$.{where}.{name}", f"{where}.{name}", [r for r in rows if isinstance(r, Task)]
+            found.append((f"$.{where}.{name}", f"{where}.{name}", [r for r in rows if isinstance(r, Task)]))
+    return found
 
 
-def recipe_warnings(recipe: Any) -> list[tuple[str, str]]:
-    """The module docstring's warnings."""
+def recipe_warnings(recipe: Any, datasets: list[tuple[str, str, list[Task]]]) -> list[tuple[str, str]]:
+    """The module docstring's warnings; ``datasets``: ``routed_rows(recipe)``."""
     found = []
     ids = [ev.evaluator_id for ev in recipe.evaluators]
-    for at, label, rows in _routed_rows(recipe):
+    for at, label, rows in datasets:
         unknown = sorted({t.evaluator_id for t in rows} - set(ids))
         if unknown and ids:
             field = f"{at}.task_type" if getattr(_dataset_of(recipe, label), "task_type", None) else at
@@ -178,16 +181,15 @@ def _cuda_devices() -> int | None:
     return torch.cuda.device_count()
 
 
-def verifier_problems(recipe: Any) -> list[tuple[str, str]]:
-    """Each verifier plug-in's return on one row routed to it (module docstring); one that raises is
-    left to ``rayapp verify``, which shows every row."""
+def verifier_problems(recipe: Any, datasets: list[tuple[str, str, list[Task]]]) -> list[tuple[str, str]]:
+    """Each verifier plug-in's return on one row routed to it (module docstring; ``datasets``:
+    ``routed_rows(recipe)``); one that raises is left to ``rayapp verify``, which shows every row."""
     from rayapp.core.evaluator import checked_reward
     from rayapp.envs import watch
     from rayapp.envs.plugins import load_verifier
     from rayapp.types import AgentResult, Sample
 
     found = []
-    datasets = list(_routed_rows(recipe))
     for i, ev in enumerate(recipe.evaluators):
         if not ev.verifier:
             continue

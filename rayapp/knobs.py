@@ -32,8 +32,8 @@ OTHER_ENV: dict[str, tuple[str, str]] = {
     "RAYAPP_HTTP_TOKEN": ("", "user-set: the bearer token every manager HTTP route but /healthz then needs (a "
                               "Kubernetes Secret as an environment variable; never in a file in a repository)"),
     "RAYAPP_HTTP_TOKEN_FILE": ("", "user-set: a file holding that token (a mounted Secret). Without either, the "
-                                   "routes are served only while Serve's proxy listens on loopback "
-                                   "(docs/security.md)"),
+                                   "routes are served only while Serve's proxy listens on loopback, and only "
+                                   "with Ray's own cluster token as the bearer token (docs/security.md)"),
 }
 # Recipe keys that stand for the spec's launch flags.
 SPEC_FLAGS = {

@@ -8,9 +8,17 @@ import threading
 import pytest
 
 from rayapp.actors.http import parse_step_id
-from rayapp.actors.http_auth import TOKEN_ENV, TOKEN_FILE_ENV, HttpGuard, is_loopback, load_token
+from rayapp.actors.http_auth import (
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    HttpGuard,
+    is_loopback,
+    load_token,
+    ray_cluster_token,
+)
 
 TOKEN = "0123456789abcdef0123456789abcdef"
+RAY_TOKEN = "fedcba9876543210fedcba9876543210"
 
 
 def body(response) -> dict:
@@ -18,9 +26,40 @@ def body(response) -> dict:
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.1", "::1", "localhost"])
-def test_without_a_token_a_loopback_proxy_is_served(host):
+def test_without_a_token_a_loopback_proxy_serves_only_rays_cluster_token(host):
+    """No route is open by default: another user of the machine (POST /rollout/5) gets 401."""
     assert is_loopback(host)
-    assert HttpGuard(None).refusal(None, host) is None
+    guard = HttpGuard(None, RAY_TOKEN)
+    assert guard.refusal(f"Bearer {RAY_TOKEN}", host) is None
+    for header in (None, "", f"Bearer {TOKEN}", f"Bearer {RAY_TOKEN[:-1]}"):
+        answer = guard.refusal(header, host)
+        assert answer.status_code == 401 and answer.headers["WWW-Authenticate"] == "Bearer"
+        assert "Ray's cluster token" in body(answer)["message"] and RAY_TOKEN not in answer.body.decode()
+    shut = HttpGuard(None, None).refusal(f"Bearer {RAY_TOKEN}", host)  # Ray's token auth off: nothing to present
+    assert shut.status_code == 403 and "RAY_AUTH_MODE=token" in body(shut)["message"]
+
+
+def test_rays_token_is_not_asked_for_across_a_network():
+    answer = HttpGuard(None, RAY_TOKEN).refusal(f"Bearer {RAY_TOKEN}", "0.0.0.0")
+    assert answer.status_code == 403 and TOKEN_ENV in body(answer)["message"]
+
+
+def test_with_an_http_token_rays_token_is_not_one(tmp_path):
+    assert HttpGuard(TOKEN, RAY_TOKEN).refusal(f"Bearer {RAY_TOKEN}", "127.0.0.1").status_code == 401
+    assert HttpGuard(TOKEN, RAY_TOKEN).refusal(f"Bearer {TOKEN}", "127.0.0.1") is None
+
+
+def test_rays_cluster_token_is_read_where_ray_reads_it(tmp_path):
+    (tmp_path / "path-token").write_text(RAY_TOKEN + "-path\n")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text(RAY_TOKEN + "-home")
+    path = str(tmp_path / "path-token")
+    assert ray_cluster_token({"RAY_AUTH_TOKEN": RAY_TOKEN, "RAY_AUTH_TOKEN_PATH": path}, tmp_path) == RAY_TOKEN
+    assert ray_cluster_token({"RAY_AUTH_TOKEN_PATH": path}, tmp_path) == RAY_TOKEN + "-path"
+    assert ray_cluster_token({}, tmp_path) == RAY_TOKEN + "-home"
+    assert ray_cluster_token({}, tmp_path / "nobody") is None
+    assert ray_cluster_token({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")}, tmp_path) is None
+    assert ray_cluster_token({"RAY_AUTH_TOKEN_PATH": "/dev/zero"}, tmp_path) is None
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "head.example", "", None,

@@ -344,3 +344,40 @@ def test_a_partial_step_cut_short_resumes_with_the_same_carried_and_new_tasks(ma
     assert set(done_before) <= set(ids(second.groups))
     returned = ids(first.groups) + ids(second.groups) + [g.task.task_id for g in again.carried()]
     assert sorted(returned) == sorted(f"t{i}" for i in range(9)) and carried <= set(returned)
+
+
+def test_a_resumed_step_counts_every_sample_it_returns(make_pool):
+    """Kept samples were run by an earlier step, but the step returns them: its failure classes and
+    sample statistics count what it returns, not only what it ran."""
+    sched, _ = make(make_pool, Resumable(seed=21), Stream(), batch=4)
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=1.5, max_staleness=2, policy="resume"))
+
+    async def steps():
+        return [await partial.execute_rollout(i) for i in range(6)]
+
+    results = run_virtual(steps())
+    assert sum(r.metrics["rollout/partial/kept_samples"] for r in results) > 0, "some step brought kept samples"
+    for r in results:
+        returned = sum(len(g) for g in r.groups)
+        assert r.metrics["rollout/success"] == returned  # every sample of this agent is solved
+        assert r.metrics["rollout/default/n_samples"] == returned
+
+
+def test_a_trainer_that_goes_back_without_a_checkpoint_loses_no_carried_group(make_pool):
+    """Steps 0..2, then the trainer asks step 0 again (its own checkpoint was older): the groups step 2
+    carried on are taken up, afresh, by the steps that follow, not dropped."""
+    agent, source = Resumable(seed=21), Stream()
+    sched, _ = make(make_pool, agent, source, batch=4)
+    partial = PartialRollouts.over(sched, PartialConfig(over_provision=2.0, max_staleness=2, policy="resume"))
+
+    async def steps(order):
+        return [await partial.execute_rollout(i) for i in order]
+
+    run_virtual(steps([0, 1, 2]))
+    outstanding = {g.task.task_id for g in partial.carried()}
+    assert outstanding, "step 2 carried groups on"
+    again = run_virtual(steps([0, 1, 2, 3]))
+    returned = [t for r in again for t in ids(r.groups)]
+    assert len(returned) == len(set(returned))
+    assert outstanding <= set(returned) | {g.task.task_id for g in partial.carried()}
+    assert again[0].metrics["rollout/partial/restarted"] == len(outstanding)

@@ -59,8 +59,28 @@ def test_classify_abort(error, expected):
 
 def test_a_self_referencing_cause_chain_terminates():
     e = RuntimeError("x")
-    e.__context__ = e
+    e.__cause__ = e
     assert classify_abort(e) is AbortReason.INFRA_OTHER
+
+
+def test_an_error_met_while_handling_a_timeout_is_classed_by_itself():
+    """The implicit context is what was being handled, not the cause: a sandbox OOM raised inside
+    ``except TimeoutError`` is a sandbox fault, an untyped error there is read by its message."""
+    def raised_while_handling_timeout(error):
+        try:
+            try:
+                raise TimeoutError("turn 2")
+            except TimeoutError:
+                raise error  # noqa: B904 - the implicit context is what this test is about
+        except Exception as e:
+            return e
+
+    assert classify_abort(raised_while_handling_timeout(RuntimeError("sandbox out of memory"))) \
+        is AbortReason.INFRA_SANDBOX
+    assert classify_abort(raised_while_handling_timeout(ValueError("bad reply"))) is AbortReason.INFRA_OTHER
+    explicit = raised_while_handling_timeout(RuntimeError("wrapped"))
+    explicit.__cause__ = explicit.__context__
+    assert classify_abort(explicit) is AbortReason.AGENT_TIMEOUT
 
 
 @pytest.mark.parametrize(("reward", "reason", "expected"), [

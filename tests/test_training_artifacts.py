@@ -100,6 +100,9 @@ def test_write_eval_contents_are_exact(tmp_path):
         "failure_classes": zeros | {"success": 1, "max_turns": 1, "infra_sandbox": 1},
         "datasets": {"math": {"n_samples": 2, "failure_classes": zeros | {"success": 1, "max_turns": 1}},
                      "swe": {"n_samples": 1, "failure_classes": zeros | {"infra_sandbox": 1}}},
+        "aborts": {"n_aborted": 1, "by_reason": {"infra_sandbox": 1},
+                   "first": {"task_id": "s1", "index": 0, "reason": "infra_sandbox", "phase": "run",
+                             "error": "SandboxError: container died"}},
         "metrics": result.metrics,
     }
     assert summary["failure_classes"] == failure_summary(s for ss in result.samples.values() for s in ss)
@@ -224,6 +227,8 @@ def test_rollout_summary(tmp_path):
         "datasets": {"a": {"n_samples": 2, "failure_classes": zeros | {"success": 1, "wrong_answer": 1}},
                      "b": {"n_samples": 1, "failure_classes": zeros | {"infra_conn": 1}},
                      "unknown": {"n_samples": 1, "failure_classes": zeros | {"max_context": 1}}},
+        "aborts": {"n_aborted": 1, "by_reason": {"infra_conn": 1},
+                   "first": {"task_id": "t", "index": 0, "reason": "infra_conn", "phase": "run", "error": "test"}},
         "filters": None,  # a step without filters
         "metrics": {"rollout/n": 4.0},
     }

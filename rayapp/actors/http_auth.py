@@ -9,8 +9,13 @@ step is open to whoever reaches the proxy. So:
   every route but ``/healthz`` needs ``Authorization: Bearer <token>``: 401 without it or with
   another token.
 - Without one, the routes are served only while Serve's proxy listens on a loopback address
-  (``http_options.host: 127.0.0.1``, every shipped recipe): on any other host each route but
-  ``/healthz`` answers 403 naming the variables to set. Nothing starts in either case.
+  (``http_options.host: 127.0.0.1``, every shipped recipe), and only to a caller that presents Ray's
+  own cluster token (``Authorization: Bearer <token>``, the token Ray's token auth reads:
+  ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``): whoever may
+  use the cluster may use its routes, and nobody else on the machine. 401 without it; 403 when the
+  replica finds no such token (Ray's token auth off), naming what to set. On any other host each route
+  but ``/healthz`` answers 403 naming the variables to set: Ray's token is never asked for in clear
+  text across a network. Nothing starts in any refused case.
 
 ``/healthz`` stays open (probes carry no token); ``/docs`` and ``/openapi.json`` (FastAPI's) describe
 the routes and hold no state.
@@ -31,6 +36,9 @@ from rayapp.actors.http import error_response
 
 TOKEN_ENV = "RAYAPP_HTTP_TOKEN"
 TOKEN_FILE_ENV = "RAYAPP_HTTP_TOKEN_FILE"
+# Where Ray's token auth reads the cluster's token from (Ray's names; rayapp.cli.local sets them for a
+# head of its own).
+RAY_TOKEN_ENV, RAY_TOKEN_PATH_ENV, RAY_TOKEN_FILE = "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", Path(".ray/auth_token")
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_BYTES = 4096
 
@@ -65,6 +73,21 @@ def load_token(env: Mapping[str, str]) -> str | None:
     return token
 
 
+def ray_cluster_token(env: Mapping[str, str], home: Path | None = None) -> str | None:
+    """Ray's own cluster token, read in the order Ray's token auth reads it (``RAY_AUTH_TOKEN``, else
+    the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``), or None when there is none this
+    process can read: then no caller can present it, and the routes stay shut."""
+    if env.get(RAY_TOKEN_ENV):
+        token = env[RAY_TOKEN_ENV].strip()
+    else:
+        path = Path(env[RAY_TOKEN_PATH_ENV]) if env.get(RAY_TOKEN_PATH_ENV) else (home or Path.home()) / RAY_TOKEN_FILE
+        try:
+            token = _read_regular_file(path, str(path)).decode("ascii").strip()
+        except (ValueError, UnicodeDecodeError):  # none here, or not one Ray could use either
+            return None
+    return token if MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_BYTES else None
+
+
 def _read_regular_file(path: Path, where: str) -> bytes:
     """Its first bytes; a FIFO or a device is refused before any read could block the replica
     (a Kubernetes Secret's file is a link to a regular file: links are followed)."""
@@ -81,10 +104,13 @@ def _read_regular_file(path: Path, where: str) -> bytes:
 
 
 class HttpGuard:
-    """The decision for one request: None (serve it) or the refusal to answer."""
+    """The decision for one request: None (serve it) or the refusal to answer. ``token``: the HTTP
+    token configured (``load_token``); ``ray_token``: Ray's cluster token (``ray_cluster_token``),
+    what a loopback proxy's routes ask for when no HTTP token is configured."""
 
-    def __init__(self, token: str | None):
+    def __init__(self, token: str | None, ray_token: str | None = None):
         self._token = token.encode() if token is not None else None
+        self._ray_token = ray_token.encode() if ray_token is not None else None
 
     @property
     def has_token(self) -> bool:
@@ -93,17 +119,28 @@ class HttpGuard:
     def refusal(self, authorization: str | None, proxy_host: str | None) -> JSONResponse | None:
         """``authorization``: the request's header; ``proxy_host``: where Serve's proxy listens (None: unknown).
         The routes that stay open (``/healthz``) do not ask."""
-        if self._token is None:
-            if is_loopback(proxy_host):
-                return None
+        if self._token is not None:
+            return _bearer_refusal(authorization, self._token, f"the token of {TOKEN_ENV} / {TOKEN_FILE_ENV}")
+        if not is_loopback(proxy_host):
             return error_response(403, "Forbidden", f"Serve's HTTP proxy listens on {proxy_host or 'an unknown host'}, "
                                   f"not loopback, and no token is configured: set {TOKEN_ENV} or {TOKEN_FILE_ENV} "
                                   "in the manager's environment (docs/security.md)")
-        scheme, _, presented = (authorization or "").partition(" ")
-        # compare_digest: the time taken does not tell how much of a guess was right
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token):
-            answer = error_response(401, "Unauthorized", "this route needs the header Authorization: Bearer <token> "
-                                    f"with the token of {TOKEN_ENV} / {TOKEN_FILE_ENV}")
-            answer.headers["WWW-Authenticate"] = "Bearer"
-            return answer
-        return None
+        if self._ray_token is None:
+            return error_response(403, "Forbidden", f"no token is configured ({TOKEN_ENV} / {TOKEN_FILE_ENV}) and "
+                                  "the manager finds no Ray cluster token (Ray's token auth is off): set one, or "
+                                  f"turn Ray's token auth on (RAY_AUTH_MODE=token) (docs/security.md)")
+        return _bearer_refusal(authorization, self._ray_token,
+                               f"Ray's cluster token ({RAY_TOKEN_ENV}, the file {RAY_TOKEN_PATH_ENV} or "
+                               f"~/{RAY_TOKEN_FILE}), as no {TOKEN_ENV} is configured")
+
+
+def _bearer_refusal(authorization: str | None, token: bytes, which: str) -> JSONResponse | None:
+    """401 unless ``authorization`` is ``Bearer <token>``; ``which`` says which token, never its value."""
+    scheme, _, presented = (authorization or "").partition(" ")
+    # compare_digest: the time taken does not tell how much of a guess was right
+    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), token):
+        answer = error_response(401, "Unauthorized", f"this route needs the header Authorization: Bearer <token> "
+                                f"with {which}")
+        answer.headers["WWW-Authenticate"] = "Bearer"
+        return answer
+    return None

@@ -24,7 +24,7 @@ from ray import serve
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.heap import trim_soon
 from rayapp.actors.http import ERRORS, error_response, exception_response, gateway_base_url, parse_step_id, summary
-from rayapp.actors.http_auth import HttpGuard, load_token
+from rayapp.actors.http_auth import HttpGuard, load_token, ray_cluster_token
 from rayapp.actors.logs import follow_serve_logging
 from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool import run_in_bundle
@@ -89,7 +89,7 @@ class SchedulerRolloutManager:
         self.jobs = StepJobs()
         self._gauges: asyncio.Task | None = None
         # A configured token that cannot be used stops the replica here, naming the variable.
-        self.http_guard = HttpGuard(load_token(os.environ))
+        self.http_guard = HttpGuard(load_token(os.environ), ray_cluster_token(os.environ))
         self._proxy_host: str | None = None
 
     def _watch(self) -> None:

@@ -98,21 +98,35 @@ def rayapp_apps(doc: Any) -> list[int | None]:
     return found or [None]
 
 
-def _recipe_problem(path: str | os.PathLike, app: int | None) -> str | None:
-    """``load_recipe``'s one problem with application ``app`` of ``path``, as its line (the child's side)."""
+def _recipe_findings(path: str | os.PathLike, app: int | None) -> list[Any]:
+    """``[problem, warnings]`` of application ``app`` of ``path`` as lines (the child's side): ``load_recipe``'s
+    one problem, else its verifiers' (``recipe.runnable.verifier_problems``: the first); and the recipe's
+    warnings (``recipe.runnable.recipe_warnings``)."""
     from rayapp.recipe import RecipeError, load_recipe
+    from rayapp.recipe.config import recipe_document
+    from rayapp.recipe.runnable import recipe_warnings, routed_rows, verifier_problems
 
     try:
-        load_recipe(path, app)
+        _, cfg = load_recipe(path, app)
     except RecipeError as e:
-        return str(e)
-    return None
+        return [str(e), []]
+    root, datasets = recipe_document(path, app)[2], routed_rows(cfg)
+    bad = verifier_problems(cfg, datasets)
+    problem = str(RecipeError(path, root + bad[0][0][1:], bad[0][1])) if bad else None
+    where = f'recipe "{os.fsdecode(path)}"'
+    return [problem, [f"{where}: {root}{at[1:]}: warning: {reason}" for at, reason in recipe_warnings(cfg, datasets)]]
 
 
 def problems(path: str | os.PathLike) -> list[str]:
-    """Every problem of the recipe file ``path`` as one line each: each rayapp application's first (the
-    builder stops at it: checked in a watched child, ``cli/isolate.py``, as the recipe's plug-ins run),
-    then Serve's, then the HTTP token's. Empty when all accept the file."""
+    """Every problem of the recipe file ``path`` as one line each (``findings``)."""
+    return findings(path)[0]
+
+
+def findings(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """The recipe file ``path``'s problems and warnings, one line each. Problems: each rayapp
+    application's first (the builder stops at it: checked in a watched child, ``cli/isolate.py``, as
+    the recipe's plug-ins run), then Serve's, then its ports', then the HTTP token's; empty when all
+    accept the file. Warnings: what the app would run, but not as the recipe likely meant."""
     from rayapp.recipe import RecipeError
     from rayapp.recipe.config import read_recipe_file
 
@@ -120,20 +134,33 @@ def problems(path: str | os.PathLike) -> list[str]:
     try:
         doc = read_recipe_file(path)
     except RecipeError as e:  # the file is not a document within bounds: nothing more to check
-        return [str(e)]
-    lines = []
+        return [str(e)], []
+    lines, warnings = [], []
     for app in rayapp_apps(doc):
-        line, stuck = run_watched(functools.partial(_recipe_problem, path, app), VALIDATE_CALL_TIMEOUT_S)
+        found, stuck = run_watched(functools.partial(_recipe_findings, path, app), VALIDATE_CALL_TIMEOUT_S)
+        line, warned = found if found is not None else (None, [])
         if stuck is not None:
             at, what, outcome = stuck
             root = "$" if app is None else f"$.applications[{app}].args"
             line = f"{where}: {root}{at[1:]}: {what} {outcome}"
         if line is not None:
             lines.append(line)
+        warnings += warned
     if isinstance(doc, dict) and "applications" in doc:  # a Serve config, not bare args
         lines += [f"{where}: {at}: {reason}" for at, reason in serve_schema_problems(doc) + unknown_serve_keys(doc)
-                  + token_problems(doc)]
-    return lines
+                  + port_problems(doc) + token_problems(doc)]
+    return lines, warnings
+
+
+def port_problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """Serve's schema takes any int as a port: -1 or 70000 would fail only when the proxy binds."""
+    found = []
+    for section in ("http_options", "grpc_options"):
+        options = doc.get(section)
+        port = options.get("port") if isinstance(options, dict) else None
+        if isinstance(port, int) and not isinstance(port, bool) and not 1 <= port <= 65535:
+            found.append((f"$.{section}.port", f"expected a port in 1 .. 65535, got {port}"))
+    return found
 
 
 def token_problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -157,8 +184,11 @@ def token_problems(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def validate(recipe: str | os.PathLike) -> int:
-    """Print ``<file>: OK`` (exit status 0) or each problem on stderr (exit status 2)."""
-    found = problems(recipe)
+    """Print ``<file>: OK`` (exit status 0) or each problem on stderr (exit status 2); warnings go to
+    stderr either way and change no exit status."""
+    found, warnings = findings(recipe)
+    if warnings:
+        print("\n".join(warnings), file=sys.stderr)
     if found:
         print("\n".join(found), file=sys.stderr)
         return 2

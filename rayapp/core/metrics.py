@@ -3,17 +3,19 @@
 pass@k is the unbiased estimator of Chen et al. 2021 (the HumanEval paper): for a prompt with n
 samples of which c pass, ``1 - C(n-c, k) / C(n, k)``, averaged over prompts. Aborted samples stay
 in the counts as failures: dropping them would flatter the figures. "Passes" is ``is_solved``, the
-same test the failure classes' ``success`` uses.
+same test the failure classes' ``success`` uses. A prompt is its group (``group_of``), not its task_id.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from math import comb
+from math import comb, inf
+from typing import Any
 
+from rayapp.core.stats import sample_statistics
 from rayapp.core.termination import FailureClass, classify_termination, is_solved
-from rayapp.types import Sample
+from rayapp.types import Sample, TaskKey
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -30,6 +32,13 @@ def is_correct(sample: Sample) -> bool:
     return is_solved(sample.reward)
 
 
+def group_of(sample: Sample) -> str:
+    """The group a sample's pass@k pools it in: its ``TaskKey.GROUP_ID`` (an eval step gives a
+    prompt's copies one), else its task_id for samples built by hand. Not the task_id first: two
+    prompts sharing an id would pool as one prompt with twice the copies."""
+    return str(sample.metadata.get(TaskKey.GROUP_ID.value, sample.task_id))
+
+
 def eval_metrics(samples_by_dataset: dict[str, list[Sample]], n_copies: int) -> dict[str, float]:
     """``eval/{name}/accuracy`` for every dataset and, when n_copies > 1, ``eval/{name}/pass@k``
     for k = 1 and k = n_copies (and the powers of two between)."""
@@ -43,7 +52,7 @@ def eval_metrics(samples_by_dataset: dict[str, list[Sample]], n_copies: int) -> 
         if n_copies > 1:
             groups: dict[str, list[Sample]] = defaultdict(list)
             for s in samples:
-                groups[s.task_id].append(s)
+                groups[group_of(s)].append(s)
             for k in ks:
                 scores = [pass_at_k(len(g), sum(is_correct(s) for s in g), k)
                           for g in groups.values() if len(g) >= k]
@@ -58,3 +67,26 @@ def failure_summary(samples: Iterable[Sample]) -> dict[str, int]:
         classify_termination(s.reward, s.episode.reason).value for s in samples
     )
     return {fc.value: counts.get(fc.value, 0) for fc in FailureClass}
+
+
+def outcome_metrics(prefix: str, samples: Iterable[Sample]) -> dict[str, float]:
+    """``{prefix}/<failure class>`` counts and the per-dataset sample statistics of what a step
+    returns: counted over the samples handed back, whichever step ran them (a partial rollout's
+    carried group brings samples an earlier step ran)."""
+    samples = list(samples)
+    return {f"{prefix}/{k}": float(v) for k, v in failure_summary(samples).items()} | sample_statistics(prefix, samples)
+
+
+def abort_digest(samples: Iterable[Sample]) -> dict[str, Any] | None:
+    """How many of ``samples`` aborted, by reason, and the first abort by the evaluator's clock (its
+    task, sample, phase, reason and error text): what a step says once, so that a fault every sample
+    meets (a verifier that returns a float) reads as its error, not only as an abort count. None
+    when none aborted."""
+    aborted = [s for s in samples if s.episode.abort is not None]
+    if not aborted:
+        return None
+    first = min(aborted, key=lambda s: s.episode.abort.window[-1] if s.episode.abort.window else inf)
+    a = first.episode.abort
+    return {"n_aborted": len(aborted), "by_reason": dict(Counter(s.episode.abort.reason.value for s in aborted)),
+            "first": {"task_id": first.task_id, "index": first.index, "reason": a.reason.value,
+                      "phase": str(a.phase), "error": a.error}}

@@ -51,7 +51,7 @@ from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, GroupDone, TaskRun
 from rayapp.core.handing import Handing
 from rayapp.core.landing import landed
-from rayapp.core.metrics import eval_metrics, failure_summary
+from rayapp.core.metrics import eval_metrics, outcome_metrics
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
 from rayapp.record import Iteration
@@ -171,9 +171,8 @@ class TaskScheduler:
         samples, done = [finished[i] for i in complete], set(complete)
         unfinished = [UnfinishedGroup(i, tasks[i], groups[i].samples if i not in finished else finished[i])
                       for i in range(len(tasks)) if i not in done]
-        metrics = {f"rollout/{k}": float(v) for k, v in failure_summary(chain.from_iterable(samples)).items()}
+        metrics = outcome_metrics(StepKind.ROLLOUT, chain.from_iterable(samples))
         metrics |= step_times(StepKind.ROLLOUT, sum(map(len, samples)), began, fetched_at)
-        metrics |= sample_statistics(StepKind.ROLLOUT, chain.from_iterable(samples))
         return RolloutResult(rollout_id, samples, metrics, state, unfinished=unfinished)
 
     async def execute_eval(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> EvalResult:
@@ -184,9 +183,12 @@ class TaskScheduler:
         began, per_dataset = loop_time(), []
         for name, tasks in self.eval_datasets.items():
             copies = []
-            for task in tasks:
+            for j, task in enumerate(tasks):
+                # The prompt's copies share one group id, which pass@k pools by: two prompts that
+                # share a task_id stay two groups.
+                group = {TaskKey.EVAL_DATASET_NAME.value: name, TaskKey.GROUP_ID.value: f"{rollout_id}/{name}/{j}"}
                 for copy in range(self.config.n_samples_per_eval_prompt):
-                    meta = {**task.metadata, TaskKey.EVAL_DATASET_NAME.value: name, TaskKey.EVAL_COPY.value: copy}
+                    meta = {**task.metadata, **group, TaskKey.EVAL_COPY.value: copy}
                     config = msgspec.structs.replace(task.config, n_samples=1)
                     copies.append(msgspec.structs.replace(task, config=config, metadata=meta))
             per_dataset.append(copies)

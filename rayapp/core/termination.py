@@ -2,7 +2,7 @@
 
 ``classify_abort`` maps an exception raised inside an episode to one transport class. It reads the
 exception's type first (the exception types below, builtin timeouts and connection errors, and
-their causes), then its message, so wrapped or stringified errors from remote processes still
+their explicit causes), then its message, so wrapped or stringified errors from remote processes still
 classify. ``classify_termination`` folds a finished sample's reward and reason (an agent's
 ``TerminationReason`` or an ``AbortReason``) into one of the eight ``FailureClass`` values that
 summaries count.
@@ -90,8 +90,10 @@ def _by_type(exc: BaseException) -> AbortReason | None:
 def classify_abort(error: BaseException | str) -> AbortReason:
     """agent_timeout / infra_conn / infra_sandbox / infra_other, by type first, message second.
 
-    The exception's ``__cause__``/``__context__`` chain is walked for a known type, since a
-    remote call re-raises the original inside its own wrapper."""
+    The explicit ``__cause__`` chain (``raise ... from e``) is walked for a known type, since a
+    remote call re-raises the original inside its own wrapper. The implicit ``__context__`` is not:
+    it names what was being handled when the error came, not what caused it (a sandbox OOM met
+    inside ``except TimeoutError`` is a sandbox fault)."""
     if isinstance(error, BaseException):
         seen: set[int] = set()
         exc: BaseException | None = error
@@ -100,7 +102,7 @@ def classify_abort(error: BaseException | str) -> AbortReason:
             reason = _by_type(exc)
             if reason is not None:
                 return reason
-            exc = exc.__cause__ or exc.__context__
+            exc = exc.__cause__
         message = f"{type(error).__name__}: {error}"
     else:
         message = error

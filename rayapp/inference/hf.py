@@ -120,6 +120,17 @@ class _Request:
         self.weight_version = backend._version
 
 
+def _check_device(device: str) -> None:
+    """A CUDA device this process sees (a Ray replica sees only the GPUs it reserved, numbered from
+    0), else one ValueError naming it, before the model is loaded."""
+    if torch.device(device).type == "cuda":
+        # read from the name: torch wraps a large index (cuda:999 is cuda:-25)
+        have, index = torch.cuda.device_count(), device.partition(":")[2] or "0"
+        if not index.isdigit() or int(index) >= have:
+            raise ValueError(f"device {device!r}: this process sees {have} CUDA device(s) (a Ray replica sees only "
+                             "the GPUs its num_gpus reserves, numbered from 0)")
+
+
 class HFBackend:
     """transformers on CPU (or any torch device) behind the InferenceBackend interface.
 
@@ -139,6 +150,7 @@ class HFBackend:
             raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        _check_device(device)
         path = Path(model_path).expanduser() if model_path else ensure_tiny_model(cache_dir)
         if not (path / "config.json").is_file():
             raise ValueError(f"model_path {str(path)!r} is not a local model folder (no config.json); "

@@ -40,6 +40,7 @@ from rayapp.recipe.limits import (
 )
 from rayapp.recipe.paths import with_paths_from
 from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
+from rayapp.recipe.runnable import check_runnable
 from rayapp.recipe.yaml_doc import YamlError, read_yaml
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
@@ -206,6 +207,9 @@ class SchedulerSection(SchedulerConfig, forbid_unknown_fields=True, frozen=True,
                                               "to a callable")] = "fifo"
     save_eval_details: Annotated[str | None, Meta(description="folder for eval_details/ artifacts (per-sample "
                                                               "JSONL, eval and train summaries); unset: none")] = None
+    eval_details_tokens: Annotated[bool, Meta(description="eval_details/{id}.jsonl also holds each sample's token "
+                                                          "data as a trainer gets it (tokens, loss_mask, "
+                                                          "rollout_log_probs); needs save_eval_details")] = False
     trajectory_dir: Annotated[str | None, Meta(description="folder where rollouts are saved and reused per the "
                                                            "STACX_* reuse variables; unset: always roll out fresh, "
                                                            "save nothing")] = None
@@ -368,6 +372,7 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     # Sizes, folders and engine options (recipe/limits.py); a layout file is
     # load_recipe's to read, so only an inline one is fitted here.
     yield from check_limits(recipe, layout_of(recipe.pool) if is_inline(recipe.pool.cluster_layout) else None)
+    yield from check_runnable(recipe)  # options, ids and sizes the app would fail on (recipe/runnable.py)
     try:
         with watch.field("$.scheduler.batching"):
             recipe.scheduler.strategy  # noqa: B018 -- resolved and checked (cached) now: a bad path fails here

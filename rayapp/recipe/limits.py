@@ -3,9 +3,10 @@ meets, folders that cannot be folders, engine options their backend does not tak
 (JSON path, reason), first problem first, as ``check_recipe`` reports them.
 
 - Sizes: every resource stays under ``MAX_GPUS`` / ``MAX_CPUS`` / ``MAX_MEMORY_GB`` (a typo, not a
-  plan); an evaluator's budget admits at least one of its samples; a sample fits on some node of
-  the layout (when the recipe gives one) and in the pool's per-node defaults (``pool.num_cpus: 0``
-  with samples that need CPUs admits none); some rollout dataset has a weight above 0.
+  plan); a sample's gpu above 1 is a whole number of GPUs; an evaluator's budget admits at least one
+  of its samples; a sample fits on some node of the layout (when the recipe gives one) and in the
+  pool's per-node defaults (``pool.num_cpus: 0`` with samples that need CPUs admits none); some
+  rollout dataset has a weight above 0.
 - Folders (``scheduler.save_eval_details``, ``trajectory_dir``, ``checkpoint_dir``): not empty, not
   under a system folder (``/proc``, ``/sys``, ``/dev``, ``/etc``, ``/boot``, ``/usr``, ``/bin``,
   ``/sbin``, ``/lib*``: judged after ``..`` and symbolic links are resolved, so ``/tmp/../proc`` or a
@@ -80,6 +81,10 @@ def _check_sizes(recipe: Any, layout: dict[str, NodeSpec] | None) -> Iterator[tu
                 if getattr(r, field) > most:
                     yield f"{at}.{key}.{field}", f"expected at most {most:g}, got {getattr(r, field)!r}"
                     return
+            if key != "resource" and r.gpu > 1 and r.gpu != int(r.gpu):  # said of the field, not of the pool
+                yield f"{at}.{key}.gpu", (f"above 1 it must be a whole number of GPUs (a sample holds whole GPUs "
+                                          f"of one node, or a share of one), got {r.gpu!r}")
+                return
         sample = _sample(ev)
         if budget_tokens(ev.resource, sample) < 1:
             yield f"{at}.resource", (f"the budget {_show(ev.resource)} admits no sample of {_show(sample)} "

@@ -31,9 +31,10 @@ from rayapp.envs.protocol import AgentDeps, Engine, Executor
 from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.recipe.config import ARGS_SOURCE, DatasetConfig, EvaluatorConfig, RecipeConfig, RecipeError
+from rayapp.recipe.runnable import rows_problem
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.dagger import DAggerIterations
+from rayapp.training.dagger import DAggerIterations, StepIterations
 from rayapp.training.stacx_env import StacxEnv
 from rayapp.training.step import StepRunner
 from rayapp.types import EvaluatorSpec, Task
@@ -158,7 +159,8 @@ class _NoGateway:
 def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
     """Every evaluator's agent built as the manager will build it (its factory called with its
     AgentDeps, engines that must not be called yet) and every source plug-in's rows made, so a wrong
-    factory or source fails here as (JSON path, reason) instead of at the deployment."""
+    factory or source (its rows fail, are none, or are not Tasks) fails here as (JSON path, reason)
+    instead of at the deployment."""
     problems = []
     engines = {name: _NoEngine(name) for name in cfg.engines}
     for i, ev in enumerate(cfg.evaluators):
@@ -170,9 +172,12 @@ def check_builds(cfg: RecipeConfig) -> list[tuple[str, str]]:
         for name, d in sorted(getattr(cfg, where).items()):
             if d.source is not None:
                 try:
-                    _dataset(where, name, d)
+                    problem = rows_problem(list(_dataset(where, name, d).rows), f"data source {d.source!r}")
                 except RecipeError as e:
                     problems.append((e.path or f"$.{where}.{name}", e.reason))
+                    continue
+                if problem is not None:
+                    problems.append((f"$.{where}.{name}.source", problem))
     return problems
 
 
@@ -212,7 +217,8 @@ def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool
         build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox, gateway=gateway),
         build_data_source(cfg), pool, s.scheduler_config(), batching_strategy=s.strategy,
         eval_datasets=build_eval_sets(cfg),
-        iteration=DAggerIterations(cfg.dagger, observers=[StacxEnv()]) if cfg.dagger else None,
+        iteration=(DAggerIterations(cfg.dagger, observers=[StacxEnv()]) if cfg.dagger
+                   else StepIterations(observers=[StacxEnv(dagger=False)])),
     )
 
 
@@ -227,5 +233,6 @@ def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Po
     scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox, gateway=gateway)
     return StepRunner(scheduler, filters=cfg.filters.chain(), abort_cap=cfg.filters.abort_cap,
                       trajectory_dir=s.trajectory_dir, checkpoint=checkpoint,
-                      details=EvalDetailsWriter(s.save_eval_details) if s.save_eval_details else None,
+                      details=(EvalDetailsWriter(s.save_eval_details, tokens=s.eval_details_tokens)
+                               if s.save_eval_details else None),
                       release_previous=release_previous, partial=s.partial)

@@ -5,13 +5,17 @@ Files under ``{root}/eval_details/``, one set per iteration ``id``:
 - ``{id}.jsonl``: one JSON object per sample: ``dataset, task_id, index, status, reward,
   termination_reason, failure_class, turns, prompt_tokens, response_tokens, remove_sample, abort,
   response`` (``abort`` is the episode's abort record without its reason, as the trainer's ``_abort``
-  holds it; null for samples that did not abort).
+  holds it; null for samples that did not abort). With ``tokens`` (the recipe's
+  ``scheduler.eval_details_tokens``) also ``tokens, loss_mask, rollout_log_probs``: the sample's token
+  data as a trainer gets it (prompt + response ids; mask and log-probs of the response).
 - ``{id}.placement.jsonl``: one object per model turn, from the episode's turn records:
   ``dataset, task_id, index, turn, node, gpu_ids, engine`` plus what else the turn's record holds
   (``engine_s``: seconds the engine call took; ``actor`` in a DAgger roll-in); node and GPUs fall
   back to the sample's token when the turn did not name them.
 - ``{id}.summary.json``: ``rollout_id, kind="eval", n_samples, failure_classes`` (the eight of
-  ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, and ``metrics``.
+  ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, ``aborts`` (null, or
+  ``core.metrics.abort_digest``: the count by reason and the first abort's task and error text), and
+  ``metrics``.
 - ``train_{id}.summary.json``: the same for a rollout step, ``kind="train"``, plus ``n_groups`` and
   ``n_removed``; datasets from ``metadata["_dataset_name"]`` ("unknown" when absent). It counts every
   sample of the step as it ran, before the survivorship filters, and ``filters`` says what they did
@@ -45,7 +49,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from rayapp.core.contracts import EvalResult, RolloutResult
-from rayapp.core.metrics import failure_summary
+from rayapp.core.metrics import abort_digest, failure_summary
 from rayapp.core.termination import classify_termination
 from rayapp.training.files import atomic_write
 from rayapp.training.timeline import write_timeline
@@ -149,10 +153,11 @@ def dataset_of(sample: Sample, default: str = "unknown") -> str:
     return m.get(TaskKey.EVAL_DATASET_NAME) or m.get(TaskKey.DATASET_NAME) or default
 
 
-def sample_record(dataset: str, s: Sample) -> dict:
-    """The ``{id}.jsonl`` line of one sample."""
+def sample_record(dataset: str, s: Sample, tokens: bool = False) -> dict:
+    """The ``{id}.jsonl`` line of one sample; with ``tokens``, its token data too."""
     episode = s.episode
     reason, abort = episode.reason, episode.abort
+    token_data = {"tokens": s.tokens, "loss_mask": s.loss_mask, "rollout_log_probs": s.rollout_log_probs}
     return {
         "dataset": dataset, "task_id": s.task_id, "index": s.index, "status": str(s.status),
         "reward": s.reward, "termination_reason": reason,
@@ -162,7 +167,7 @@ def sample_record(dataset: str, s: Sample) -> dict:
         "remove_sample": s.remove_sample,
         "abort": None if abort is None else {k: v for k, v in msgspec.to_builtins(abort).items() if k != "reason"},
         "response": s.response,
-    }
+    } | (token_data if tokens else {})
 
 
 def placement_records(dataset: str, s: Sample) -> list[dict]:
@@ -185,7 +190,7 @@ def eval_summary(rollout_id: int, result: EvalResult) -> dict:
     every = [s for ss in result.samples.values() for s in ss]
     return {"rollout_id": rollout_id, "kind": StepKind.EVAL.value, "n_samples": len(every),
             "failure_classes": failure_summary(every), "datasets": _per_dataset(result.samples),
-            "metrics": dict(result.metrics)}
+            "aborts": abort_digest(every), "metrics": dict(result.metrics)}
 
 
 def rollout_summary(rollout_id: int, result: RolloutResult, filters: dict | None = None) -> dict:
@@ -196,7 +201,8 @@ def rollout_summary(rollout_id: int, result: RolloutResult, filters: dict | None
         by_name[dataset_of(s)].append(s)
     return {"rollout_id": rollout_id, "kind": "train", "n_groups": len(result.groups), "n_samples": len(every),
             "n_removed": sum(s.remove_sample for s in every), "failure_classes": failure_summary(every),
-            "datasets": _per_dataset(dict(by_name)), "filters": filters, "metrics": dict(result.metrics)}
+            "datasets": _per_dataset(dict(by_name)), "aborts": abort_digest(every), "filters": filters,
+            "metrics": dict(result.metrics)}
 
 
 def _write_lines(records: Iterable[dict]) -> Callable[[BinaryIO], None]:
@@ -220,8 +226,8 @@ class EvalDetailsWriter:
     ``write_eval`` replaces both atomically with the complete files, in dataset order, and writes
     the summary. A crashed eval thus leaves whole lines of what finished, and no summary."""
 
-    def __init__(self, root: str | os.PathLike):
-        self.dir = Path(root) / "eval_details"
+    def __init__(self, root: str | os.PathLike, tokens: bool = False):
+        self.dir, self.tokens = Path(root) / "eval_details", tokens
         self._streams: dict[int, tuple[JsonlAppender, JsonlAppender]] = {}
 
     def paths(self, rollout_id: int) -> dict[str, Path]:
@@ -238,7 +244,7 @@ class EvalDetailsWriter:
             self._streams[rollout_id] = (JsonlAppender(p["samples"]), JsonlAppender(p["placement"]))
         samples, placement = self._streams[rollout_id]
         name = dataset or dataset_of(sample)
-        samples.append(sample_record(name, sample))
+        samples.append(sample_record(name, sample, self.tokens))
         for rec in placement_records(name, sample):
             placement.append(rec)
 
@@ -278,7 +284,8 @@ class EvalDetailsWriter:
         p = self.paths(rollout_id)
         self.close_stream(rollout_id)
         named = [(name, s) for name, ss in result.samples.items() for s in ss]
-        atomic_write(p["samples"], _write_lines(sample_record(n, s) for n, s in named), what="eval details")
+        atomic_write(p["samples"], _write_lines(sample_record(n, s, self.tokens) for n, s in named),
+                     what="eval details")
         atomic_write(p["placement"], _write_lines(r for n, s in named for r in placement_records(n, s)),
                      what="eval placement")
         atomic_write(p["summary"], _json(eval_summary(rollout_id, result)), what="eval summary")

@@ -23,7 +23,8 @@ linear and cosine only; ``gamma``/``step_gamma``/``step_size`` only by the kinds
 
 The scheduler alone knows the rollout index: ``DAggerIterations`` gives it the iteration's state as an
 ``Iteration`` (agents read that typed value, ``EpisodeContext.iteration``) and tells its observers;
-the one that writes the spec's ``STACX_*`` environment variables is ``stacx_env.StacxEnv``.
+the one that writes the spec's ``STACX_*`` environment variables is ``stacx_env.StacxEnv``. A recipe
+without DAgger has ``StepIterations``, so its steps are published too (``STACX_ROLLOUT_ID`` only).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ ENV_EVAL_BETA = "STACX_DAGGER_EVAL_BETA"
 
 # name -> meaning, for the knob reference; "code-set" marks the ones never to be set by hand.
 ENV_VARS: dict[str, str] = {
-    ENV_ROLLOUT_ID: "code-set: the rollout index of the iteration in flight",
+    ENV_ROLLOUT_ID: "code-set by every rollout step, with or without DAgger: the rollout index in flight",
     ENV_BETA: "code-set: the iteration's DAgger β (probability the teacher acts); popped by eval",
     ENV_T_MAX: ("the iteration's roll-in tail length t_max: code-set when --dagger-t-max-step > 0; with the "
                 "ramp off, a value set by hand is kept and is the t_max agents get"),
@@ -308,6 +309,26 @@ class DAggerIterations:
             shown = raw if len(raw) <= 40 else raw[:40] + "..."
             raise ValueError(f"{ENV_T_MAX}: a statically set tail length must be an integer >= 0, got {shown!r}")
         return value
+
+
+class StepIterations:
+    """The IterationSource of a recipe without DAgger: each step's Iteration names only its rollout id
+    (β 0, no tail) and is told to ``observers`` all the same, so ``STACX_ROLLOUT_ID`` is published for
+    every recipe, as docs/knobs.md says."""
+
+    def __init__(self, observers: Sequence[IterationObserver] = ()):
+        self.observers = list(observers)
+
+    def rollout_state(self, rollout_id: int) -> Iteration:
+        return self._published(StepKind.ROLLOUT, Iteration(rollout_id=rollout_id))
+
+    def eval_state(self, rollout_id: int) -> Iteration:
+        return self._published(StepKind.EVAL, Iteration(rollout_id=rollout_id))
+
+    def _published(self, kind: StepKind, iteration: Iteration) -> Iteration:
+        for o in self.observers:
+            o.published(kind, iteration)
+        return iteration
 
 
 def roll_in_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:

@@ -34,7 +34,9 @@ small dataset hands the same task out twice in a step, and again each epoch. Eac
   carried. With a checkpoint the carried groups are saved with the step's end (the FINISHED record),
   so a restarted manager takes them up again. Without one, a step asked for again (it failed, in the
   scheduler or after it returned, so its result never reached the trainer) starts from every group
-  its attempt held: the groups it returned (complete: returned first) and those it carried;
+  its attempt held: the groups it returned (complete: returned first) and those it carried; and a
+  step asked out of order (a trainer went back to an old id) starts from, afresh, the groups the
+  latest step carried on;
 - every turn of what a step returns or carries names the weights that produced it
   (``TurnRecord.weight_version``): the engine's report, else the step that ran it. The step's
   metrics count ``rollout/partial/{carried,restarted,resumed,fetched}`` (groups; ``resumed``: carried
@@ -42,7 +44,8 @@ small dataset hands the same task out twice in a step, and again each epoch. Eac
   bring in, not run again) and the staleness of what it returns
   (``rollout/partial/staleness_{mean,max}``: current step minus the step of the oldest weights in
   each returned sample; an integer weight version is read as that step, as the trainer loads new
-  weights once a step).
+  weights once a step). The failure-class counts (``rollout/<class>``) and the sample statistics are
+  of the whole groups it returns, kept samples and complete carried groups included.
 """
 
 from __future__ import annotations
@@ -64,10 +67,11 @@ from rayapp.core.contracts import (
     identified,
     require_async,
 )
+from rayapp.core.metrics import outcome_metrics
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import CarriedRun, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
-from rayapp.types import Sample, Status, Task, TaskKey
+from rayapp.types import Sample, Status, StepKind, Task, TaskKey
 
 PartialPolicy = Literal["restart", "resume"]
 
@@ -135,6 +139,12 @@ def _whole(group: CarriedGroup, samples: list[Sample]) -> list[Sample]:
 def group_id(task: Task) -> str | None:
     """The identity of the group ``task`` runs as (``TaskKey.GROUP_ID``, set when it was first fetched)."""
     return task.metadata.get(TaskKey.GROUP_ID.value)
+
+
+def _unidentified(task: Task) -> Task:
+    """``task`` without its group identity, so that the step that takes it up gives it one."""
+    meta = {k: v for k, v in task.metadata.items() if k != TaskKey.GROUP_ID.value}
+    return msgspec.structs.replace(task, metadata=meta)
 
 
 def _carried_ids(groups: list[CarriedGroup], rollout_id: int) -> list[CarriedGroup]:
@@ -242,6 +252,9 @@ class PartialRollouts:
                    "restarted": sum(t is g.task for g, t in runs), "resumed": sum(t is not g.task for g, t in runs),
                    "kept_samples": sum(_ended(s) for g in carried for s in g.samples),
                    "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0)}
+        # The scheduler counted what it ran; the step returns whole groups (kept samples, complete
+        # carried groups): count those, replacing its counts key by key.
+        result.metrics |= outcome_metrics(StepKind.ROLLOUT, (s for g in groups for s in g))
         result.metrics |= {f"rollout/partial/{k}": float(v) for k, v in metrics.items()}
         return msgspec.structs.replace(result, groups=groups, unfinished=[])
 
@@ -249,14 +262,19 @@ class PartialRollouts:
         """What step ``rollout_id`` starts from: when it ran here before and was asked for again
         without a checkpoint, everything that attempt held (its result never reached the trainer);
         else what step ``rollout_id - 1`` carried on: kept here, else its checkpoint's (a restarted
-        manager, or a trainer that went back a step), else nothing."""
+        manager, or a trainer that went back a step). Without a checkpoint, a step out of order (a
+        trainer that went back, or skipped ahead) takes up what the latest step here carried on,
+        afresh (it ran on weights of another line of steps) and as fetched by this step (a new
+        ``TaskKey.GROUP_ID``: its old one may be one this step gives again): dropped, they would be lost."""
         if self._owed is not None and self._owed[0] == rollout_id:
             return list(self._owed[1])
         if rollout_id - 1 in self._carry:
             return list(self._carry[rollout_id - 1])
-        if self.checkpoint is not None and rollout_id > 0:
+        if self.checkpoint is not None:
+            if rollout_id == 0:
+                return []
             return _carried_ids(await in_thread(self.checkpoint.carried, rollout_id - 1) or [], rollout_id - 1)
-        return []
+        return [CarriedGroup(_unidentified(g.task), rollout_id) for g in self.carried()]
 
     def _attempt(self, group: CarriedGroup, rollout_id: int) -> CarriedGroup:
         """How a carried group runs in step ``rollout_id``: afresh under ``restart``, or once its

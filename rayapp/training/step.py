@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import msgspec
 
 from rayapp.core.contracts import PLAIN, EvalResult, OnTaskDone, RolloutPlan, RolloutResult, Rollouts
+from rayapp.core.metrics import abort_digest
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
@@ -102,6 +103,16 @@ def summary_line(kind: StepKind, rollout_id: int, samples: list[Sample], metrics
     took, rate = metrics.get(f"{kind}/time/step_s", 0.0), metrics.get(f"{kind}/samples_per_s", 0.0)
     return (f"{kind} {rollout_id}: {len(samples)} samples, {aborted} aborted, mean score {mean}, "
             f"{took:.1f}s ({rate:.2f} samples/s)")
+
+
+def abort_line(kind: str, rollout_id: int, samples: list[Sample]) -> str | None:
+    """The one WARNING line a step with aborts logs: how many, by reason, and the first one's error."""
+    digest = abort_digest(samples)
+    if digest is None:
+        return None
+    first, reasons = digest["first"], ", ".join(f"{k} {v}" for k, v in sorted(digest["by_reason"].items()))
+    return (f"{kind} {rollout_id}: {digest['n_aborted']} of {len(samples)} samples aborted ({reasons}); the first, "
+            f"task {first['task_id']!r} sample {first['index']} in its {first['phase']} phase: {first['error']}")
 
 
 class StepRunner:
@@ -207,6 +218,9 @@ class StepRunner:
 
     def _step_ran(self, kind: StepKind, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> None:
         log.info("%s", summary_line(kind, rollout_id, samples, metrics))
+        aborts = abort_line(kind, rollout_id, samples)
+        if aborts is not None:
+            log.warning("%s", aborts)
         for o in self.observers:
             try:
                 o.step(kind, metrics)

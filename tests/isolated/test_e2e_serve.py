@@ -46,14 +46,16 @@ def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
 
 
 def ray_token_header() -> dict[str, str]:
-    """The dashboard's API checks Ray's token (the one local_app made for its head)."""
+    """The dashboard's API and, with no HTTP token configured, the manager's routes check Ray's token
+    (the one local_app made for its head)."""
     return {"Authorization": "Bearer " + Path(os.environ["RAY_AUTH_TOKEN_PATH"]).read_text().strip()}
 
 
 def http(url: str, method: str = "GET") -> tuple[int, dict]:
-    """Status and JSON body of a request, errors included."""
+    """Status and JSON body of a request with Ray's cluster token, errors included."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=60) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method, headers=ray_token_header()),
+                                    timeout=60) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -183,7 +185,12 @@ def test_http_control_surface(app):
         assert status == 422 and body["error"] == "ValueError" and "step id" in body["message"], bad
     assert http(f"{app['http']}/rollout/6")[0] == 404  # never asked for
 
-    before = get_json(f"{app['http']}/status")["steps_run"]["rollout"]
+    before = get_json(f"{app['http']}/status", ray_token_header())["steps_run"]["rollout"]
+    try:  # no route is open by default: another user of the machine, without Ray's token, starts nothing
+        urllib.request.urlopen(urllib.request.Request(f"{app['http']}/rollout/5", method="POST"), timeout=60)
+        raise AssertionError("POST /rollout/5 without a token was served")
+    except urllib.error.HTTPError as e:
+        assert e.code == 401
     answers = [http(f"{app['http']}/rollout/7", "POST") for _ in range(2)]  # 202 at once; the second joins
     assert [a[0] for a in answers] == [202, 202] and answers[0][1]["poll"] == answers[1][1]["poll"]
     assert answers[0][1]["poll"].endswith("/rayapp/rollout/7")
@@ -196,10 +203,10 @@ def test_http_control_surface(app):
     status, summary = poll
     assert status == 200 and summary["state"] == "done", summary
     assert summary["rollout_id"] == 7 and summary["samples"] == 16 and "rollout/time/step_s" in summary["metrics"]
-    status = get_json(f"{app['http']}/status")
+    status = get_json(f"{app['http']}/status", ray_token_header())
     assert status["steps_run"]["rollout"] == before + 1  # two POSTs, one step
     assert status["busy"] is False and status["phase"] == "rollout done" and status["tasks_done"] == 8
-    placement = get_json(f"{app['http']}/placement")
+    placement = get_json(f"{app['http']}/placement", ray_token_header())
     assert placement["gated"] is True and placement["held_tokens"] == 0 and placement["batches"] == {}
     spec = get_json(f"{app['http']}/openapi.json")  # the API documents itself
     assert {"/rollout/{rollout_id}", "/eval/{rollout_id}", "/status", "/placement"} <= set(spec["paths"])

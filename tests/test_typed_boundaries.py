@@ -82,6 +82,7 @@ OTHER_MEANINGS = {
     ("recipe/config.py", "eval"): 2,  # the recipe's eval section
     ("recipe/paths.py", "eval"): 1,  # the recipe's eval section
     ("recipe/plugins.py", "eval"): 1,  # the recipe's eval section
+    ("recipe/runnable.py", "eval"): 1,  # the recipe's eval section
     ("recipe/wiring.py", "eval"): 2,  # the recipe's eval section
     ("envs/agents/tools.py", "eval"): 1,  # ast.parse(expr, mode="eval")
     ("trainers/trl.py", "rollout"): 1,  # getattr(source, "rollout"): the source's method

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from shared_head import serve_app
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app, ray_processes, stop_cluster
+from rayapp.cli import ROOT
 
 DRIVER = r"""
 import json, sys, ray
@@ -81,25 +82,17 @@ def scrape(port: int) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    os.environ.update(LOCAL_ENV)
-    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray's own name): fresh metrics
+def app(head, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    temp_dir = Path(f"/tmp/rayapp-e2e-{os.getpid()}")
     cfg = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())
-    http_port = free_port()
-    cfg["http_options"]["port"] = http_port
     details = tmp / "details"
     cfg["applications"][0]["args"]["scheduler"]["save_eval_details"] = str(details)
     cfg["applications"][0]["logging_config"] = {"encoding": "JSON"}  # rayapp's lines follow it too
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    dash = free_port()
-    log = tmp / "serve.log"
-    with local_app(recipe, temp_dir, log, dashboard_port=dash, timeout_s=600) as (address, proc):
-        yield {"address": address, "http": f"http://127.0.0.1:{http_port}/rayapp", "dash": dash, "proc": proc,
-               "temp_dir": temp_dir, "log": log, "details": details / "eval_details",
-               "timeline": details / "timeline", "metrics": metrics_port(address)}
+    with serve_app(head, cfg, tmp) as proc:
+        yield {"head": head, "address": head.address, "http": f"http://127.0.0.1:{head.http_port}/rayapp",
+               "dash": head.dashboard_port, "proc": proc, "log": tmp / "serve.log",
+               "details": details / "eval_details", "timeline": details / "timeline",
+               "metrics": metrics_port(head.address)}
 
 
 def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_groups(app):
@@ -170,7 +163,7 @@ def test_driver_gets_samples_with_token_data_and_the_dashboard_lists_the_batch_g
             and 'resource="gpu"' in k and 'state="capacity"' in k]
     assert gpus and sum(gpus) == 4  # the four logical GPUs of the head
     # rayapp's log lines in the manager's replica follow the app's logging_config: JSON lines
-    logs = list((app["temp_dir"] / "session_latest" / "logs" / "serve").glob("replica_rayapp_*Manager*.log"))
+    logs = list((app["head"].temp_dir / "session_latest" / "logs" / "serve").glob("replica_rayapp_*Manager*.log"))
     lines = [json.loads(line) for f in logs for line in f.read_text().splitlines() if line.startswith("{")]
     assert any(line.get("message", "").startswith("rollout 0: 16 samples") for line in lines), logs
     # the dashboard shows the pool's reservation, one group per node; which batch holds what is /placement's
@@ -259,5 +252,8 @@ def test_the_app_stops_cleanly(app):
     proc.send_signal(signal.SIGINT)  # what Ctrl-C on `serve run` sends
     assert proc.wait(timeout=120) is not None
     assert "Shutting down" in app["log"].read_text() or proc.returncode in (0, -signal.SIGINT, 130)
-    assert stop_cluster(app["temp_dir"]) == []
-    assert ray_processes(app["temp_dir"]) == []
+    # the application is gone from the cluster (a head of rayapp's own is stopped by local_app: test_quiet_logs)
+    code = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
+            "log_to_driver=False); print(sorted(serve.status().applications))")
+    out = subprocess.run([sys.executable, "-c", code, app["address"]], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[]", (out.stdout, out.stderr[-2000:])

@@ -4,21 +4,26 @@
 key of its own; ``handle`` answers its routes; ``close`` ends it and hands back what the trainer
 needs (``EpisodeLog``). What each call does, in order:
 
-1. the key (``episodes``: 401 / 404 / 410) and the body (``openai_api``: 400 naming the field, and
-   options the gateway cannot honour refused by name);
+1. the key (``episodes``: 401 / 404 / 410; ``admit`` checks it before the body is read and gives the
+   body's byte bound, from the episode's ``max_context_len``), an episode a budget ended (410), and
+   the body (``openai_api``: 400 naming the field, and options the gateway cannot honour refused by
+   name). A large body is decoded, templated and tokenized in a worker thread, so the event loop (the
+   manager's, with every step's work on it) keeps answering while it runs;
 2. the plan (``accounting.Conversation.prepare``): the exact ids the engine continues from, or a
    counted new segment;
 3. the episode's budgets, the cascade's meaning: ``max_turns`` counts the calls the engine is asked
    (unset: 1, as for native agents); ``max_context_len`` bounds the prompt plus the call's
    ``max_tokens``. A call past either answers 400 (``max_turns_exceeded`` /
-   ``context_length_exceeded``) and sets the episode's termination (MAX_TURNS / MAX_CONTEXT_LEN);
+   ``context_length_exceeded``) and ends the episode with that termination (MAX_TURNS /
+   MAX_CONTEXT_LEN): its later calls answer 410;
    without ``max_tokens`` the generation is capped to the room left, and a reply that fills it sets
    MAX_CONTEXT_LEN as a native turn does (``observation.length_reason``);
 4. sampling: the request's temperature, top_p, seed, stop and max_tokens where it sets them, the
    episode's ``ctx.sampling`` for the rest (its ``max_new_tokens`` bounds a request's ``max_tokens``,
    its stop strings stay); with tools, generation also stops after a tool call (``</tool_call>``);
 5. the engine (``generate_abortable``, bounded by ``call_timeout_s``): a call cancelled (the client
-   went away, or ``close``) is aborted at the engine; then ``Conversation.record`` and
+   went away, or ``close``) is aborted at the engine; an engine's refusal or failure is one plain
+   line (a Ray error's cause, not its remote traceback); then ``Conversation.record`` and
    ``ctx.record_turn`` (engine, weight version, engine seconds), and the OpenAI reply: usage,
    ``finish_reason`` (stop / length / tool_calls), and with ``logprobs`` the engine's own log-prob of
    every token it generated.
@@ -39,12 +44,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -68,6 +74,13 @@ log = logging.getLogger(__name__)
 ROUTES = ("chat/completions", "completions", "models")
 CALL_TIMEOUT_S = 600.0  # one engine call; past it the request is aborted at the engine (504)
 CLOSE_TIMEOUT_S = 15.0  # close() waits this long for cancelled calls (their abort is bounded by 10 s)
+# a body's bound from the episode's context: JSON bytes per token of context, generous (escaped text,
+# tool schemas a template leaves out), and a floor for small contexts
+BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
+OFFLOAD_BYTES = 64 << 10  # a body this large is decoded, templated and tokenized in a worker thread
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -153,11 +166,23 @@ class Gateway:
     def __len__(self) -> int:
         return len(self._episodes)
 
+    def admit(self, episode_id: str, authorization: str | None) -> int | None:
+        """The most bytes a body for the episode may have (None: its context is unbounded), once its
+        key is right; else the ApiError (401 / 404 / 410). What the HTTP side asks before it reads a
+        body, so a caller without the key, or a body no context of the episode could hold, costs
+        nothing to refuse."""
+        self.keys.check(episode_id, authorization)
+        limit = self._episodes[episode_id].binding.ctx.stopping.max_context_len
+        return None if limit is None else max(MIN_BODY_BYTES, limit * BYTES_PER_TOKEN)
+
     async def handle(self, episode_id: str, route: str, authorization: str | None, body: bytes) -> Reply:
         """Answer ``route`` for the episode; bad input is an error Reply, never an exception."""
         try:
             self.keys.check(episode_id, authorization)
             ep = self._episodes[episode_id]
+            if ep.termination is not None and route != "models":
+                raise ApiError(410, f"episode {episode_id!r} has ended: a call went past its {ep.termination} "
+                                    "budget; its sample is final", code="episode_ended")
             if route == "models":
                 return Reply(200, {"object": "list", "data": [
                     {"id": ep.binding.model, "object": "model", "created": 0, "owned_by": "rayapp"}]})
@@ -192,9 +217,14 @@ class Gateway:
     # -- the routes ------------------------------------------------------------------------------
 
     async def _chat(self, ep: _Episode, body: bytes) -> Reply:
-        req = parse_chat(body)
-        tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req.tools, req.tool_choice) else None
-        call = ep.convo.prepare(req.messages, tools)
+        rec = ep.convo.snapshot()
+
+        def plan() -> tuple[Any, Any, Any]:
+            req = parse_chat(body)
+            tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req.tools, req.tool_choice) else None
+            return req, tools, ep.convo.plan(rec, req.messages, tools)
+
+        req, tools, call = await _off_loop(plan, len(body))
         sampling, room, turn = self._admit(ep, len(call.ids), req, req.budget(), bool(tools))
         out = await self._generate(ep, call.ids, sampling, turn)
         tok = ep.convo.tok
@@ -226,9 +256,13 @@ class Gateway:
         return Reply(200, stream=_sse(chunks))
 
     async def _completion(self, ep: _Episode, body: bytes) -> Reply:
-        req = parse_completion(body)
         tok = ep.convo.tok
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else list(tok.encode(req.prompt))
+
+        def plan() -> tuple[Any, list[int]]:
+            req = parse_completion(body)
+            return req, list(req.prompt) if isinstance(req.prompt, list) else list(tok.encode(req.prompt))
+
+        req, prompt = await _off_loop(plan, len(body))
         sampling, room, turn = self._admit(ep, len(prompt), req, req.max_tokens, False)
         out = await self._generate(ep, prompt, sampling, turn)
         n = len(out.output_ids)
@@ -294,12 +328,14 @@ class Gateway:
         except TimeoutError:
             raise ApiError(504, f"the engine did not answer within {self.call_timeout_s:g} s; the request was "
                                 "aborted at the engine", code="engine_timeout") from None
-        except ValueError as e:
-            raise ApiError(400, f"the engine refused the request: {e}", code="invalid_value") from None
+        except ValueError as e:  # the agent sees one line; the log keeps the whole error
+            log.info("gateway: the engine refused a call of episode %r: %s", ep.binding.episode_id, e)
+            raise ApiError(400, f"the engine refused the request: {_plain(e)}", code="invalid_value") from None
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # the engine's replica failed or could not be reached
-            raise ApiError(503, f"the engine failed: {type(e).__name__}: {str(e)[:500]}", code="engine_error") from None
+            log.warning("gateway: the engine failed a call of episode %r: %s", ep.binding.episode_id, e)
+            raise ApiError(503, f"the engine failed: {_plain(e, named=True)}", code="engine_error") from None
         if out.finish_reason is FinishReason.ABORT:
             raise ApiError(503, f"the engine aborted request {out.request_id}", code="engine_error")
         if ep.closed:  # answered as the episode ended (its abort came too late): the log is final
@@ -313,6 +349,22 @@ class Gateway:
         if out.finish_reason is FinishReason.LENGTH and \
                 length_reason(sampling, room, out) is TerminationReason.MAX_CONTEXT_LEN:
             ep.end(TerminationReason.MAX_CONTEXT_LEN)
+
+
+async def _off_loop(work: Callable[[], T], size: int) -> T:
+    """``work()``, in a worker thread for a body of ``OFFLOAD_BYTES`` or more (a small one costs less
+    than the thread hop)."""
+    return await asyncio.to_thread(work) if size >= OFFLOAD_BYTES else work()
+
+
+def _plain(e: BaseException, named: bool = False) -> str:
+    """An engine's error as one plain line for the agent: a Ray error's cause (not the remote
+    traceback, its pid and actor id), without terminal colour codes, bounded."""
+    while isinstance(getattr(e, "cause", None), BaseException):
+        e = e.cause
+    lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""  # a traceback's last line is its error
+    return (f"{type(e).__name__}: {text}" if named else text)[:500]
 
 
 def _pick(asked: Any, default: Any) -> Any:

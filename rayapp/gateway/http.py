@@ -52,12 +52,16 @@ async def gateway_response(gateway: Gateway, episode: str, route: str, request: 
 
 
 def gateway_router(gateway: Gateway) -> APIRouter:
-    """The three routes under ``/gateway/{episode}/v1`` (include it under the app's prefix)."""
+    """The four routes under ``/gateway/{episode}/v1`` (include it under the app's prefix)."""
     router = APIRouter()
 
     @router.post("/gateway/{episode}/v1/chat/completions")
     async def chat(episode: str, request: Request) -> Response:
         return await gateway_response(gateway, episode, "chat/completions", request)
+
+    @router.post("/gateway/{episode}/v1/responses")
+    async def responses(episode: str, request: Request) -> Response:
+        return await gateway_response(gateway, episode, "responses", request)
 
     @router.post("/gateway/{episode}/v1/completions")
     async def completions(episode: str, request: Request) -> Response:

@@ -62,6 +62,7 @@ from rayapp.episode import EpisodeContext
 from rayapp.gateway.accounting import Conversation, Segment, SegmentReason
 from rayapp.gateway.episodes import EpisodeKeys
 from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion
+from rayapp.gateway.responses import parse_responses, response_body
 from rayapp.gateway.tool_calls import ToolParser, parse_reply, tool_mode, tools_tokenizer
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest, generate_abortable, session_key
 from rayapp.record import TerminationReason
@@ -71,7 +72,7 @@ __all__ = ["EpisodeBinding", "EpisodeLog", "Gateway", "Reply"]
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("chat/completions", "completions", "models")
+ROUTES = ("chat/completions", "completions", "responses", "models")
 CALL_TIMEOUT_S = 600.0  # one engine call; past it the request is aborted at the engine (504)
 CLOSE_TIMEOUT_S = 15.0  # close() waits this long for cancelled calls (their abort is bounded by 10 s)
 # a body's bound from the episode's context: JSON bytes per token of context, generous (escaped text,
@@ -186,8 +187,8 @@ class Gateway:
             if route == "models":
                 return Reply(200, {"object": "list", "data": [
                     {"id": ep.binding.model, "object": "model", "created": 0, "owned_by": "rayapp"}]})
-            if route == "chat/completions":
-                return await self._tracked(ep, self._chat(ep, body))
+            if route in ("chat/completions", "responses"):
+                return await self._tracked(ep, self._chat(ep, body, route == "responses"))
             if route == "completions":
                 return await self._tracked(ep, self._completion(ep, body))
             raise ApiError(404, f"no route {route[:64]!r} here; the gateway serves {', '.join(ROUTES)}",
@@ -216,11 +217,12 @@ class Gateway:
 
     # -- the routes ------------------------------------------------------------------------------
 
-    async def _chat(self, ep: _Episode, body: bytes) -> Reply:
+    async def _chat(self, ep: _Episode, body: bytes, responses: bool = False) -> Reply:
+        """A chat completion; with ``responses``, a Responses API call as the chat call it stands for."""
         rec = ep.convo.snapshot()
 
         def plan() -> tuple[Any, Any, Any]:
-            req = parse_chat(body)
+            req = parse_responses(body) if responses else parse_chat(body)
             tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req.tools, req.tool_choice) else None
             return req, tools, ep.convo.plan(rec, req.messages, tools)
 
@@ -237,6 +239,8 @@ class Gateway:
         logprobs = {"content": _logprobs(tok, out)} if req.logprobs else None
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ep.binding.model}
         usage = _usage(len(call.ids), out)
+        if responses:
+            return Reply(200, response_body(ep.binding.model, message, finish, usage, logprobs and logprobs["content"]))
         if not req.stream:
             return Reply(200, {**head, "object": "chat.completion", "usage": usage, "choices": [
                 {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]})

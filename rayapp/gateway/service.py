@@ -32,6 +32,9 @@ needs (``EpisodeLog``). What each call does, in order:
 ``stream_options.include_usage``, ``[DONE]``) carrying exactly the non-stream reply's tokens. The
 engines are not streaming: the events are sent once the engine's answer is complete.
 
+``/responses`` (the Responses API's subset the OpenAI Agents SDK uses, ``responses.py``) is a chat
+call: the same plan, budgets and record, its answer in the Responses shape.
+
 ``/completions`` (a text or token-id prompt) is not part of the chat accounting: each call is a
 segment of its own (reason ``completion``): its prompt as given (text tokenized as the tokenizer
 does by default, its BOS included) and the engine's ids.
@@ -44,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections import Counter
@@ -61,7 +63,7 @@ from rayapp.envs.agents.tools import with_tool_stops
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.accounting import Conversation, Segment, SegmentReason
 from rayapp.gateway.episodes import EpisodeKeys
-from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion
+from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion, plain_message
 from rayapp.gateway.responses import parse_responses, response_body
 from rayapp.gateway.tool_calls import ToolParser, parse_reply, tool_mode, tools_tokenizer
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest, generate_abortable, session_key
@@ -80,7 +82,6 @@ CLOSE_TIMEOUT_S = 15.0  # close() waits this long for cancelled calls (their abo
 BYTES_PER_TOKEN = 64
 MIN_BODY_BYTES = 1 << 20
 OFFLOAD_BYTES = 64 << 10  # a body this large is decoded, templated and tokenized in a worker thread
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 T = TypeVar("T")
 
 
@@ -334,12 +335,12 @@ class Gateway:
                                 "aborted at the engine", code="engine_timeout") from None
         except ValueError as e:  # the agent sees one line; the log keeps the whole error
             log.info("gateway: the engine refused a call of episode %r: %s", ep.binding.episode_id, e)
-            raise ApiError(400, f"the engine refused the request: {_plain(e)}", code="invalid_value") from None
+            raise ApiError(400, f"the engine refused the request: {plain_message(e)}", code="invalid_value") from None
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # the engine's replica failed or could not be reached
             log.warning("gateway: the engine failed a call of episode %r: %s", ep.binding.episode_id, e)
-            raise ApiError(503, f"the engine failed: {_plain(e, named=True)}", code="engine_error") from None
+            raise ApiError(503, f"the engine failed: {plain_message(e, named=True)}", code="engine_error") from None
         if out.finish_reason is FinishReason.ABORT:
             raise ApiError(503, f"the engine aborted request {out.request_id}", code="engine_error")
         if ep.closed:  # answered as the episode ended (its abort came too late): the log is final
@@ -359,16 +360,6 @@ async def _off_loop(work: Callable[[], T], size: int) -> T:
     """``work()``, in a worker thread for a body of ``OFFLOAD_BYTES`` or more (a small one costs less
     than the thread hop)."""
     return await asyncio.to_thread(work) if size >= OFFLOAD_BYTES else work()
-
-
-def _plain(e: BaseException, named: bool = False) -> str:
-    """An engine's error as one plain line for the agent: a Ray error's cause (not the remote
-    traceback, its pid and actor id), without terminal colour codes, bounded."""
-    while isinstance(getattr(e, "cause", None), BaseException):
-        e = e.cause
-    lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
-    text = lines[-1] if lines else ""  # a traceback's last line is its error
-    return (f"{type(e).__name__}: {text}" if named else text)[:500]
 
 
 def _pick(asked: Any, default: Any) -> Any:

@@ -15,9 +15,9 @@ needs (``EpisodeLog``). What each call does, in order:
    (unset: 1, as for native agents); ``max_context_len`` bounds the prompt plus the call's
    ``max_tokens``. A call past either answers 400 (``max_turns_exceeded`` /
    ``context_length_exceeded``) and ends the episode with that termination (MAX_TURNS /
-   MAX_CONTEXT_LEN): its later calls answer 410;
-   without ``max_tokens`` the generation is capped to the room left, and a reply that fills it sets
-   MAX_CONTEXT_LEN as a native turn does (``observation.length_reason``);
+   MAX_CONTEXT_LEN): its later calls answer 410. Without ``max_tokens`` the generation is capped to
+   the room left, and a reply that fills it ends the episode at MAX_CONTEXT_LEN as a native turn
+   does (``observation.length_reason``);
 4. sampling: the request's temperature, top_p, seed, stop and max_tokens where it sets them, the
    episode's ``ctx.sampling`` for the rest (its ``max_new_tokens`` bounds a request's ``max_tokens``,
    its stop strings stay); with tools, generation also stops after a tool call (``</tool_call>``);
@@ -182,9 +182,8 @@ class Gateway:
         try:
             self.keys.check(episode_id, authorization)
             ep = self._episodes[episode_id]
-            if ep.termination is not None and route != "models":
-                raise ApiError(410, f"episode {episode_id!r} has ended: a call went past its {ep.termination} "
-                                    "budget; its sample is final", code="episode_ended")
+            if route != "models":
+                _not_ended(ep)
             if route == "models":
                 return Reply(200, {"object": "list", "data": [
                     {"id": ep.binding.model, "object": "model", "created": 0, "owned_by": "rayapp"}]})
@@ -295,6 +294,7 @@ class Gateway:
                tools: bool) -> tuple[SamplingParams, int | None, int]:
         """The call's sampling, the context room it has (None: no limit) and its turn number; or the
         400 of a budget it is past (which ends the episode with that reason)."""
+        _not_ended(ep)  # again: a call of the episode may have ended it while this one was planned
         ctx = ep.binding.ctx
         max_turns = ctx.stopping.max_turns or 1
         if ep.started >= max_turns:
@@ -360,6 +360,12 @@ async def _off_loop(work: Callable[[], T], size: int) -> T:
     """``work()``, in a worker thread for a body of ``OFFLOAD_BYTES`` or more (a small one costs less
     than the thread hop)."""
     return await asyncio.to_thread(work) if size >= OFFLOAD_BYTES else work()
+
+
+def _not_ended(ep: _Episode) -> None:
+    if ep.termination is not None:
+        raise ApiError(410, f"episode {ep.binding.episode_id!r} has ended at its {ep.termination} "
+                            "budget; its sample is final", code="episode_ended")
 
 
 def _pick(asked: Any, default: Any) -> Any:

@@ -112,18 +112,33 @@ def test_a_budgets_refusal_ends_the_episode_and_later_calls_answer_410(tok, budg
     assert log.termination is TerminationReason(budget) and log.calls == (1 if budget == "max_turns" else 0)
 
 
+def _as_ray_raises_it(e):
+    """``e`` as a Serve handle raises a replica's error: the real ``RayTaskError`` with the remote
+    traceback, pid and actor id."""
+    try:
+        raise e
+    except Exception:
+        return ray.exceptions.RayTaskError(
+            "ServeReplica:rayapp:hf.handle_request", traceback.format_exc(), e, proctitle="ray::ServeReplica",
+            pid=os.getpid(), ip="127.0.0.1", actor_repr="Replica(hf#0)",
+            actor_id="5f6e0a1c2b3d4e5f60718293a4").as_instanceof_cause()
+
+
 class RayRefusingEngine(EchoEngine):
-    """Checks a request as the hf engine does (its vocabulary of 512) and raises what a Serve handle
-    raises for it: the real ``RayTaskError`` with the remote traceback, pid and actor id."""
+    """Checks a request as the hf engine does (its vocabulary of 512), refusing through Ray; with
+    ``fail``, fails every call through Ray."""
+
+    def __init__(self, tok, fail=False):
+        super().__init__(tok)
+        self.fail = fail
 
     async def generate(self, req, timeout_s=None):
+        if self.fail:
+            raise _as_ray_raises_it(RuntimeError("CUDA out of memory\nwhile allocating the KV cache"))
         try:
             validate_request(req, 512)
         except ValueError as e:
-            raise ray.exceptions.RayTaskError(
-                "ServeReplica:rayapp:hf.handle_request", traceback.format_exc(), e, proctitle="ray::ServeReplica",
-                pid=os.getpid(), ip="127.0.0.1", actor_repr="Replica(hf#0)",
-                actor_id="5f6e0a1c2b3d4e5f60718293a4").as_instanceof_cause() from None
+            raise _as_ray_raises_it(e) from None
         return await super().generate(req, timeout_s)
 
 
@@ -134,12 +149,19 @@ def test_out_of_vocabulary_prompt_ids_are_refused_in_one_plain_line(tok):
             with pytest.raises(openai.BadRequestError) as e:
                 await c.completions.create(model="m", prompt=[1, 2, 99999], max_tokens=2)
             fine = await c.completions.create(model="m", prompt=[1, 2, 3], max_tokens=2)
-            return e.value, fine
+            broken, _ = open_episode(gw, "broken", RayRefusingEngine(tok, fail=True), tok)
+            with pytest.raises(openai.InternalServerError) as failed:
+                await broken.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            return e.value, fine, failed.value
 
-    refused, fine = run(asyncio.wait_for(main(), 120))
+    refused, fine, failed = run(asyncio.wait_for(main(), 120))
+    for error in (refused, failed):
+        message = error.body["message"]
+        assert "\n" not in message and "\x1b" not in message, message
+        for leak in ("Traceback", "File ", "pid=", "actor_id", "5f6e0a1c", "ray::"):
+            assert leak not in message, message
     message = refused.body["message"]
-    assert "\n" not in message and "\x1b" not in message, message
-    for leak in ("Traceback", "File ", "pid=", "actor_id", "5f6e0a1c", "ray::"):
-        assert leak not in message, message
     assert "input_ids[2]" in message and "99999" in message and "512" in message
     assert refused.code == "invalid_value" and fine.choices[0].text.startswith("echo")
+    assert failed.status_code == 503 and failed.code == "engine_error"
+    assert failed.body["message"] == "the engine failed: RuntimeError: CUDA out of memory while allocating the KV cache"

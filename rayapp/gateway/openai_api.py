@@ -51,8 +51,11 @@ def plain_message(e: BaseException, named: bool = False) -> str:
     and actor id), without terminal colour codes, bounded; ``named`` puts its type first."""
     while isinstance(getattr(e, "cause", None), BaseException):
         e = e.cause
-    lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
-    text = lines[-1] if lines else ""  # a traceback's last line is its error
+    text = _ANSI.sub("", str(e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in text or text.startswith("ray::"):
+        lines = lines[-1:]  # a traceback's last line is its error
+    text = " ".join(lines)
     return (f"{type(e).__name__}: {text}" if named else text)[:500]
 
 

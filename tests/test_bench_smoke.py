@@ -1,7 +1,7 @@
-"""bench/overhead.py and bench/kv_reuse.py run (``--smoke``: seconds) and print their figures, and
-bench/replica_memory.py judges a run's table. Speed is the benchmark's business; nothing here asserts on it.
-(bench/gateway.py starts a Ray cluster and Serve of its own: minutes even in --smoke, so `make bench` runs it,
-not `make test`.)"""
+"""bench/overhead.py, bench/kv_reuse.py and bench/gateway_flood.py run (``--smoke``: seconds) and print
+their figures, and bench/replica_memory.py judges a run's table. Speed is the benchmark's business; nothing
+here asserts on it. (bench/gateway.py starts a Ray cluster and Serve of its own: minutes even in --smoke,
+so `make bench` runs it, not `make test`.)"""
 
 import os
 import re
@@ -30,6 +30,18 @@ def test_the_kv_reuse_benchmark_runs_in_smoke_mode_and_prints_each_turn_and_the_
     assert re.search(r"^\s+2\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", out, re.M), out
     assert re.search(r"^episode: \d+ ms with reuse, \d+ ms without: [\d.]+x; last turn [\d.]+x$", out, re.M), out
 
+
+
+def test_the_gateway_flood_benchmark_runs_in_smoke_mode_and_prints_both_phases():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gateway_flood.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=300, env=env, check=True).stdout
+    assert re.search(r"answers \{'200': \d+, '401': \d+, '413': \d+\}$", out, re.M), out  # a round or more
+    for phase in ("quiet", "flood"):
+        for what in ("loop lag", "cheap call"):
+            figures = rf"^{phase}\s+{what}\s+p50\s+[\d.]+ ms\s+p99\s+[\d.]+ ms\s+max\s+[\d.]+ ms"
+            assert re.search(figures, out, re.M), out
+    assert re.search(r"^flood took [\d.]+ s; peak RSS \d+ MB before, \d+ MB after$", out, re.M), out
 
 def _memory_table(path: Path, manager_mb_per_step: float) -> None:
     """A run's --csv of 200 steps: the pool flat, the manager rising by ``manager_mb_per_step`` with a

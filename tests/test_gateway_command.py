@@ -105,7 +105,7 @@ def test_a_command_agent_reaches_its_gateway_only_and_its_outcome_comes_back(tok
     assert f"blocked {gw_port} ConnectionRefusedError" in lines
     assert f"blocked {other_port} ConnectionRefusedError" in lines
     assert "other episode 403" in lines  # the bridge passes its own episode's routes only
-    assert "env ['OPENAI_API_KEY', 'OPENAI_BASE_URL']" in lines
+    assert "env ['OPENAI_AGENTS_DISABLE_TRACING', 'OPENAI_API_KEY', 'OPENAI_BASE_URL']" in lines
     assert log.calls == 1 and len(log.segments) == 1
     seg = log.segments[0]
     reply = tok.decode(seg.ids[seg.prompt_len:], skip_special_tokens=True)

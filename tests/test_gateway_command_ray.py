@@ -63,7 +63,8 @@ def test_a_command_agent_in_its_bundles_sandbox_reaches_its_gateway_and_its_outc
     assert out["exit_code"] == 3, out["stderr"]
     lines = out["stdout"].splitlines()
     assert f"blocked {port} ConnectionRefusedError" in lines  # the gateway only through the bridge
-    assert "other episode 403" in lines and "env ['OPENAI_API_KEY', 'OPENAI_BASE_URL']" in lines
+    assert "other episode 403" in lines
+    assert "env ['OPENAI_AGENTS_DISABLE_TRACING', 'OPENAI_API_KEY', 'OPENAI_BASE_URL']" in lines
     assert log.calls == 1 and len(log.segments) == 1
     seg = log.segments[0]
     assert out["files"]["answer.txt"].strip() == tok.decode(seg.ids[seg.prompt_len:], skip_special_tokens=True).strip()

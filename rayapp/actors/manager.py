@@ -204,6 +204,10 @@ class SchedulerRolloutManager:
     async def gateway_chat(self, episode: str, request: Request) -> Response:
         return await gateway_response(self.gateway, episode, "chat/completions", request)
 
+    @api.post("/gateway/{episode}/v1/responses")
+    async def gateway_responses(self, episode: str, request: Request) -> Response:
+        return await gateway_response(self.gateway, episode, "responses", request)
+
     @api.post("/gateway/{episode}/v1/completions")
     async def gateway_completions(self, episode: str, request: Request) -> Response:
         return await gateway_response(self.gateway, episode, "completions", request)

@@ -6,7 +6,9 @@ engine's log-prob) or a token the chat template rendered (mask 0), never a re-to
 generated text. ``Conversation`` keeps that sequence as the calls come, in two steps per call, so a
 call the engine never answers leaves nothing behind:
 
-- ``prepare(messages, tools)`` plans a call: the ids the engine continues from. It decides at message
+- ``prepare(messages, tools)`` plans a call: the ids the engine continues from (``plan`` does the
+  same from a ``snapshot``, so the templating and tokenizing can run off the event loop while calls
+  are recorded on it). It decides at message
   level whether the request extends the recording: its first messages equal the recorded ones (the
   agent's earlier messages and the assistant messages the gateway returned, compared on role, text,
   name, tool-call id, and tool calls with their arguments compared as JSON) and the tools are
@@ -41,7 +43,7 @@ import enum
 import json
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from jinja2 import TemplateError
@@ -49,7 +51,7 @@ from jinja2 import TemplateError
 from rayapp.envs.agents.observation import closing_text, turn_end
 from rayapp.gateway.openai_api import ApiError
 
-__all__ = ["Call", "Conversation", "Segment", "SegmentReason"]
+__all__ = ["Call", "Conversation", "Recorded", "Segment", "SegmentReason"]
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -93,6 +95,17 @@ class Call(msgspec.Struct, frozen=True):
     base: int
 
 
+class Recorded(NamedTuple):
+    """A snapshot of a conversation's recording (``Conversation.snapshot``): the last segment's ids
+    (None: nothing recorded), the recorded messages and tools, the last prompt text, the version."""
+
+    ids: list[int] | None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    text: str
+    version: int
+
+
 class Conversation:
     """One episode's token accounting (module docstring)."""
 
@@ -107,27 +120,36 @@ class Conversation:
 
     def prepare(self, messages: Sequence[Any], tools: Sequence[Any] | None = None) -> Call:
         """The plan of a chat call with these messages (OpenAI's, as dicts or ``Message``s) and tools."""
+        return self.plan(self.snapshot(), messages, tools)
+
+    def snapshot(self) -> Recorded:
+        """The recording as it stands, for ``plan``: taken where calls are recorded (the event loop)."""
+        ids = list(self.segments[-1].ids) if self.segments else None
+        return Recorded(ids, self._messages, self._tools, self._text, self._version)
+
+    def plan(self, rec: Recorded, messages: Sequence[Any], tools: Sequence[Any] | None = None) -> Call:
+        """``prepare`` on ``rec``: reads nothing of this conversation but its tokenizer, so it may run
+        in another thread; a reply recorded meanwhile makes the call ``concurrent`` (``record``)."""
         msgs = [_message(m, i) for i, m in enumerate(messages)]
         tools = [_tool(t) for t in tools] if tools else None
-        if not self.segments:
-            return self._fresh(msgs, tools, None)
-        if _canon(tools) != _canon(self._tools):
-            return self._fresh(msgs, tools, SegmentReason.TOOLS_CHANGED)
-        n = len(self._messages)
-        if len(msgs) < n or any(_key(a) != _key(b) for a, b in zip(msgs, self._messages, strict=False)):
-            return self._fresh(msgs, tools, SegmentReason.HISTORY_EDITED)
+        if rec.ids is None:
+            return self._fresh(msgs, tools, None, rec.version)
+        if _canon(tools) != _canon(rec.tools):
+            return self._fresh(msgs, tools, SegmentReason.TOOLS_CHANGED, rec.version)
+        n = len(rec.messages)
+        if len(msgs) < n or any(_key(a) != _key(b) for a, b in zip(msgs, rec.messages, strict=False)):
+            return self._fresh(msgs, tools, SegmentReason.HISTORY_EDITED, rec.version)
         # the recorded messages stand for the request's equal ones: what the gateway returned is what
         # the engine generated from (an agent's copy may lack e.g. the reasoning it was sent)
-        convo = self._messages + msgs[n:]
-        closed, full = self._render(self._messages, tools, False), self._render(convo, tools, True)
+        convo = rec.messages + msgs[n:]
+        closed, full = self._render(rec.messages, tools, False), self._render(convo, tools, True)
         end_text, _ = turn_end(self.tok)
-        if not (closed.startswith(self._text) and closed.endswith(end_text) and full.startswith(closed)):
-            return self._fresh(msgs, tools, SegmentReason.TEMPLATE_REWRITE)
-        ids = self.segments[-1].ids
+        if not (closed.startswith(rec.text) and closed.endswith(end_text) and full.startswith(closed)):
+            return self._fresh(msgs, tools, SegmentReason.TEMPLATE_REWRITE, rec.version)
         # what closes the engine's turn as the template does (less what the engine generated of it)
-        added = self._encode(closing_text(self.tok, ids) + full[len(closed):])
-        return Call(ids=ids + added, added=added, fresh=False, reason=None, messages=convo, tools=tools,
-                    text=full, base=self._version)
+        added = self._encode(closing_text(self.tok, rec.ids) + full[len(closed):])
+        return Call(ids=rec.ids + added, added=added, fresh=False, reason=None, messages=convo, tools=tools,
+                    text=full, base=rec.version)
 
     def record(self, call: Call, output_ids: Sequence[int], logprobs: Sequence[float], message: Any,
                index: int | None = None) -> Segment:
@@ -161,11 +183,11 @@ class Conversation:
         return seg
 
     def _fresh(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               reason: SegmentReason | None) -> Call:
+               reason: SegmentReason | None, base: int) -> Call:
         text = self._render(msgs, tools, True)
         ids = self._encode(text)
         return Call(ids=ids, added=ids, fresh=True, reason=reason, messages=msgs, tools=tools, text=text,
-                    base=self._version)
+                    base=base)
 
     def _render(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: bool) -> str:
         try:

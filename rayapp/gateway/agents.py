@@ -14,6 +14,9 @@ data) in its metadata under ``agent_output``. An agent that raised after the epi
 ended it (``max_turns``, ``max_context_len``: the gateway answered the call past it with an error)
 is a truncated episode with that reason; any other error is the evaluator's to classify.
 
+The OpenAI Agents SDK's tracing is switched off in the process (``OPENAI_AGENTS_DISABLE_TRACING=1``
+unless the user set it): on, it would send every episode's data to OpenAI.
+
 Its state lives in the user's code, so a cut episode cannot go on where it was (``resumable``
 False: partial rollouts restart its group, and a recipe asking ``policy: resume`` is refused).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import re
 import secrets
 from collections.abc import Awaitable, Callable
@@ -40,6 +44,7 @@ from rayapp.types import AgentResult, Sample
 
 __all__ = ["OpenAIAgent", "agent_result"]
 
+TRACING_SWITCH = "OPENAI_AGENTS_DISABLE_TRACING"  # the OpenAI Agents SDK's documented environment switch
 CLOSE_TIMEOUT_S = 30.0  # closing aborts the calls in flight at the engine (each abort bounded below that)
 UserAgent = Callable[[Any, Sample, Any], Awaitable[Any]]
 
@@ -63,6 +68,9 @@ class OpenAIAgent(AgentHandler):
         if segments not in ("last", "each"):
             raise ValueError(f"segments: expected 'last' or 'each', got {segments!r}")
         self._client_type = _openai().AsyncOpenAI  # a missing package fails where the agent is built
+        # the OpenAI Agents SDK traces by default, sending every episode's prompts and completions to
+        # OpenAI; its switch, set before any episode runs here (it reads it once), unless the user set it
+        os.environ.setdefault(TRACING_SWITCH, "1")
         self.gateway, self.engine, self.agent, self.verify = gateway, engine, agent, verify
         self.executor, self.open_sandbox = executor, open_sandbox
         self.segments, self.call_timeout_s, self.tool_parser = segments, call_timeout_s, tool_parser

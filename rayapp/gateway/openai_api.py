@@ -13,6 +13,7 @@ Pure: no Ray, no HTTP server; the deployment that serves the routes builds on th
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -21,9 +22,11 @@ from msgspec import Meta
 from rayapp.core.convert import InputError, decode
 from rayapp.types import MAX_COUNT, SamplingParams
 
-__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "parse_chat", "parse_completion"]
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "parse_chat", "parse_completion",
+           "plain_message"]
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class ApiError(Exception):
@@ -41,6 +44,19 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
+
+
+def plain_message(e: BaseException, named: bool = False) -> str:
+    """An error as one plain line for an agent: a Ray error's cause (not the remote traceback, its pid
+    and actor id), without terminal colour codes, bounded; ``named`` puts its type first."""
+    while isinstance(getattr(e, "cause", None), BaseException):
+        e = e.cause
+    text = _ANSI.sub("", str(e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in text or text.startswith("ray::"):
+        lines = lines[-1:]  # a traceback's last line is its error
+    text = " ".join(lines)
+    return (f"{type(e).__name__}: {text}" if named else text)[:500]
 
 
 class Function(msgspec.Struct, forbid_unknown_fields=True):

@@ -4,21 +4,26 @@
 key of its own; ``handle`` answers its routes; ``close`` ends it and hands back what the trainer
 needs (``EpisodeLog``). What each call does, in order:
 
-1. the key (``episodes``: 401 / 404 / 410) and the body (``openai_api``: 400 naming the field, and
-   options the gateway cannot honour refused by name);
+1. the key (``episodes``: 401 / 404 / 410; ``admit`` checks it before the body is read and gives the
+   body's byte bound, from the episode's ``max_context_len``), an episode a budget ended (410), and
+   the body (``openai_api``: 400 naming the field, and options the gateway cannot honour refused by
+   name). A large body is decoded, templated and tokenized in a worker thread, so the event loop (the
+   manager's, with every step's work on it) keeps answering while it runs;
 2. the plan (``accounting.Conversation.prepare``): the exact ids the engine continues from, or a
    counted new segment;
 3. the episode's budgets, the cascade's meaning: ``max_turns`` counts the calls the engine is asked
    (unset: 1, as for native agents); ``max_context_len`` bounds the prompt plus the call's
    ``max_tokens``. A call past either answers 400 (``max_turns_exceeded`` /
-   ``context_length_exceeded``) and sets the episode's termination (MAX_TURNS / MAX_CONTEXT_LEN);
-   without ``max_tokens`` the generation is capped to the room left, and a reply that fills it sets
-   MAX_CONTEXT_LEN as a native turn does (``observation.length_reason``);
+   ``context_length_exceeded``) and ends the episode with that termination (MAX_TURNS /
+   MAX_CONTEXT_LEN): its later calls answer 410. Without ``max_tokens`` the generation is capped to
+   the room left, and a reply that fills it ends the episode at MAX_CONTEXT_LEN as a native turn
+   does (``observation.length_reason``);
 4. sampling: the request's temperature, top_p, seed, stop and max_tokens where it sets them, the
    episode's ``ctx.sampling`` for the rest (its ``max_new_tokens`` bounds a request's ``max_tokens``,
    its stop strings stay); with tools, generation also stops after a tool call (``</tool_call>``);
 5. the engine (``generate_abortable``, bounded by ``call_timeout_s``): a call cancelled (the client
-   went away, or ``close``) is aborted at the engine; then ``Conversation.record`` and
+   went away, or ``close``) is aborted at the engine; an engine's refusal or failure is one plain
+   line (a Ray error's cause, not its remote traceback); then ``Conversation.record`` and
    ``ctx.record_turn`` (engine, weight version, engine seconds), and the OpenAI reply: usage,
    ``finish_reason`` (stop / length / tool_calls), and with ``logprobs`` the engine's own log-prob of
    every token it generated.
@@ -26,6 +31,9 @@ needs (``EpisodeLog``). What each call does, in order:
 ``stream: true`` answers Server-Sent Events (role, content, tool calls, finish, usage when
 ``stream_options.include_usage``, ``[DONE]``) carrying exactly the non-stream reply's tokens. The
 engines are not streaming: the events are sent once the engine's answer is complete.
+
+``/responses`` (the Responses API's subset the OpenAI Agents SDK uses, ``responses.py``) is a chat
+call: the same plan, budgets and record, its answer in the Responses shape.
 
 ``/completions`` (a text or token-id prompt) is not part of the chat accounting: each call is a
 segment of its own (reason ``completion``): its prompt as given (text tokenized as the tokenizer
@@ -42,9 +50,9 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -55,7 +63,8 @@ from rayapp.envs.protocol import Engine
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.accounting import Conversation, Segment, SegmentReason
 from rayapp.gateway.episodes import EpisodeKeys
-from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion
+from rayapp.gateway.openai_api import ApiError, parse_chat, parse_completion, plain_message
+from rayapp.gateway.responses import parse_responses, response_body
 from rayapp.gateway.tool_calls import ToolParser, parse_reply, tool_mode, tools_tokenizer
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest, generate_abortable, session_key
 from rayapp.record import TerminationReason
@@ -65,9 +74,15 @@ __all__ = ["EpisodeBinding", "EpisodeLog", "Gateway", "Reply"]
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("chat/completions", "completions", "models")
+ROUTES = ("chat/completions", "completions", "responses", "models")
 CALL_TIMEOUT_S = 600.0  # one engine call; past it the request is aborted at the engine (504)
 CLOSE_TIMEOUT_S = 15.0  # close() waits this long for cancelled calls (their abort is bounded by 10 s)
+# a body's bound from the episode's context: JSON bytes per token of context, generous (escaped text,
+# tool schemas a template leaves out), and a floor for small contexts
+BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
+OFFLOAD_BYTES = 64 << 10  # a body this large is decoded, templated and tokenized in a worker thread
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -153,16 +168,27 @@ class Gateway:
     def __len__(self) -> int:
         return len(self._episodes)
 
+    def admit(self, episode_id: str, authorization: str | None) -> int | None:
+        """The most bytes a body for the episode may have (None: its context is unbounded), once its
+        key is right; else the ApiError (401 / 404 / 410). What the HTTP side asks before it reads a
+        body, so a caller without the key, or a body no context of the episode could hold, costs
+        nothing to refuse."""
+        self.keys.check(episode_id, authorization)
+        limit = self._episodes[episode_id].binding.ctx.stopping.max_context_len
+        return None if limit is None else max(MIN_BODY_BYTES, limit * BYTES_PER_TOKEN)
+
     async def handle(self, episode_id: str, route: str, authorization: str | None, body: bytes) -> Reply:
         """Answer ``route`` for the episode; bad input is an error Reply, never an exception."""
         try:
             self.keys.check(episode_id, authorization)
             ep = self._episodes[episode_id]
+            if route != "models":
+                _not_ended(ep)
             if route == "models":
                 return Reply(200, {"object": "list", "data": [
                     {"id": ep.binding.model, "object": "model", "created": 0, "owned_by": "rayapp"}]})
-            if route == "chat/completions":
-                return await self._tracked(ep, self._chat(ep, body))
+            if route in ("chat/completions", "responses"):
+                return await self._tracked(ep, self._chat(ep, body, route == "responses"))
             if route == "completions":
                 return await self._tracked(ep, self._completion(ep, body))
             raise ApiError(404, f"no route {route[:64]!r} here; the gateway serves {', '.join(ROUTES)}",
@@ -191,10 +217,16 @@ class Gateway:
 
     # -- the routes ------------------------------------------------------------------------------
 
-    async def _chat(self, ep: _Episode, body: bytes) -> Reply:
-        req = parse_chat(body)
-        tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req.tools, req.tool_choice) else None
-        call = ep.convo.prepare(req.messages, tools)
+    async def _chat(self, ep: _Episode, body: bytes, responses: bool = False) -> Reply:
+        """A chat completion; with ``responses``, a Responses API call as the chat call it stands for."""
+        rec = ep.convo.snapshot()
+
+        def plan() -> tuple[Any, Any, Any]:
+            req = parse_responses(body) if responses else parse_chat(body)
+            tools = [msgspec.to_builtins(t) for t in req.tools] if tool_mode(req.tools, req.tool_choice) else None
+            return req, tools, ep.convo.plan(rec, req.messages, tools)
+
+        req, tools, call = await _off_loop(plan, len(body))
         sampling, room, turn = self._admit(ep, len(call.ids), req, req.budget(), bool(tools))
         out = await self._generate(ep, call.ids, sampling, turn)
         tok = ep.convo.tok
@@ -207,6 +239,8 @@ class Gateway:
         logprobs = {"content": _logprobs(tok, out)} if req.logprobs else None
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ep.binding.model}
         usage = _usage(len(call.ids), out)
+        if responses:
+            return Reply(200, response_body(ep.binding.model, message, finish, usage, logprobs and logprobs["content"]))
         if not req.stream:
             return Reply(200, {**head, "object": "chat.completion", "usage": usage, "choices": [
                 {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}]})
@@ -226,9 +260,13 @@ class Gateway:
         return Reply(200, stream=_sse(chunks))
 
     async def _completion(self, ep: _Episode, body: bytes) -> Reply:
-        req = parse_completion(body)
         tok = ep.convo.tok
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else list(tok.encode(req.prompt))
+
+        def plan() -> tuple[Any, list[int]]:
+            req = parse_completion(body)
+            return req, list(req.prompt) if isinstance(req.prompt, list) else list(tok.encode(req.prompt))
+
+        req, prompt = await _off_loop(plan, len(body))
         sampling, room, turn = self._admit(ep, len(prompt), req, req.max_tokens, False)
         out = await self._generate(ep, prompt, sampling, turn)
         n = len(out.output_ids)
@@ -256,6 +294,7 @@ class Gateway:
                tools: bool) -> tuple[SamplingParams, int | None, int]:
         """The call's sampling, the context room it has (None: no limit) and its turn number; or the
         400 of a budget it is past (which ends the episode with that reason)."""
+        _not_ended(ep)  # again: a call of the episode may have ended it while this one was planned
         ctx = ep.binding.ctx
         max_turns = ctx.stopping.max_turns or 1
         if ep.started >= max_turns:
@@ -294,12 +333,14 @@ class Gateway:
         except TimeoutError:
             raise ApiError(504, f"the engine did not answer within {self.call_timeout_s:g} s; the request was "
                                 "aborted at the engine", code="engine_timeout") from None
-        except ValueError as e:
-            raise ApiError(400, f"the engine refused the request: {e}", code="invalid_value") from None
+        except ValueError as e:  # the agent sees one line; the log keeps the whole error
+            log.info("gateway: the engine refused a call of episode %r: %s", ep.binding.episode_id, e)
+            raise ApiError(400, f"the engine refused the request: {plain_message(e)}", code="invalid_value") from None
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # the engine's replica failed or could not be reached
-            raise ApiError(503, f"the engine failed: {type(e).__name__}: {str(e)[:500]}", code="engine_error") from None
+            log.warning("gateway: the engine failed a call of episode %r: %s", ep.binding.episode_id, e)
+            raise ApiError(503, f"the engine failed: {plain_message(e, named=True)}", code="engine_error") from None
         if out.finish_reason is FinishReason.ABORT:
             raise ApiError(503, f"the engine aborted request {out.request_id}", code="engine_error")
         if ep.closed:  # answered as the episode ended (its abort came too late): the log is final
@@ -313,6 +354,18 @@ class Gateway:
         if out.finish_reason is FinishReason.LENGTH and \
                 length_reason(sampling, room, out) is TerminationReason.MAX_CONTEXT_LEN:
             ep.end(TerminationReason.MAX_CONTEXT_LEN)
+
+
+async def _off_loop(work: Callable[[], T], size: int) -> T:
+    """``work()``, in a worker thread for a body of ``OFFLOAD_BYTES`` or more (a small one costs less
+    than the thread hop)."""
+    return await asyncio.to_thread(work) if size >= OFFLOAD_BYTES else work()
+
+
+def _not_ended(ep: _Episode) -> None:
+    if ep.termination is not None:
+        raise ApiError(410, f"episode {ep.binding.episode_id!r} has ended at its {ep.termination} "
+                            "budget; its sample is final", code="episode_ended")
 
 
 def _pick(asked: Any, default: Any) -> Any:

@@ -6,7 +6,8 @@ sandbox's root, so the host passes this file's text on the command line.
 
 It listens on 127.0.0.1 of the sandbox's own network namespace (a free port), starts ARGV with
 ``OPENAI_BASE_URL`` (that port, the episode's path) and ``OPENAI_API_KEY`` (read from KEY_FILE, so
-the key is never on a command line another user could read) added to its environment, and carries
+the key is never on a command line another user could read) added to its environment (and the OpenAI
+Agents SDK's tracing switched off, ``OPENAI_AGENTS_DISABLE_TRACING=1``), and carries
 each connection's bytes to SOCKET, the host's forwarder. It ends as ARGV ends: its exit code, or
 killed by the same signal. It is the command's parent in the command's process group, so the
 sandbox's wall clock, a cancellation and the PID namespace end both together.
@@ -66,6 +67,7 @@ def main():
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
     port = listener.getsockname()[1]
     env = dict(os.environ, OPENAI_BASE_URL=f"http://127.0.0.1:{port}{url_path}", OPENAI_API_KEY=key)
+    env.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # the Agents SDK's tracing would send the episode out
     threading.Thread(target=serve, args=(listener, path), daemon=True).start()
     try:
         child = subprocess.Popen(argv, env=env)

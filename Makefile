@@ -45,11 +45,11 @@ demo-core: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check rayapp tests bench recipes
 
-# Tests that start their own Ray cluster run each in a pytest process of its own; the SGLang lane is
-# `make test-sglang`.
+# tests/isolated connects this process to Ray clusters of its own (one shared head for the Serve apps), so it
+# runs in a second pytest process; the SGLang lane is `make test-sglang`.
 test: lint $(VENV)/.test-extras
 	$(BIN)/python -m pytest --ignore=tests/isolated --ignore=tests/sglang_engine
-	for f in tests/isolated/test_*.py; do $(BIN)/python -m pytest $$f || exit 1; done
+	$(BIN)/python -m pytest tests/isolated
 
 # What only the tests need, out of $(STAMP) so that `make demo` installs none of it: the 'gym' extra (SkyRL-gym,
 # tests/test_agent_gym.py), 'trl' (TRL's GRPOTrainer, tests/test_trainer_trl*.py, tests/isolated/test_trl_serve.py)

@@ -1,7 +1,6 @@
-"""What authenticates what on the local app (docs/security.md), as `rayapp run` starts it: a Ray head
-with token authentication and `serve run` of the local recipe, with an HTTP token configured the way
-a cluster would (RAYAPP_HTTP_TOKEN_FILE in the application's runtime_env). Runs in its own pytest
-process (it starts its own Ray cluster).
+"""What authenticates what on the local app (docs/security.md), as `rayapp run` starts it: a Ray head with token
+authentication and `serve run` of the local recipe, with an HTTP token configured the way a cluster would
+(RAYAPP_HTTP_TOKEN_FILE in the application's runtime_env). On the isolated files' shared Ray head (conftest.py).
 
 - Every listening socket of the cluster's processes is on loopback, or refuses a gRPC call that
   carries no token: Serve's replicas (pool, engine, manager) listen on all interfaces for the
@@ -21,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from shared_head import serve_app
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app, ray_processes
+from rayapp.cli import ROOT, ray_processes
 
 HTTP_TOKEN = "rayapp-test-" + os.urandom(16).hex()
 
@@ -125,23 +125,17 @@ def http(url: str, method: str = "GET", token: str | None = None) -> tuple[int, 
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    os.environ.update(LOCAL_ENV)
+def app(head, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auth")
     token_file = tmp / "http-token"
     token_file.write_text(HTTP_TOKEN + "\n")
     cfg = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())
-    http_port = free_port()
-    cfg["http_options"]["port"] = http_port
     application = cfg["applications"][0]
     application["runtime_env"] = {"env_vars": {"RAYAPP_HTTP_TOKEN_FILE": str(token_file)}}
     application["args"]["scheduler"]["save_eval_details"] = str(tmp / "details")
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    temp_dir = Path(f"/tmp/rayapp-authtest-{os.getpid()}")
-    with local_app(recipe, temp_dir, tmp / "serve.log", timeout_s=600) as (address, _):
-        yield {"address": address, "http": f"http://127.0.0.1:{http_port}/rayapp", "temp_dir": temp_dir,
-               "tmp": tmp, "ray_token": ray_token()}
+    with serve_app(head, cfg, tmp):
+        yield {"address": head.address, "http": f"http://127.0.0.1:{head.http_port}/rayapp",
+               "temp_dir": head.temp_dir, "tmp": tmp, "ray_token": ray_token()}
 
 
 def ray_token() -> str | None:

@@ -1,9 +1,8 @@
 """The DAgger recipe end to end (`serve run recipes/dagger_local/rollout.yaml`): the training
 driver's three iterations, then a manager replica killed mid-rollout that resumes from its
-checkpoint. Runs in its own pytest process (it starts its own Ray cluster)."""
+checkpoint. On the isolated files' shared Ray head."""
 
 import contextlib
-import os
 import re
 import subprocess
 import sys
@@ -12,29 +11,24 @@ from pathlib import Path
 
 import pytest
 import yaml
+from shared_head import serve_app
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app
+from rayapp.cli import ROOT
 from rayapp.types import Status
 
 RECIPE = ROOT / "recipes" / "dagger_local" / "rollout.yaml"
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    os.environ.update(LOCAL_ENV)
+def app(head, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dagger")
     cfg = yaml.safe_load(RECIPE.read_text())
-    cfg["http_options"]["port"] = free_port()
     args = cfg["applications"][0]["args"]
     run_dir = tmp / "run"  # this test's own run folder instead of the recipe's /tmp one
     args["scheduler"] |= {"save_eval_details": str(run_dir), "trajectory_dir": str(run_dir / "trajectories"),
                           "checkpoint_dir": str(run_dir / "checkpoints")}
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    temp_dir = Path(f"/tmp/rayapp-dagger-{os.getpid()}")
-    log = tmp / "serve.log"
-    with local_app(recipe, temp_dir, log, timeout_s=600) as (address, _):
-        yield {"address": address, "run": run_dir, "args": args, "log": log}
+    with serve_app(head, cfg, tmp):
+        yield {"address": head.address, "run": run_dir, "args": args, "log": tmp / "serve.log"}
 
 
 def test_the_driver_runs_three_dagger_iterations(app):

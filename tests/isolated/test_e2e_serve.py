@@ -1,6 +1,6 @@
 """End to end, as users run it: `serve run` on a Ray head with logical GPUs, a separate driver
 process calling the manager's handles, the HTTP control surface, the dashboard's placement-group
-API, and a clean stop. Runs in its own pytest process (it starts its own Ray cluster)."""
+API, and a clean stop of `serve run`. On the isolated files' shared Ray head (conftest.py)."""
 
 import contextlib
 import json

@@ -1,11 +1,10 @@
-"""Agents written against the OpenAI API, run as episodes through the manager's gateway on `serve run`
-with the real hf engine and the real openai SDK, HTTP token on (the manager's admin routes need it; the
-gateway's routes take the episode's key instead). The example recipe (examples/openai_agent) runs by
-`rayapp run`, and under `serve run` beside two test agents (tests/isolated/gateway_agents.py): one
-whose episodes are multi-turn (a tool result in its history, a streamed call, a plain call), one cut by
-its episode's clock. Every sample's loss mask is 1 exactly on the engine's replies of its calls, with
-their log-probs; template tokens are mask 0 with log-prob 0.0; rewards are the verifier's. Runs in its
-own pytest process (it starts Ray clusters, one after the other)."""
+"""Agents written against the OpenAI API, run as episodes through the manager's gateway on `serve run` with the real
+hf engine and the real openai SDK, HTTP token on (the manager's admin routes need it; the gateway's routes take
+the episode's key instead). The example recipe (examples/openai_agent) runs by `rayapp run`, and under `serve
+run` beside two test agents (tests/isolated/gateway_agents.py): one whose episodes are multi-turn (a tool result
+in its history, a streamed call, a plain call), one cut by its episode's clock. Every sample's loss mask is 1
+exactly on the engine's replies of its calls, with their log-probs; template tokens are mask 0 with log-prob 0.0;
+rewards are the verifier's. On the isolated files' shared Ray head (conftest.py)."""
 
 import itertools
 import json
@@ -15,15 +14,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
+from shared_head import serve_app
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app
+from rayapp.cli import ROOT
 
 EXAMPLE = ROOT / "examples" / "openai_agent"
-HERE = Path(__file__).resolve().parent
 HTTP_TOKEN = "rayapp-test-" + os.urandom(16).hex()
 DRIVER = r"""
 import json, sys, ray
@@ -43,34 +41,21 @@ print("RESULT " + json.dumps({"rollout": [row(s) for g in r.groups for s in g],
 """
 
 
-@pytest.fixture(scope="module")
-def env():
-    saved = dict(os.environ)
-    os.environ.update(LOCAL_ENV)
-    # the agents' packages on the path of Ray's head, its workers and serve run, as the recipe's comment says
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE), str(HERE), os.environ.get("PYTHONPATH"))
-                                               if p)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def test_rayapp_run_runs_the_example_recipe(env, tmp_path):
-    temp_dir = Path(f"/tmp/rayapp-gwrun-{os.getpid()}")
-    proc = subprocess.run([sys.executable, "-m", "rayapp.cli", "run", str(EXAMPLE), "--temp-dir", str(temp_dir),
-                           "--", "--rollouts", "1", "--eval"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+def test_rayapp_run_runs_the_example_recipe(head, tmp_path):
+    """``rayapp run --address`` onto a running cluster (its own head is the demo's and test_quiet_logs')."""
+    proc = subprocess.run([sys.executable, "-m", "rayapp.cli", "run", str(EXAMPLE), "--address", head.address,
+                           "--temp-dir", str(tmp_path / "run"), "--", "--rollouts", "1", "--eval"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "no Ray process left" in proc.stdout
+    assert f"ray cluster at {head.address}" in proc.stdout and "driver done" in proc.stdout, proc.stdout
 
 
 @pytest.fixture(scope="module")
-def app(env, tmp_path_factory):
+def app(head, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gateway")
     token_file = tmp / "http-token"
     token_file.write_text(HTTP_TOKEN + "\n")
     cfg = yaml.safe_load((EXAMPLE / "rollout.yaml").read_text())
-    http_port = free_port()
-    cfg["http_options"]["port"] = http_port
     application = cfg["applications"][0]
     application["runtime_env"] = {"env_vars": {"RAYAPP_HTTP_TOKEN_FILE": str(token_file)}}
     args = application["args"]
@@ -82,13 +67,12 @@ def app(env, tmp_path_factory):
                                    "default_stopping": stopping})
     args["eval"]["chat"] = {"env": "arithmetic", "task_type": "arith-chat", "seed": 7, "n_prompts": 3}
     args["eval"]["slow"] = {"env": "arithmetic", "task_type": "arith-slow", "seed": 9, "n_prompts": 1}
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    temp_dir = Path(f"/tmp/rayapp-gateway-{os.getpid()}")
-    with local_app(recipe, temp_dir, tmp / "serve.log", timeout_s=600) as (address, _):
-        proc = subprocess.run([sys.executable, "-c", DRIVER, address], capture_output=True, text=True, timeout=900)
+    with serve_app(head, cfg, tmp):
+        proc = subprocess.run([sys.executable, "-c", DRIVER, head.address], capture_output=True, text=True,
+                              timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        yield {"http": f"http://127.0.0.1:{http_port}/rayapp", "result": json.loads(proc.stdout.split("RESULT ", 1)[1])}
+        yield {"http": f"http://127.0.0.1:{head.http_port}/rayapp",
+               "result": json.loads(proc.stdout.split("RESULT ", 1)[1])}
 
 
 @pytest.fixture(scope="module")

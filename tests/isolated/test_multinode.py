@@ -1,4 +1,4 @@
-"""A multi-node fake cluster (ray.cluster_utils.Cluster) in its own pytest process: tokens land on
+"""A multi-node fake cluster (ray.cluster_utils.Cluster), a Ray of its own: tokens land on
 the nodes the ledger chose, in each node's long-lived group, cross-node batches spread, and a node
 removed mid-run turns its samples into infra aborts while the step still returns every sample, the
 other node's group keeps working, the dead node is cordoned and the next step runs on the survivors."""

@@ -1,16 +1,15 @@
 """Ray's and Serve's lines stay off the user's terminal unless asked for: a driver that connects with
-``rayapp.connect`` prints only its own lines (no Ray banner, no Serve router line, no replica's log or
-access-log line), ``connect(verbose=True)`` brings them back, and ``local_app(verbose=True)`` (what
-``rayapp run --verbose`` uses) copies ``ray start``'s and ``serve run``'s output to the terminal as well
-as to the run's log. A one-replica echo app on a 2-CPU head keeps it cheap. Runs in its own pytest
-process (it starts its own Ray cluster)."""
+``rayapp.connect`` prints only its own lines (no Ray banner, no Serve router line, no replica's log or access-log
+line), ``connect(verbose=True)`` brings them back, and ``local_app(verbose=True)`` (what ``rayapp run --verbose``
+uses) copies ``ray start``'s and ``serve run``'s output to the terminal as well as to the run's log. A one-
+replica echo app on a 2-CPU head keeps it cheap. It starts a Ray head of its own (local_app's own-head path)."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from rayapp.cli import LOCAL_ENV, local_app
+from rayapp.cli import LOCAL_ENV, local_app, ray_processes
 
 APP = '''import logging
 
@@ -55,11 +54,13 @@ def test_drivers_are_quiet_by_default_and_verbose_brings_ray_and_serve_back(tmp_
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     log = tmp_path / "serve.log"
-    with local_app(tmp_path / "app.yaml", Path(f"/tmp/rayapp-quiet-{os.getpid()}"), log, num_gpus=0, num_cpus=2,
+    temp_dir = Path(f"/tmp/rayapp-quiet-{os.getpid()}")
+    with local_app(tmp_path / "app.yaml", temp_dir, log, num_gpus=0, num_cpus=2,
                    timeout_s=300, cwd=tmp_path, verbose=True) as (address, _):
         shown = capfd.readouterr()
         runs = {mode: subprocess.run([sys.executable, "-c", DRIVER, address, mode], capture_output=True, text=True,
                                      timeout=180) for mode in ("quiet", "verbose")}
+    assert ray_processes(temp_dir) == []  # local_app's own head is stopped whole, as `rayapp run` stops it
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-3000:]
     quiet, verbose = runs["quiet"], runs["verbose"]

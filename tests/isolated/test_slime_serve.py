@@ -2,11 +2,9 @@
 RolloutManager calls it (``call_rollout_fn``): the prompts of slime's own data source go to the
 manager as the step's tasks through the handle, the checkpoint slime's ``--save-hf`` leaves after a
 step reaches both engine replicas before the next one, and the eval after a step runs on that step's
-weights. Skipped without slime (docs/trainers.md, slime); runs in its own pytest process (it starts
-its own Ray cluster)."""
+weights. Skipped without slime (docs/trainers.md, slime); on the isolated files' shared Ray head (conftest.py)."""
 
 import json
-import os
 import shutil
 from argparse import Namespace
 from pathlib import Path
@@ -15,8 +13,9 @@ from types import SimpleNamespace as NS
 import pytest
 import yaml
 from safetensors.torch import load_file, save_file
+from shared_head import serve_app
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app
+from rayapp.cli import ROOT
 from rayapp.envs.math import tool_result_rows
 
 
@@ -32,23 +31,18 @@ def slime():
 
 
 @pytest.fixture(scope="module")
-def app(slime, tmp_path_factory, cache_dir):
+def app(head, slime, tmp_path_factory):
     import ray
 
-    os.environ.update(LOCAL_ENV)
-    os.environ["RAYAPP_CACHE"] = str(cache_dir)  # the replicas keep tokenizer files there
     tmp = tmp_path_factory.mktemp("slime-serve")
     cfg = yaml.safe_load((ROOT / "recipes" / "train_grpo" / "rollout.yaml").read_text())
-    cfg["http_options"]["port"] = free_port()
     args = cfg["applications"][0]["args"]
     args["data"]["math"] |= {"n_prompts": 8, "n_samples_per_prompt": 2}
     args["eval"] = {"math": args["eval"]["math"] | {"n_prompts": 2}}
     args["scheduler"]["rollout_batch_size"] = 2
     args["engines"]["student"]["weight_roots"] = [str(tmp)]  # where this test's "slime" saves
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    with local_app(recipe, Path(f"/tmp/rayapp-slime-{os.getpid()}"), tmp / "serve.log", timeout_s=600) as (address, _):
-        ray.init(address=address, namespace="rayapp-slime", logging_level="error", log_to_driver=False)
+    with serve_app(head, cfg, tmp):
+        ray.init(address=head.address, namespace="rayapp-slime", logging_level="error", log_to_driver=False)
         try:
             yield tmp
         finally:

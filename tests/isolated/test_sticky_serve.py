@@ -2,10 +2,9 @@
 (``rayapp.actors.app.engine_app``: calls routed by session), called through its handle by native
 agents' turns. Every turn of a multi-turn episode runs on one replica (the turn records name it), episodes
 spread over both replicas, and the replicas reuse the episodes' KV caches; the same calls without a
-session are spread turn by turn. Runs in its own pytest process (it starts its own Ray cluster)."""
+session are spread turn by turn. On the isolated files' shared Ray head (conftest.py)."""
 
 import asyncio
-import os
 
 import pytest
 
@@ -41,26 +40,21 @@ def fan_out_app():
 
 
 @pytest.fixture(scope="module")
-def engine(cache_dir, model_dir):
-    os.environ["RAYAPP_CACHE"] = str(cache_dir)  # the driver's copy of the engine's tokenizer files
+def engine(head, model_dir):
     import ray
     from ray import serve
 
-    from rayapp.cli.local import auth_token
-
-    with auth_token():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="rayapp-sticky",
-                 logging_level="warning", log_to_driver=False)
-        try:
-            serve.start(proxy_location="Disabled")  # handles only: no HTTP port
-            cfg = EngineConfig(num_replicas=2, num_cpus=0.5,
-                               options={"model_path": str(model_dir), "max_concurrency": 4, "seed": 0})
-            serve.run(fan_out_app().bind(engine_app("student", cfg)), name="sticky", route_prefix=None)
-            handle = serve.get_deployment_handle("engine-student", app_name="sticky")
-            yield EngineClient(handle, "student", timeout_s=120)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    ray.init(address=head.address, namespace="rayapp-sticky", logging_level="warning", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": head.http_port})  # Serve as the other files have it
+        cfg = EngineConfig(num_replicas=2, num_cpus=0.5,
+                           options={"model_path": str(model_dir), "max_concurrency": 4, "seed": 0})
+        serve.run(fan_out_app().bind(engine_app("student", cfg)), name="sticky", route_prefix=None)
+        handle = serve.get_deployment_handle("engine-student", app_name="sticky")
+        yield EngineClient(handle, "student", timeout_s=120)
+    finally:
+        serve.delete("sticky")
+        ray.shutdown()
 
 
 def observation(tok, turn: int) -> list[int]:

@@ -1,13 +1,10 @@
-"""TRL's GRPOTrainer (trl==1.16.0, the ``trl`` extra) trains through ``rayapp.trainers.trl`` against
-the Serve app, whose engine has two replicas: each step's rollout comes through the manager's handle
-(``ServeManager``), the trainer's batch is exactly rayapp's prompt and completion ids, loss masks and
-log-probs, and after each optimiser step ``WeightSyncCallback`` puts the trainer's weights on both
-replicas, so that every turn of the next step runs on them (its version on every turn, its log-probs
-the trainer's weights') and both replicas answer turns. Skipped without trl (docs/trainers.md, TRL);
-runs in its own pytest process (it starts its own Ray cluster)."""
+"""TRL's GRPOTrainer (trl==1.16.0, the ``trl`` extra) trains through ``rayapp.trainers.trl`` against the Serve app,
+whose engine has two replicas: each step's rollout comes through the manager's handle (``ServeManager``), the
+trainer's batch is exactly rayapp's prompt and completion ids, loss masks and log-probs, and after each optimiser
+step ``WeightSyncCallback`` puts the trainer's weights on both replicas, so that every turn of the next step runs
+on them (its version on every turn, its log-probs the trainer's weights') and both replicas answer turns. Skipped
+without trl (docs/trainers.md, TRL); on the isolated files' shared Ray head (conftest.py)."""
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +12,9 @@ import yaml
 
 trl = pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'rayapp[trl]'")
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app  # noqa: E402
+from shared_head import serve_app  # noqa: E402
+
+from rayapp.cli import ROOT  # noqa: E402
 from rayapp.trainers.trl import RayappRolloutFunc, ServeManager, WeightSyncCallback, rayapp_reward  # noqa: E402
 from rayapp.training.grpo import make_batch, token_logprobs  # noqa: E402
 from rayapp.types import Status  # noqa: E402
@@ -24,25 +23,20 @@ GROUPS, G, STEPS = 3, 2, 3  # 3 prompts x 2 samples a step
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, cache_dir):
+def app(head, tmp_path_factory):
     import ray
     from ray import serve
 
-    os.environ.update(LOCAL_ENV)
-    os.environ["RAYAPP_CACHE"] = str(cache_dir)  # the replicas keep tokenizer files there
     tmp = tmp_path_factory.mktemp("trl-serve")
     cfg = yaml.safe_load((ROOT / "recipes" / "train_grpo" / "rollout.yaml").read_text())
-    cfg["http_options"]["port"] = free_port()
     args = cfg["applications"][0]["args"]
     assert args["engines"]["student"]["num_replicas"] == 2
     args["data"]["math"] |= {"n_prompts": 16, "n_samples_per_prompt": G}
     args["eval"] = {"math": args["eval"]["math"] | {"n_prompts": 2}}
     args["scheduler"]["rollout_batch_size"] = GROUPS
     args["engines"]["student"]["weight_roots"] = [str(tmp)]  # where this test's trainer saves
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    with local_app(recipe, Path(f"/tmp/rayapp-trl-{os.getpid()}"), tmp / "serve.log", timeout_s=600) as (address, _):
-        ray.init(address=address, namespace="rayapp-trl", logging_level="error", log_to_driver=False)
+    with serve_app(head, cfg, tmp):
+        ray.init(address=head.address, namespace="rayapp-trl", logging_level="error", log_to_driver=False)
         try:
             yield tmp, serve.get_app_handle("rayapp")
         finally:

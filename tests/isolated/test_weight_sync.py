@@ -1,40 +1,33 @@
 """Weight sync through the manager, on the Serve app: a trainer's checkpoint reaches every replica of
 the engine, later samples record the new weight version on each model turn, and they were sampled
-from the new weights (their log-probs are the checkpoint's). Runs in its own pytest process (it
-starts its own Ray cluster)."""
+from the new weights (their log-probs are the checkpoint's). On the isolated files' shared Ray head (conftest.py)."""
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from shared_head import serve_app
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app
+from rayapp.cli import ROOT
 from rayapp.training.grpo import GRPOTrainer, make_batch, token_logprobs
 
 
 @pytest.fixture(scope="module")
-def handle(tmp_path_factory, model_dir, cache_dir):
+def handle(head, tmp_path_factory, model_dir):
     import ray
     from ray import serve
 
-    os.environ.update(LOCAL_ENV)
     # the replicas serve the session's tiny model (the shipped one, or built in cache_dir) and keep tokenizer
     # files there, never beside the shipped model in rayapp's own folder
-    os.environ["RAYAPP_CACHE"] = str(cache_dir)
     tmp = tmp_path_factory.mktemp("sync")
     cfg = yaml.safe_load((ROOT / "recipes" / "train_grpo" / "rollout.yaml").read_text())
-    cfg["http_options"]["port"] = free_port()
     args = cfg["applications"][0]["args"]
     args["data"]["math"] |= {"n_prompts": 8, "n_samples_per_prompt": 2}
     args["scheduler"]["rollout_batch_size"] = 3
     args["engines"]["student"]["weight_roots"] = [str(tmp_path_factory.getbasetemp())]  # the tests' checkpoints
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    with local_app(recipe, Path(f"/tmp/rayapp-sync-{os.getpid()}"), tmp / "serve.log", timeout_s=600) as (address, _):
-        ray.init(address=address, namespace="rayapp-sync", logging_level="error", log_to_driver=False)
+    with serve_app(head, cfg, tmp):
+        ray.init(address=head.address, namespace="rayapp-sync", logging_level="error", log_to_driver=False)
         try:
             yield serve.get_app_handle("rayapp")
         finally:

@@ -1,19 +1,16 @@
 """A user's own environment through the Serve app, as a user runs it: examples/wordplay (its env,
 agent and verifier named by import path, its rows read from a JSONL file) on `serve run` with the
-real hf engine, a driver process calling the manager's handles, and a clean stop. Runs in its own
-pytest process (it starts its own Ray cluster)."""
+real hf engine, a driver process calling the manager's handles. On the isolated files' shared Ray head (conftest.py)."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from shared_head import serve_app
 
-from rayapp.cli import LOCAL_ENV, ROOT, free_port, local_app, ray_processes, stop_cluster
+from rayapp.cli import ROOT
 
 EXAMPLE = ROOT / "examples" / "wordplay"
 DRIVER = r"""
@@ -35,28 +32,16 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    saved = dict(os.environ)
-    os.environ.update(LOCAL_ENV)
-    # the user's package on the path of Ray's head, its workers and serve run, as the recipe's comment says
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE), os.environ.get("PYTHONPATH")) if p)
+def app(head, tmp_path_factory):
+    # the user's package is on the path of Ray's head, its workers and serve run (the head's fixture), as
+    # the recipe's comment says
     tmp = tmp_path_factory.mktemp("wordplay")
     cfg = yaml.safe_load((EXAMPLE / "rollout.yaml").read_text())
-    http_port = free_port()
-    cfg["http_options"]["port"] = http_port
     args = cfg["applications"][0]["args"]
     for section in ("data", "eval"):  # plain serve run hands the args over as they are: make the path absolute
         args[section]["words"]["path"] = str(EXAMPLE / args[section]["words"]["path"])
-    recipe = tmp / "rollout.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
-    temp_dir = Path(f"/tmp/rayapp-wordplay-{os.getpid()}")
-    log = tmp / "serve.log"
-    try:
-        with local_app(recipe, temp_dir, log, timeout_s=600) as (address, proc):
-            yield {"address": address, "proc": proc, "temp_dir": temp_dir, "log": log}
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with serve_app(head, cfg, tmp):
+        yield {"address": head.address}
 
 
 def test_the_user_s_env_runs_through_the_serve_app(app):
@@ -78,11 +63,3 @@ def test_the_user_s_env_runs_through_the_serve_app(app):
         assert s["reward"]["score"] <= s["reward"]["mentions"] and s["reward"]["score"] in (0.0, 1.0)
     assert result["eval_ids"] == ["w00", "w01", "w02", "w03"]
     assert "eval/words/pass@2" in result["eval"] and 0.0 <= result["eval"]["eval/words/pass@2"] <= 1.0
-
-
-def test_the_app_stops_cleanly(app):
-    proc = app["proc"]
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) is not None
-    assert stop_cluster(app["temp_dir"]) == []
-    assert ray_processes(app["temp_dir"]) == []

@@ -238,8 +238,9 @@ class EngineClient:
     async def health(self) -> dict:
         return await self._call("health", timeout_s=30)
 
-    async def broadcast(self, method: str, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-        """Call ``method`` on every replica (aborts, weight updates)."""
+    async def broadcast(self, method: str, *args: Any, timeout_s: float = 120.0, wait: bool = True) -> list[Any]:
+        """Call ``method`` on every replica (aborts, weight updates). ``wait`` False: no replica to
+        route to is no replica to call, an empty list, not a wait."""
         async def attempt(left: float) -> list[Any]:
             try:
                 return await self.handle.broadcast(method, *args).results_async(timeout_s=left)
@@ -250,10 +251,16 @@ class EngineClient:
                     raise self._unreachable(e) from e
                 raise
 
+        if not wait:
+            try:
+                return await attempt(timeout_s)
+            except DeploymentUnavailableError:
+                return []
         return await self._when_available(attempt, timeout_s)
 
     async def abort(self, request_id: str | None = None) -> int:
-        return sum(await self.broadcast("abort", request_id, timeout_s=30))
+        """Abort on every replica; with none running there is nothing to abort."""
+        return sum(await self.broadcast("abort", request_id, timeout_s=30, wait=False))
 
     async def update_weights_from_disk(self, path: str, version: int | None = None) -> list[dict]:
         return await self.broadcast("update_weights_from_disk", path, version, timeout_s=600)

@@ -83,16 +83,17 @@ def slow_or_stuck(timeout_s: float, loaded: int, since_last_s: float | None) -> 
 
 
 class _ImportProgress:
-    """A finder first on ``sys.meta_path`` that finds nothing but notes, per thread, how many modules
-    that thread has started to import and when the last began: a bounded import's progress, whatever
-    other threads import meanwhile."""
+    """A finder first on ``sys.meta_path`` that finds nothing but notes, for each thread of a bounded
+    import, how many modules it has started to import and when the last began: that import's
+    progress, whatever other threads import meanwhile."""
 
     def __init__(self) -> None:
-        self.by_thread: dict[int, tuple[int, float]] = {}
+        self.by_thread: dict[int, tuple[int, float | None]] = {}
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        count, _ = self.by_thread.get(threading.get_ident(), (0, 0.0))
-        self.by_thread[threading.get_ident()] = (count + 1, time.monotonic())
+        me = threading.get_ident()
+        if me in self.by_thread:
+            self.by_thread[me] = (self.by_thread[me][0] + 1, time.monotonic())
 
 
 _PROGRESS = _ImportProgress()
@@ -109,6 +110,7 @@ def _import_bounded(name: str, timeout_s: float) -> Any:
         sys.meta_path.insert(0, _PROGRESS)
 
     def run() -> None:
+        _PROGRESS.by_thread[threading.get_ident()] = (0, None)
         try:
             box["module"] = importlib.import_module(name)
         except BaseException as e:  # SystemExit included: reported by the caller, never taken

@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 
 from rayapp import cli
+from rayapp.envs.plugins import IMPORT_TIMEOUT_S
+from rayapp.envs.plugins import TIMEOUT_ENV as PLUGIN_TIMEOUT_ENV
 from rayapp.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
 from rayapp.recipe import RecipeConfig
 from rayapp.training import dagger, reuse
@@ -28,6 +30,10 @@ OTHER_ENV: dict[str, tuple[str, str]] = {
                                         "replica: from its node's ray start, or runtime_env env_vars)"),
     "RAYAPP_CLUSTER": ("", "code-set: the session folder of a Ray head `rayapp run`/`demo` started, in the "
                            "environment of every process of that cluster, so the stop finds each one"),
+    PLUGIN_TIMEOUT_ENV: (f"{IMPORT_TIMEOUT_S:g}",
+                         "user-set: seconds a plug-in module may take to import (the manager, `rayapp validate`), "
+                         "and under validate each call into plug-in code (rows(cfg), an agent factory); "
+                         "`rayapp validate --plugin-timeout` sets it for one check"),
     # read by rayapp.actors.http_auth (not imported here: it imports Ray)
     "RAYAPP_HTTP_TOKEN": ("", "user-set: the bearer token every manager HTTP route but /healthz then needs (a "
                               "Kubernetes Secret as an environment variable; never in a file in a repository)"),

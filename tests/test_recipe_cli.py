@@ -336,10 +336,10 @@ def test_waiting_for_the_app_says_each_change_of_its_deployments_states(tmp_path
 
     import rayapp.cli.local as local
 
-    answers = iter([["DEPLOYING", "", {"pool": "UPDATING", "manager": "UPDATING"}],
-                    ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}],
-                    ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}],
-                    ["RUNNING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}]])
+    answers = iter([["DEPLOYING", "", {"pool": "UPDATING", "manager": "UPDATING"}, 10.0],
+                    ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}, 10.0],
+                    ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}, 10.0],
+                    ["RUNNING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}, 10.0]])
 
     class Proc:
         def poll(self):
@@ -351,3 +351,30 @@ def test_waiting_for_the_app_says_each_change_of_its_deployments_states(tmp_path
     local.wait_for_app("127.0.0.1:1", "rayapp", 60, Proc(), tmp_path / "log")
     lines = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines()]
     assert lines == ["  serve: manager updating, pool updating", "  serve: manager updating, pool healthy"]
+
+
+def test_waiting_for_the_app_judges_the_deployment_just_submitted_not_the_old_one(tmp_path, monkeypatch, capsys):
+    """``rayapp run --address`` onto a cluster already running an app of that name: the old deployment's
+    RUNNING (deployed at 10.0, before the submit) is not the new one's, whose import fails (deployed at 20.0)."""
+    import json as _json
+    import subprocess as sp
+
+    import rayapp.cli.local as local
+
+    failed = "Traceback (most recent call last):\n  ...\nModuleNotFoundError: No module named 'my_agents'"
+    answers = iter([["RUNNING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}, 10.0],
+                    ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}, 20.0],
+                    ["DEPLOY_FAILED", failed, {"pool": "HEALTHY", "manager": "HEALTHY"}, 20.0]])
+
+    class Proc:
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(local.subprocess, "run",
+                        lambda *a, **k: sp.CompletedProcess(a, 0, _json.dumps(next(answers)) + "\n", ""))
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    with pytest.raises(RuntimeError) as e:
+        local.wait_for_app("127.0.0.1:1", "rayapp", 60, Proc(), tmp_path / "log", deployed_before=10.0)
+    assert str(e.value).startswith("application rayapp is DEPLOY_FAILED: ModuleNotFoundError: No module named "
+                                   "'my_agents'"), e.value
+    assert "(the deployment before this one): waiting for the new one" in capsys.readouterr().out

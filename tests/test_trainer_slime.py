@@ -49,6 +49,7 @@ from rayapp.inference.hf import HFBackend
 from rayapp.inference.tiny_model import SHIPPED
 from rayapp.recipe import build_step_runner, load_recipe
 from rayapp.trainers.slime import generate_rollout
+from rayapp.trainers.sync import call as sync_call
 from rayapp.training.converters import to_slime
 from rayapp.types import Sample, Status
 
@@ -93,7 +94,8 @@ def slime_args(tmp: Path, source) -> Namespace:
                      grpo_std_normalization=True, load_debug_rollout_data=None, rollout_global_dataset=False,
                      prompt_data=None, buffer_filter_path=None, rollout_top_p=1.0, micro_batch_size=1,
                      use_dynamic_batch_size=False, max_tokens_per_gpu=None, balance_data=False, balance_by_flops=False,
-                     save_hf=str(tmp / "hf" / "iter_{rollout_id}"), save_interval=1, rayapp_source=source)
+                     save_hf=str(tmp / "hf" / "iter_{rollout_id}"), save_interval=1, hf_checkpoint=str(SHIPPED),
+                     rayapp_source=source)
 
 
 class InProcess:
@@ -157,6 +159,12 @@ def driven(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slime")
     backend = HFBackend(str(SHIPPED), max_concurrency=4, seed=0)
     try:
+        # an earlier run's final weights, left in the engine: slime's step 0 must not run on them
+        earlier = tmp / "earlier-run"
+        shutil.copytree(SHIPPED, earlier)
+        save_file({k: v + 0.5 if v.is_floating_point() else v for k, v in load_file(SHIPPED / "model.safetensors")
+                   .items()}, earlier / "model.safetensors")
+        sync_call(backend.update_weights_from_disk, (str(earlier),), 600, "the earlier run's weights")
         source = InProcess(step_runner(backend), backend)
         manager = Manager(slime_args(tmp, source))
         out = {"source": source, "manager": manager, "backend": backend, "steps": []}
@@ -226,15 +234,16 @@ def test_slimes_manager_turns_the_rollouts_into_train_data_of_rayapps_tokens(dri
 
 def test_each_step_runs_on_the_weights_slime_saved_after_the_one_before(driven):
     steps, source = driven["steps"], driven["source"]
-    assert [s["version"] for s in steps] == [0, 1]
+    assert [s["version"] for s in steps] == [2, 3]  # 1: the earlier run's; 2: the weights slime starts from
     for rollout_id, step in enumerate(steps):
-        assert {v for s in step["samples"] for v in s.weight_versions} == {str(rollout_id)}
+        assert {v for s in step["samples"] for v in s.weight_versions} == {str(rollout_id + 2)}
     served = driven["backend"].model.state_dict()
     last = driven["weights"][1]
     assert all(torch.equal(served[k], last[k]) for k in last)  # the eval after step 1 ran on step 1's weights
     save_hf = driven["manager"].args.save_hf
-    assert source.asked == [("eval", 0), ("rollout", 0), ("weights", save_hf.format(rollout_id=0)),
-                            ("rollout", 1), ("rollout", 1), ("weights", save_hf.format(rollout_id=1)), ("eval", 2)]
+    assert source.asked == [("weights", str(SHIPPED)), ("eval", 0), ("rollout", 0),
+                            ("weights", save_hf.format(rollout_id=0)), ("rollout", 1), ("rollout", 1),
+                            ("weights", save_hf.format(rollout_id=1)), ("eval", 2)]
 
 
 def test_a_step_asked_again_is_the_same_step(driven):
@@ -249,7 +258,9 @@ def test_eval_output_is_what_slimes_eval_logging_reads(driven):
         assert len(data["rewards"]) == len(data["truncated"]) == len(data["samples"]) > 0
         assert data["rewards"] == [s.reward for s in data["samples"]]
         assert [s.index for s in data["samples"]] == list(range(len(data["samples"])))
-    assert driven["version_after"] == 2
+    assert driven["version_after"] == 4  # the earlier run's, the start's, then slime's two checkpoints
+    before = {v for s in driven["eval_before"].data["math-read"]["samples"] for v in s.weight_versions}
+    assert before == {"2"}  # the eval before training, on the weights slime starts from
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,16 @@ def test_weights_need_slimes_hf_checkpoint_of_every_step(tmp_path):
                 rollout=lambda i: result_of([sample(0)]), evaluate=lambda i: EvalResult(i, {}, {}))
     args = Namespace(rollout_batch_size=1, n_samples_per_prompt=1, reward_key=None, eval_reward_key=None,
                      save_hf=None, save_interval=None, rayapp_source=source)
-    assert isinstance(generate_rollout(args, 0, None), RolloutFnTrainOutput)  # step 0: the engines' own weights
+    # step 0: the engines load the weights slime starts from (they may hold an earlier run's)
+    with pytest.raises(ValueError, match=r"rollout 0: rayapp's engines load the weights slime starts from .*: set "
+                                         r"--hf-checkpoint"):
+        generate_rollout(args, 0, None)
+    args.hf_checkpoint = str(tmp_path / "base")
+    with pytest.raises(FileNotFoundError, match=r"rollout 0: the start weights .*base is not there \(--hf-checkpoint"):
+        generate_rollout(args, 0, None)
+    (tmp_path / "base").mkdir()
+    assert isinstance(generate_rollout(args, 0, None), RolloutFnTrainOutput)
+    assert asked == [str(tmp_path / "base")]
     with pytest.raises(ValueError, match=r"set --save-hf \(a path with \{rollout_id\}\) and --save-interval 1"):
         generate_rollout(args, 1, None)
     args.save_hf, args.save_interval = str(tmp_path / "iter_{rollout_id}"), 1
@@ -83,9 +92,10 @@ def test_weights_need_slimes_hf_checkpoint_of_every_step(tmp_path):
     (tmp_path / "iter_1").mkdir()
     generate_rollout(args, 2, None)
     generate_rollout(args, 2, None)  # asked again: the engines already hold it
-    assert asked == [str(tmp_path / "iter_1")]
-    # slime evaluates before training at 0 (no checkpoint yet) and after each step: two eval steps of rayapp
-    assert eval_step(args, 0, source) == 0
+    assert asked == [str(tmp_path / "base"), str(tmp_path / "iter_1")]
+    # slime evaluates before training at 0 (no checkpoint yet: on the start weights) and after each
+    # step: two eval steps of rayapp
+    assert eval_step(args, 0, source) == 0 and asked[-1] == str(tmp_path / "base")
     (tmp_path / "iter_0").mkdir()
     assert eval_step(args, 0, source) == 1 and asked[-1] == str(tmp_path / "iter_0")
     source.update_weights = lambda path: [{"ok": True}, {"ok": False, "error": "bad shard"}]

@@ -1,8 +1,9 @@
 """TRL's GRPOTrainer (trl==1.16.0, the ``trl`` extra) trains through ``rayapp.trainers.trl`` over an
 in-process StepRunner (the real hf engine with the shipped tiny model, the local recipe's math-read
 data): the trainer's batch is exactly rayapp's prompt and completion ids, log-probs and loss masks,
-its loss is finite, the engine loads the trainer's weights after each step, and the rollout ids
-follow the trainer's steps. The training tests are skipped where trl is not importable; the rows'
+its loss is finite, the engine loads the trainer's weights at the start and after each step (so the
+first rollout runs on the trainer's weights, not on what an earlier run left in the engine), and the
+rollout ids follow the trainer's steps. The training tests are skipped where trl is not importable; the rows'
 tests need no trl."""
 
 import asyncio
@@ -13,13 +14,14 @@ import msgspec
 import pytest
 import torch
 from agent_helpers import InProcessEngine
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from rayapp.cli import ROOT
 from rayapp.core.contracts import RolloutResult
 from rayapp.inference.hf import HFBackend
 from rayapp.inference.tiny_model import SHIPPED
 from rayapp.recipe import build_step_runner, load_recipe
+from rayapp.trainers.sync import call as sync_call
 from rayapp.trainers.trl import RayappRolloutFunc, ServeManager, WeightSyncCallback, rayapp_reward, to_trl
 from rayapp.types import Sample, Status
 
@@ -86,6 +88,13 @@ def trained(tmp_path_factory):
             return out
 
     try:
+        # an earlier run's final weights, left in the engine (its head scaled): the first rollout must not use them
+        earlier = tmp / "earlier-run"
+        shutil.copytree(SHIPPED, earlier)
+        tensors = load_file(earlier / "model.safetensors")
+        save_file({k: v * 3 if "lm_head" in k or "embed" in k else v for k, v in tensors.items()},
+                  earlier / "model.safetensors")
+        sync_call(backend.update_weights_from_disk, (str(earlier),), 600, "the earlier run's weights")
         source = Recorded(step_runner(backend))
         rollout_func = RayappRolloutFunc(source)
         sync = WeightSyncCallback(backend.update_weights_from_disk, tmp / "weights")
@@ -130,10 +139,10 @@ def test_its_loss_is_finite_and_a_group_had_signal(trained):
     assert any((b["advantages"] != 0).any() for b in trained["batches"]), "no group with mixed scores: no gradient"
 
 
-def test_the_engine_loads_the_trainers_weights_after_each_step(trained):
+def test_the_engine_loads_the_trainers_weights_at_the_start_and_after_each_step(trained):
     sync, backend = trained["sync"], trained["backend"]
-    assert [step for step, _ in sync.synced] == list(range(1, STEPS + 1))
-    assert backend.info()["weight_version"] == STEPS
+    assert [step for step, _ in sync.synced] == list(range(0, STEPS + 1))
+    assert backend.info()["weight_version"] == 1 + STEPS + 1  # the earlier run's, the start's, each step's
     live = trained["trainer"].model.state_dict()
     last = load_file(f"{sync.synced[-1][1]}/model.safetensors")
     assert all(torch.equal(live[k], last[k]) for k in last)
@@ -141,6 +150,16 @@ def test_the_engine_loads_the_trainers_weights_after_each_step(trained):
     assert all(torch.equal(live[k], served[k]) for k in last)  # the engine serves what the trainer has
     original = load_file(SHIPPED / "model.safetensors")
     assert any(not torch.equal(original[k], last[k]) for k in original)
+
+
+def test_the_first_rollout_runs_on_the_trainers_weights_not_the_earlier_runs(trained):
+    sync, results = trained["sync"], trained["source"].results
+    start = load_file(f"{sync.synced[0][1]}/model.safetensors")
+    original = load_file(SHIPPED / "model.safetensors")
+    assert all(torch.equal(original[k], start[k]) for k in original)  # what the trainer started from
+    for step, result in enumerate(results):
+        versions = {t["weight_version"] for g in result.groups for s in g for t in s.metadata["_turn_placement"]}
+        assert versions == {str(2 + step)}, (step, versions)  # 1 was the earlier run's
 
 
 def test_rollout_ids_follow_the_trainers_steps(trained):

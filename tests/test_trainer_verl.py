@@ -94,7 +94,7 @@ def verl_config(tmp, data):
                         "checkpoint_manager_class": "rayapp.trainers.verl.RayappCheckpointManager"}},
         "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False,
                       "rollout_correction": {"bypass_mode": True}},
-        "trainer": {"total_epochs": 1, "val_before_train": False, "test_freq": -1, "save_freq": 1,
+        "trainer": {"use_v1": False, "total_epochs": 1, "val_before_train": False, "test_freq": -1, "save_freq": 1,
                     "logger": ["console"], "balance_batch": False, "resume_mode": "disable",
                     "default_local_dir": str(tmp / "ckpt"), "device": "cpu"},
         "rayapp": {"task_type": "math"},
@@ -288,6 +288,13 @@ def test_uids_must_be_fits_runs_and_validation_and_remax_are_refused():
     remax.non_tensor_batch["__do_sample__"] = np.ones(1, dtype=bool)
     with pytest.raises(ValueError, match="REMAX"):
         manager.generate_sequences(remax)
+
+
+def test_verls_v1_trainer_is_refused_saying_what_to_set(tmp_path):
+    cfg = verl_config(tmp_path, "unused")
+    cfg.trainer.use_v1 = True  # verl 0.9.1's default
+    with pytest.raises(ValueError, match=r"RayPPOTrainer\.fit\(\): set trainer\.use_v1=False"):
+        RayappAgentLoopManager(cfg, source=NS())
 
 
 def test_a_bad_rayapp_section_is_one_error_naming_its_key(tmp_path):

@@ -25,13 +25,13 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
 from ray import serve
 from ray.serve import context as serve_context
-from ray.serve.exceptions import RayServeException
+from ray.serve.exceptions import DeploymentUnavailableError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from rayapp.actors.remote import bounded, is_lost
@@ -138,10 +138,16 @@ def _replica_name() -> str:
 
 # observe(engine, method, seconds, error or None): each call's latency and outcome (metrics)
 Observe = Callable[[str, str, float, BaseException | None], None]
+# Pauses between asks while Serve has no replica of an engine (a replacement takes about half a minute).
+UNAVAILABLE_PAUSES_S = (0.5, 1.0, 2.0, 5.0)
 
 
 class EngineClient:
-    """What an agent holds: calls one engine deployment through its handle, every call bounded."""
+    """What an agent holds: calls one engine deployment through its handle, every call bounded.
+    While Serve has no replica of the engine to route to (its only one died and is being replaced,
+    or the app is still starting: ``DeploymentUnavailableError``), a call waits for it within its
+    own bound, and ``state`` (in the manager's status) says since when; a call whose bound runs
+    out so is one ``EngineConnectionError`` naming the engine and that state."""
 
     METHODS = ("generate", "info", "tokenizer_files", "health")  # the engine calls it makes (metrics tags)
 
@@ -149,24 +155,59 @@ class EngineClient:
         self.handle, self.name, self.timeout_s, self.observe = handle, name, timeout_s, observe
         self._info: dict | None = None
         self.weights: WeightSync | None = None  # the manager's record: turns on other weights are retried
+        self.unavailable_since: float | None = None  # monotonic time Serve first had no replica to route to
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None, session: str = "") -> Any:
         bound, started, error = timeout_s or self.timeout_s, time.monotonic(), None
         handle = self.handle
         if session and isinstance(handle, DeploymentHandle):  # a plain actor handle has one replica
             handle = handle.options(session_id=session)
-        try:
+
+        async def attempt(left: float) -> Any:
             with own_request_id():
                 response = getattr(handle, method).remote(*args)
             return await bounded(
-                response, bound, lost=self._unreachable,
+                response, left, lost=self._unreachable,
                 late=lambda: AgentTimeout(f"engine {self.name}.{method} gave no answer within {bound:.0f}s"))
+
+        try:
+            return await self._when_available(attempt, bound)
         except Exception as e:  # a cancellation is no error of the engine's
             error = e
             raise
         finally:
             if self.observe is not None:
                 self.observe(self.name, method, time.monotonic() - started, error)
+
+    async def _when_available(self, attempt: Callable[[float], Awaitable[Any]], bound: float) -> Any:
+        """``attempt(seconds left)``, asked again while Serve has no replica to route it to, until
+        ``bound`` seconds have passed; then one ``EngineConnectionError`` naming the engine's state."""
+        deadline, tries = time.monotonic() + bound, 0
+        while True:
+            try:
+                result = await attempt(deadline - time.monotonic())
+            except DeploymentUnavailableError as e:
+                if self.unavailable_since is None:
+                    self.unavailable_since = time.monotonic()
+                    log.warning("engine %s: Serve has no replica of it to route to (one is being replaced, or "
+                                "the app is starting): its calls wait for it", self.name)
+                pause = UNAVAILABLE_PAUSES_S[min(tries, len(UNAVAILABLE_PAUSES_S) - 1)]
+                if time.monotonic() + pause >= deadline:
+                    raise EngineConnectionError(
+                        f"engine {self.name} unavailable for {time.monotonic() - self.unavailable_since:.0f}s: "
+                        f"Serve has no running replica of it to route to (its deployment is still starting, "
+                        f"replacing a replica that died, or failed: see `serve status`); Serve says: {e}") from e
+                tries += 1
+                await asyncio.sleep(pause)
+            else:
+                self.unavailable_since = None
+                return result
+
+    def state(self) -> dict[str, Any]:
+        """For the manager's status: whether Serve can route to this engine, and how long it could not."""
+        if self.unavailable_since is None:
+            return {"available": True}
+        return {"available": False, "unavailable_s": round(time.monotonic() - self.unavailable_since, 1)}
 
     def _unreachable(self, error: BaseException) -> EngineConnectionError:
         return EngineConnectionError(f"engine {self.name} unreachable: {error}")
@@ -198,17 +239,29 @@ class EngineClient:
     async def health(self) -> dict:
         return await self._call("health", timeout_s=30)
 
-    async def broadcast(self, method: str, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-        """Call ``method`` on every replica (aborts, weight updates)."""
-        try:
-            return await self.handle.broadcast(method, *args).results_async(timeout_s=timeout_s)
-        except Exception as e:
-            if is_lost(e):
-                raise self._unreachable(e) from e
-            raise
+    async def broadcast(self, method: str, *args: Any, timeout_s: float = 120.0, wait: bool = True) -> list[Any]:
+        """Call ``method`` on every replica (aborts, weight updates). ``wait`` False: no replica to
+        route to is no replica to call, an empty list, not a wait."""
+        async def attempt(left: float) -> list[Any]:
+            try:
+                return await self.handle.broadcast(method, *args).results_async(timeout_s=left)
+            except DeploymentUnavailableError:
+                raise
+            except Exception as e:
+                if is_lost(e):
+                    raise self._unreachable(e) from e
+                raise
+
+        if not wait:
+            try:
+                return await attempt(timeout_s)
+            except DeploymentUnavailableError:
+                return []
+        return await self._when_available(attempt, timeout_s)
 
     async def abort(self, request_id: str | None = None) -> int:
-        return sum(await self.broadcast("abort", request_id, timeout_s=30))
+        """Abort on every replica; with none running there is nothing to abort."""
+        return sum(await self.broadcast("abort", request_id, timeout_s=30, wait=False))
 
     async def update_weights_from_disk(self, path: str, version: WeightVersion | None = None) -> list[dict]:
         return await self.broadcast("update_weights_from_disk", path, version, timeout_s=600)

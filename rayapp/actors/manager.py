@@ -169,8 +169,9 @@ class SchedulerRolloutManager:
         return self.http_guard.refusal(request.headers.get("authorization"), host)
 
     def status(self) -> dict[str, Any]:
-        """The step in flight and the steps run (through a handle; over HTTP, GET /status)."""
-        return self.steps.status()
+        """The step in flight and the steps run, and whether Serve can route to each engine (a step
+        waits for one that it cannot): through a handle; over HTTP, GET /status."""
+        return {**self.steps.status(), "engines": {name: c.state() for name, c in self.engines.items()}}
 
     async def placement(self) -> Any:
         """Which node and GPU each held token sits on (through a handle; over HTTP, GET /placement)."""

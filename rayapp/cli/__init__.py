@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a recipe and Serve's schema of its file offline (no Ray)")
     v.add_argument("recipe", help=RECIPE_HELP + "; a Serve config whose rayapp application's args are the recipe, "
                                                 "or bare args")
+    v.add_argument("--plugin-timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds each plug-in import or call may take (default: RAYAPP_PLUGIN_TIMEOUT_S, else 60)")
     vf = sub.add_parser("verify", help="score each dataset's rows with its verifier, the reference answers (or "
                                        "given responses) as the response, offline (no Ray, no engine)")
     vf.add_argument("recipe", help=RECIPE_HELP)
@@ -114,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     driver_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.cmd == "validate":
+        if args.plugin_timeout is not None:
+            if not 0 < args.plugin_timeout < float("inf"):
+                build_parser().error(f"--plugin-timeout {args.plugin_timeout:g}: expected a positive number of seconds")
+            from rayapp.envs.plugins import TIMEOUT_ENV
+
+            os.environ[TIMEOUT_ENV] = str(args.plugin_timeout)  # read by the checks' child process too
         sys.exit(validate(resolve_recipe(args.recipe)))
     if args.cmd == "verify":
         from rayapp.cli.verify import verify

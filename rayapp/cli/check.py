@@ -53,10 +53,9 @@ def serve_schema_problems(doc: Any) -> list[tuple[str, str]]:
     return []
 
 
-# Seconds each call into a recipe's plug-in code (an import, rows(cfg), an agent factory) may take while
-# the recipe is validated: one that blocks is reported within seconds (the manager allows its imports
-# rayapp.envs.plugins.IMPORT_TIMEOUT_S).
-VALIDATE_CALL_TIMEOUT_S = 5.0
+# Seconds the watched child is given past a call's own limit before the parent stops it: an import's
+# own bound (``rayapp.envs.plugins``) fires first and says whether it was slow or stuck.
+WATCH_GRACE_S = 2.0
 
 
 def unknown_serve_keys(doc: Any, model: Any = None, at: str = "$") -> list[tuple[str, str]]:
@@ -125,8 +124,10 @@ def problems(path: str | os.PathLike) -> list[str]:
 def findings(path: str | os.PathLike) -> tuple[list[str], list[str]]:
     """The recipe file ``path``'s problems and warnings, one line each. Problems: each rayapp
     application's first (the builder stops at it: checked in a watched child, ``cli/isolate.py``, as
-    the recipe's plug-ins run), then Serve's, then its ports', then the HTTP token's; empty when all
-    accept the file. Warnings: what the app would run, but not as the recipe likely meant."""
+    the recipe's plug-ins run, each call into them given ``plugin_timeout_s()``), then Serve's, then
+    its ports', then the HTTP token's; empty when all accept the file. Warnings: what the app would
+    run, but not as the recipe likely meant."""
+    from rayapp.envs.plugins import PluginError, plugin_timeout_s
     from rayapp.recipe import RecipeError
     from rayapp.recipe.config import read_recipe_file
 
@@ -135,9 +136,13 @@ def findings(path: str | os.PathLike) -> tuple[list[str], list[str]]:
         doc = read_recipe_file(path)
     except RecipeError as e:  # the file is not a document within bounds: nothing more to check
         return [str(e)], []
+    try:
+        call_timeout_s = plugin_timeout_s()
+    except PluginError as e:
+        return [str(e)], []
     lines, warnings = [], []
     for app in rayapp_apps(doc):
-        found, stuck = run_watched(functools.partial(_recipe_findings, path, app), VALIDATE_CALL_TIMEOUT_S)
+        found, stuck = run_watched(functools.partial(_recipe_findings, path, app), call_timeout_s, WATCH_GRACE_S)
         line, warned = found if found is not None else (None, [])
         if stuck is not None:
             at, what, outcome = stuck

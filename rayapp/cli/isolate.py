@@ -2,8 +2,10 @@
 (imports, ``rows(cfg)``, agent factories), and plug-in code may block, loop forever, or end the
 process without a word (``os._exit``, a signal), which no thread or ``except`` can catch. So the
 checks run in a forked child that reports each call into a user's code as it starts and ends
-(``rayapp.envs.watch``); the parent gives each such call ``call_timeout_s`` and, when the child
-hangs in one or dies, says which recipe field and which call it was, and kills what is left.
+(``rayapp.envs.watch``); the parent gives each such call ``call_timeout_s`` (plus a grace, so a
+call's own bound speaks first) and, when the child hangs in one or dies, says which recipe field
+and which call it was, whether it was busy on a CPU (slow, or endless) or idle (blocked), and kills
+what is left.
 
 The child's stdout and stderr go to /dev/null (validate prints one line per problem, no plug-in's
 chatter); it never returns into its parent's stack: it ends with ``os._exit``. Where ``os.fork``
@@ -27,9 +29,9 @@ from rayapp.envs import watch
 Stuck = tuple[str, str, str]
 
 
-def run_watched(fn: Callable[[], Any], call_timeout_s: float) -> tuple[Any, Stuck | None]:
+def run_watched(fn: Callable[[], Any], call_timeout_s: float, grace_s: float = 0.0) -> tuple[Any, Stuck | None]:
     """``(fn(), None)`` (its result JSON-encodable), or ``(None, (field, what, outcome))`` when a call
-    into plug-in code ran past ``call_timeout_s`` or the child ended before answering."""
+    into plug-in code ran past ``call_timeout_s`` (and ``grace_s``) or the child ended before answering."""
     if not hasattr(os, "fork"):
         return fn(), None
     read_end, write_end = os.pipe()
@@ -42,7 +44,7 @@ def run_watched(fn: Callable[[], Any], call_timeout_s: float) -> tuple[Any, Stuc
         os.setpgid(pid, pid)
     os.close(write_end)
     try:
-        return _watch(pid, read_end, call_timeout_s)
+        return _watch(pid, read_end, call_timeout_s, grace_s)
     finally:
         os.close(read_end)
         _reap(pid)
@@ -75,14 +77,16 @@ def _child(fn: Callable[[], Any], out: int) -> None:
         os._exit(code)
 
 
-def _watch(pid: int, fd: int, call_timeout_s: float) -> tuple[Any, Stuck | None]:
+def _watch(pid: int, fd: int, call_timeout_s: float, grace_s: float) -> tuple[Any, Stuck | None]:
     buf, now = b"", ("$", "checking the recipe")
     deadline: float | None = None
+    cpu_at_start: float | None = None
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
+            cpu = _cpu_s(pid)
             os.kill(pid, signal.SIGKILL)
-            return None, (*now, f"still running after {call_timeout_s:g} s (does it block, or never end?)")
+            return None, (*now, _still_running(call_timeout_s + grace_s, cpu, cpu_at_start))
         ready, _, _ = select.select([fd], [], [], left)
         if not ready:
             continue
@@ -101,7 +105,32 @@ def _watch(pid: int, fd: int, call_timeout_s: float) -> tuple[Any, Stuck | None]
             if message["at"] is None:
                 now, deadline = ("$", "checking the recipe"), None
             else:
-                now, deadline = (message["at"], message["what"]), time.monotonic() + call_timeout_s
+                now, deadline = (message["at"], message["what"]), time.monotonic() + call_timeout_s + grace_s
+                cpu_at_start = _cpu_s(pid)
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used (all its threads), from /proc; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _still_running(seconds: float, cpu: float | None, cpu_at_start: float | None) -> str:
+    """A call still running after ``seconds``: busy on a CPU most of that time (slow, or endless) or not (it
+    blocks or waits), where /proc tells; and how to allow more time."""
+    from rayapp.envs.plugins import TIMEOUT_ENV
+
+    more = f"if it is only slow, allow more with {TIMEOUT_ENV}=<seconds> (rayapp validate --plugin-timeout)"
+    if cpu is None or cpu_at_start is None:
+        return f"still running after {seconds:g} s (does it block, or never end? {more})"
+    used = cpu - cpu_at_start
+    if used >= 0.5 * seconds:
+        return f"still running after {seconds:g} s, busy ({used:.0f} s of CPU): slow, or never ends; {more}"
+    return f"still running after {seconds:g} s, mostly idle ({used:.1f} s of CPU): does it block or wait? {more}"
 
 
 def _ended(status: int) -> str:

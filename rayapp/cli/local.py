@@ -144,30 +144,49 @@ def deploy_error(message: str) -> str:
     return (errors or lines or ["(no message)"])[-1]
 
 
-def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subprocess.Popen, log: Path) -> None:
+# Prints the application's [status, messages, {deployment: status}, last deployed time] as one JSON line.
+_STATUS_CODE = (
+    "import json, ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
+    "log_to_driver=False); s = serve.status().applications.get(sys.argv[2]); "
+    "st = lambda x: str(getattr(x, 'value', x)); "
+    "print(json.dumps([st(s.status), '\\n'.join([s.message, *(d.message for d in s.deployments.values())]), "
+    "{n: st(d.status) for n, d in s.deployments.items()}, s.last_deployed_time_s] if s else "
+    "['MISSING', '', {}, None]))")
+
+
+def app_status(address: str, app: str) -> tuple[str, str, dict[str, str], float | None]:
+    """Serve's status of ``app`` on the cluster at ``address``: (status, messages, deployments' states,
+    when it was last deployed); ("", "", {}, None) when the answer could not be read, ("MISSING", ...)
+    when there is no such application."""
+    out = subprocess.run([sys.executable, "-c", _STATUS_CODE, address, app], capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    try:
+        status, message, deployments, deployed_at = json.loads(out.splitlines()[-1]) if out else ("", "", {}, None)
+    except ValueError:  # not the line printed above: the caller asks again
+        return "", "", {}, None
+    return status, message, deployments, deployed_at
+
+
+def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subprocess.Popen, log: Path,
+                 deployed_before: float | None = None) -> None:
     """Until ``app`` is RUNNING (its deployments' states said on stdout as they change: a deploy takes
-    about a minute on 2 cores), or one error naming the cause and the log."""
-    code = ("import json, ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
-            "log_to_driver=False); s = serve.status().applications.get(sys.argv[2]); "
-            "st = lambda x: str(getattr(x, 'value', x)); "
-            "print(json.dumps([st(s.status), '\\n'.join([s.message, *(d.message for d in s.deployments.values())]), "
-            "{n: st(d.status) for n, d in s.deployments.items()}] if s else ['MISSING', '', {}]))")
+    about a minute on 2 cores), or one error naming the cause and the log. ``deployed_before``: when
+    the app already running there was deployed (``app_status``), so that only a later deployment, the
+    one ``serve_proc`` submits, counts: the old one's RUNNING is not the new one's."""
     start = time.monotonic()
     deadline, said = start + timeout_s, None
     while time.monotonic() < deadline:
         if serve_proc.poll() is not None:
             raise RuntimeError(f"serve run exited with {serve_proc.returncode}; see {log}")
-        out = subprocess.run([sys.executable, "-c", code, address, app], capture_output=True, text=True,
-                             timeout=120).stdout.strip()
-        try:
-            status, message, deployments = json.loads(out.splitlines()[-1]) if out else ("", "", {})
-        except ValueError:  # not the line printed above: ask again
-            status, message, deployments = "", "", {}
-        if status.endswith("RUNNING"):
+        status, message, deployments, deployed_at = app_status(address, app)
+        if deployed_before is not None and (deployed_at is None or deployed_at <= deployed_before):
+            state = f"{app} {status.lower() or 'unknown'} (the deployment before this one): waiting for the new one"
+        elif status.endswith("RUNNING"):
             return
-        if status.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
+        elif status.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
             raise RuntimeError(f"application {app} is {status}: {deploy_error(message)}\n(full log: {log})")
-        state = ", ".join(f"{name} {value.lower()}" for name, value in sorted(deployments.items()))
+        else:
+            state = ", ".join(f"{name} {value.lower()}" for name, value in sorted(deployments.items()))
         if state and state != said:
             print(f"  serve: {state} ({time.monotonic() - start:.0f}s)", flush=True)
             said = state
@@ -177,14 +196,31 @@ def wait_for_app(address: str, app: str, timeout_s: float, serve_proc: subproces
 
 def ray_processes(temp_dir: Path) -> list[int]:
     """The processes of the Ray cluster under ``temp_dir``: each that inherited ``CLUSTER_ENV`` naming it
-    from ``start_head``, or whose command line names the folder (what a head started otherwise leaves)."""
+    from ``start_head``, whose command line names the folder (what a head started otherwise leaves), or
+    that holds a file under it open (Ray's processes write their logs there), and every descendant of
+    these. Ray rewrites process titles (``ray::DashboardAgent``, ``ray-dashboard-NodeHead-0 (...)``),
+    and a long title overwrites the memory /proc reads a process's environment from: no one sign finds
+    them all."""
     # -ww: full command lines whatever COLUMNS says (pytest sets it; ps would cut at that width)
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
     # the folder itself, not a longer name that starts with it (/tmp/x-12 is not /tmp/x-123)
     mine = re.compile(re.escape(str(temp_dir)) + r"(?=/|\s|$)")
-    pids = {int(line.split(None, 1)[0]) for line in out.splitlines() if mine.search(line)}
-    pids |= _inherited(f"{CLUSTER_ENV}={temp_dir}".encode())
-    return sorted(p for p in pids if p != os.getpid())
+    children: dict[int, list[int]] = {}
+    pids = set()
+    for line in out.splitlines():
+        pid, ppid, *args = line.split(None, 2)
+        children.setdefault(int(ppid), []).append(int(pid))
+        if args and mine.search(args[0]):
+            pids.add(int(pid))
+    pids |= _inherited(f"{CLUSTER_ENV}={temp_dir}".encode()) | _holding_open(str(temp_dir))
+    pids.discard(os.getpid())  # a driver of the cluster (its logs are in the folder): not it, nor its children
+    todo = list(pids)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in pids:
+                pids.add(child)
+                todo.append(child)
+    return sorted(pids)
 
 
 def _inherited(entry: bytes) -> set[int]:
@@ -197,16 +233,59 @@ def _inherited(entry: bytes) -> set[int]:
     return found
 
 
+def _holding_open(folder: str) -> set[int]:
+    """The processes with a file under ``folder`` open (Linux's /proc; none elsewhere)."""
+    found = set()
+    for d in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            for fd in os.scandir(d / "fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd.path)
+                    if target == folder or target.startswith(folder + "/"):
+                        found.add(int(d.name))
+                        break
+    return found
+
+
 def stop_cluster(temp_dir: Path, grace_s: float = 15.0) -> list[int]:
-    """Stop this demo's cluster only (``ray stop`` would stop every Ray on the machine)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """Stop this demo's cluster only (``ray stop`` would stop every Ray on the machine): SIGTERM, then
+    SIGKILL to what is left after ``grace_s`` (an orphaned ``ray::DashboardAgent`` ignores SIGTERM).
+    Every process once found stays a target (a child of the raylet, orphaned when the raylet ends, is
+    no longer found by its parent), known by its pid and start time, so a pid reused meanwhile is
+    left alone. Returns the cluster's processes still alive."""
+    targets: dict[int, str] = {}
+
+    def look() -> set[int]:
         for pid in ray_processes(temp_dir):
+            targets.setdefault(pid, _started(pid))
+        return {pid for pid, started in targets.items() if started and _started(pid) == started}
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in sorted(look()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace_s
-        while ray_processes(temp_dir) and time.monotonic() < deadline:
+        while look() and time.monotonic() < deadline:
             time.sleep(0.5)
-    return ray_processes(temp_dir)
+    return sorted(look())
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (its start time in /proc), or "" when it has ended (a zombie: ended,
+    not yet reaped) or cannot be read; where there is no /proc, "ps" while it exists."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return ""
+        except PermissionError:
+            pass
+        return "ps"
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return ""
+    return "" if fields[0] in ("Z", "X") else fields[19]  # state, starttime (the stat's 22nd field)
 
 
 @contextlib.contextmanager
@@ -227,6 +306,8 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
         try:
             if own_head:
                 address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port(), out, verbose)
+            # On a cluster of the user's, an app of that name may be running already: only a later deployment counts.
+            before = None if own_head else app_status(address, "rayapp")[3]
             serve_cmd = [_bin("serve"), "run", f"--address={address}", str(recipe)]
             if verbose:  # through a pipe, copied line by line to the log and the terminal
                 # errors="replace": a line that is not UTF-8 must not stop the copy (serve run would block)
@@ -237,7 +318,7 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
             else:
                 proc = subprocess.Popen(serve_cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                         start_new_session=True)
-            wait_for_app(address, "rayapp", timeout_s, proc, log)
+            wait_for_app(address, "rayapp", timeout_s, proc, log, before)
             yield address, proc
         finally:
             _stop_serve_run(proc)

@@ -5,7 +5,8 @@ so a wrong path or object fails before any episode with one ``PluginError`` sayi
 the module is missing or fails to import, the attribute is missing, or the object has the wrong
 type or signature. The recipe wraps it with the field's JSON path. A module's import is bounded:
 one that calls ``sys.exit`` is an error, not an exit, and one still importing after
-``IMPORT_TIMEOUT_S`` is an error, not a hang (it is left running on a daemon thread). A plug-in is
+``plugin_timeout_s()`` is an error, not a hang (it is left running on a daemon thread); the error says
+whether modules were still loading (slow) or not (blocked). A plug-in is
 the user's own (or rayapp's) Python function or class: a C builtin (``os:system``) says nothing of its
 shape, and anything of Python's standard library (``os:popen``, ``shutil:rmtree``: ``sys.stdlib_module_names``)
 is no plug-in, whatever its shape: both are refused before any import. Each import is reported to
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -38,32 +41,90 @@ from rayapp.envs import watch
 from rayapp.envs.agents.tools import TOOLS, ToolFn
 from rayapp.envs.protocol import AgentFactory, Env, RowsFn
 
-# Seconds a plug-in module may take to import (a heavy one imports torch: seconds, not minutes).
+# Seconds a plug-in module may take to import, and (under ``rayapp validate``) each call into plug-in
+# code: an import of ``openai`` or ``agents`` on a loaded machine takes many seconds; the environment
+# variable sets another limit where the machine is slower still.
 IMPORT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "RAYAPP_PLUGIN_TIMEOUT_S"
+# An import that loaded a module within this share of its limit before the end was still making progress.
+_RECENT_SHARE = 0.25
 
 
 class PluginError(ValueError):
     """A plug-in path that does not resolve to an object of its kind's protocol."""
 
 
+def plugin_timeout_s(environ: Any = None) -> float:
+    """The seconds a plug-in import (and a call into plug-in code under ``rayapp validate``) may take:
+    ``RAYAPP_PLUGIN_TIMEOUT_S`` when set, else ``IMPORT_TIMEOUT_S``. A value that is not a positive
+    number is a ``PluginError`` naming the variable."""
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return IMPORT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise PluginError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def slow_or_stuck(timeout_s: float, loaded: int, since_last_s: float | None) -> str:
+    """Why an import is still running after ``timeout_s``: still loading modules near the end (a slow
+    import: give it more time) or not (it blocks or waits)."""
+    more = f"if it is only slow, allow more with {TIMEOUT_ENV}=<seconds> (rayapp validate --plugin-timeout)"
+    if since_last_s is not None and since_last_s <= _RECENT_SHARE * timeout_s:
+        return (f"still importing after {timeout_s:g} s, slow: {loaded} modules loaded so far, the last "
+                f"{since_last_s:.1f} s ago; {more}")
+    idle = "no module loaded since it started" if since_last_s is None else \
+        f"no module loaded in its last {since_last_s:.0f} s"
+    return f"still importing after {timeout_s:g} s, {idle} (does the module block or wait at import?); {more}"
+
+
+class _ImportProgress:
+    """A finder first on ``sys.meta_path`` that finds nothing but notes, for each thread of a bounded
+    import, how many modules it has started to import and when the last began: that import's
+    progress, whatever other threads import meanwhile."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[int, tuple[int, float | None]] = {}
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        me = threading.get_ident()
+        if me in self.by_thread:
+            self.by_thread[me] = (self.by_thread[me][0] + 1, time.monotonic())
+
+
+_PROGRESS = _ImportProgress()
+
+
 def _import_bounded(name: str, timeout_s: float) -> Any:
     """``importlib.import_module(name)`` on a daemon thread, waited on for ``timeout_s``: an import
     that blocks (sleeps, waits on a socket or a lock) fails here instead of hanging its caller. Even a
     module already in ``sys.modules`` goes through the thread: one still importing there (it timed out
-    before) would block this thread on its lock."""
+    before) would block this thread on its lock. The thread's module loads are noted
+    (``_ImportProgress``), so a timeout can say whether the import was slow or stuck."""
     box: dict[str, Any] = {}
+    if _PROGRESS not in sys.meta_path:
+        sys.meta_path.insert(0, _PROGRESS)
 
     def run() -> None:
+        _PROGRESS.by_thread[threading.get_ident()] = (0, None)
         try:
             box["module"] = importlib.import_module(name)
         except BaseException as e:  # SystemExit included: reported by the caller, never taken
             box["error"] = e
+        finally:
+            _PROGRESS.by_thread.pop(threading.get_ident(), None)
 
     thread = threading.Thread(target=run, name=f"import {name}", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise TimeoutError(f"still importing after {timeout_s:g} s (does the module block or wait at import?)")
+        count, last = _PROGRESS.by_thread.get(thread.ident or 0, (0, None))
+        since = None if last is None or count <= 1 else time.monotonic() - last  # its first is the module itself
+        raise TimeoutError(slow_or_stuck(timeout_s, max(count - 1, 0), since))
     if "error" in box:
         raise box["error"]
     return box["module"]
@@ -83,7 +144,7 @@ def _split(path: str, kind: str) -> tuple[str, str]:
 
 def import_object(path: str, kind: str, timeout_s: float | None = None) -> Any:
     """The object at ``path`` (``module:attr``, the attr may be dotted, or ``module.attr``), its
-    module imported within ``timeout_s`` (None: ``IMPORT_TIMEOUT_S``)."""
+    module imported within ``timeout_s`` (None: ``plugin_timeout_s()``)."""
     module_name, attr = _split(path, kind)
     top = module_name.partition(".")[0]
     if top in sys.stdlib_module_names or top == "builtins":  # os:popen, subprocess:call, shutil:rmtree
@@ -91,7 +152,7 @@ def import_object(path: str, kind: str, timeout_s: float | None = None) -> Any:
                           f"plug-in: name a function of your own package (or rayapp's)")
     try:
         with watch.running(f"{kind} {path!r}: importing {module_name!r}"):
-            module = _import_bounded(module_name, IMPORT_TIMEOUT_S if timeout_s is None else timeout_s)
+            module = _import_bounded(module_name, plugin_timeout_s() if timeout_s is None else timeout_s)
     except TimeoutError as e:
         raise PluginError(f"{kind} {path!r}: importing {module_name!r}: {e}") from None
     except SystemExit as e:

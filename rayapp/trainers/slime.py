@@ -31,8 +31,10 @@ and rayapp's differ:
 - weights: slime pushes weights only into its own SGLang engines, and with rayapp's engines it runs
   without them (``--debug-train-only``). So the adapter pulls: before step N it loads the checkpoint
   slime's ``--save-hf`` wrote after training step N-1 (``save_hf.format(rollout_id=N-1)``; needs
-  ``--save-interval 1``) into every replica (``update_weights``); a checkpoint it already loaded is
-  not loaded again. ``rayapp_sync_weights: false`` turns this off.
+  ``--save-interval 1``) into every replica (``update_weights``), and before step 0 (and the eval
+  before training) the weights slime starts from (``rayapp_start_weights``, default
+  ``--hf-checkpoint``): engines that served an earlier run keep its final weights. A checkpoint it
+  already loaded is not loaded again. ``rayapp_sync_weights: false`` turns this off.
 - rollout ids: slime's ``rollout_id`` is rayapp's step id; steps are idempotent, so a slime run
   resumed from its checkpoint asks for the step it is at and gets that step's saved result.
 """
@@ -58,6 +60,7 @@ SETTINGS: dict[str, Any] = {
     "rayapp_reward_key": "score",    # the reward entry slime trains on
     "rayapp_pad_token_id": 0,        # the token that stands in for an aborted sample's empty response
     "rayapp_sync_weights": True,     # load slime's --save-hf checkpoint before each step
+    "rayapp_start_weights": None,    # the Hugging Face folder slime starts from (None: --hf-checkpoint)
     "rayapp_source": None,           # an in-process source (tests, a single-process run); else the Serve app
     "rayapp_prompts": "rayapp",      # whose data source chooses a step's prompts: "rayapp" or "slime"
     "rayapp_task_type": None,        # with "slime": the task type (evaluator) rayapp runs them as
@@ -106,12 +109,24 @@ def checkpoint(args: Any, step: int) -> str:
     return template.format(rollout_id=step)
 
 
-def load_weights(args: Any, source: Any, path: str, what: str) -> bool:
+def start_weights(args: Any) -> str:
+    """The weights slime trains from at step 0, which the engines load before it: ``rayapp_start_weights``,
+    else ``--hf-checkpoint``."""
+    path = setting(args, "rayapp_start_weights") or getattr(args, "hf_checkpoint", None)
+    if not path:
+        raise ValueError("rollout 0: rayapp's engines load the weights slime starts from before its first step: set "
+                         "--hf-checkpoint (or rayapp_start_weights, a Hugging Face folder), or rayapp_sync_weights: "
+                         "false")
+    return str(path)
+
+
+def load_weights(args: Any, source: Any, path: str, what: str, whose: str = "slime's checkpoint") -> bool:
     """Every replica loads ``path``, unless it was the last one loaded; True when it was loaded."""
     if getattr(source, "loaded", None) == path:
         return False
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{what}: slime's checkpoint {path} is not there (--save-hf {args.save_hf!r})")
+        origin = f"--save-hf {args.save_hf!r}" if whose == "slime's checkpoint" else "--hf-checkpoint"
+        raise FileNotFoundError(f"{what}: {whose} {path} is not there ({origin})")
     replies = wait(source.update_weights(path), float(setting(args, "rayapp_timeout_s")),
                          f"{what}: weight update to {path}")
     replies = replies if isinstance(replies, list) else [replies]  # one per replica, or an engine's one
@@ -124,13 +139,15 @@ def load_weights(args: Any, source: Any, path: str, what: str) -> bool:
 
 def eval_step(args: Any, rollout_id: int, source: Any) -> int:
     """slime evaluates after training step ``rollout_id`` (its checkpoint is written by then), and
-    once before any training at 0: rayapp's eval step is the number of training steps in the weights
-    (``rollout_id + 1``, or 0 before training), so the two evals at 0 are two steps, each idempotent."""
+    once before any training at 0 (on the weights slime starts from): rayapp's eval step is the number
+    of training steps in the weights (``rollout_id + 1``, or 0 before training), so the two evals at 0
+    are two steps, each idempotent."""
     if not setting(args, "rayapp_sync_weights"):
         return rollout_id
     path = checkpoint(args, rollout_id)
-    if rollout_id == 0 and not os.path.isdir(path):
-        return 0  # the weights the engines started from
+    if rollout_id == 0 and not os.path.isdir(path):  # before training: the weights slime starts from
+        load_weights(args, source, start_weights(args), "eval 0", "the start weights")
+        return 0
     load_weights(args, source, path, f"eval {rollout_id}")
     return rollout_id + 1
 
@@ -232,8 +249,11 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any,
         step = eval_step(args, rollout_id, source)
         result = wait(source.evaluate(step), timeout_s, f"eval {step}")
         return RolloutFnEvalOutput(data=eval_data(args, result), metrics=dict(result.metrics))
-    if setting(args, "rayapp_sync_weights") and rollout_id > 0:  # step 0: the weights the engines started from
-        load_weights(args, source, checkpoint(args, rollout_id - 1), f"rollout {rollout_id}")
+    if setting(args, "rayapp_sync_weights"):  # step 0: the weights slime starts from; then its checkpoints
+        if rollout_id == 0:
+            load_weights(args, source, start_weights(args), "rollout 0", "the start weights")
+        else:
+            load_weights(args, source, checkpoint(args, rollout_id - 1), f"rollout {rollout_id}")
     if prompts == "rayapp":
         result = wait(source.rollout(rollout_id), timeout_s, f"rollout {rollout_id}")
         return RolloutFnTrainOutput(samples=train_samples(args, result), metrics=dict(result.metrics))

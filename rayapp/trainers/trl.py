@@ -32,6 +32,8 @@ adapter decides where TRL's contract and rayapp's differ:
 - rollout ids: ``global_step // optimizer steps per generation`` (plus ``first_rollout_id``), so a
   restarted trainer asks for the step it was at and gets that step's saved result (steps are
   idempotent in rayapp).
+- weights: ``WeightSyncCallback`` hands the engines the trainer's weights at the start of training
+  and after every optimizer step, so the first rollout, too, runs on the trainer's weights.
 """
 
 from __future__ import annotations
@@ -229,21 +231,31 @@ def rayapp_reward(completions: list, rayapp_score: list[float | None], rayapp_ev
 
 
 class WeightSyncCallback(TrainerCallback):
-    """After each optimizer step: the model saved with ``save_pretrained`` into
-    ``folder/step-NNNNNN``, then ``update(path)`` (e.g. ``ServeManager.update_weights``: every
-    replica loads it between steps). ``synced`` records (global_step, path)."""
+    """At the start of training and after each optimizer step: the model saved with
+    ``save_pretrained`` into ``folder/step-NNNNNN``, then ``update(path)`` (e.g.
+    ``ServeManager.update_weights``: every replica loads it between steps). The sync at the start
+    puts the engines on the trainer's weights before the first rollout: engines that served an
+    earlier run keep its final weights (a restarted app starts from the model again, a running one
+    does not), and the first step would otherwise train on their samples. ``synced`` records
+    (global_step, path); ``folder`` must lie inside the engine's ``weight_roots``."""
 
     def __init__(self, update: Callable[[str], Any], folder: str | Path, *, timeout_s: float = 600.0):
         self.update, self.folder, self.timeout_s = update, Path(folder), timeout_s
         self.synced: list[tuple[int, str]] = []
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._sync(state.global_step, model, "the start of training")
+
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        path = self.folder / f"step-{state.global_step:06d}"
+        self._sync(state.global_step, model, f"step {state.global_step}")
+
+    def _sync(self, step: int, model: Any, when: str) -> None:
+        path = self.folder / f"step-{step:06d}"
         model.save_pretrained(path, safe_serialization=True)
         replies = _call(self.update, (str(path),), self.timeout_s, f"weight update to {path}")
         # the manager answers one reply per replica, an engine in process one reply
         replies = replies if isinstance(replies, list) else [replies]
         failed = [r for r in replies if isinstance(r, dict) and not r.get("ok", True)]
         if failed:
-            raise RuntimeError(f"step {state.global_step}: weight update to {path} failed on {failed}")
-        self.synced.append((state.global_step, str(path)))
+            raise RuntimeError(f"{when}: weight update to {path} failed on {failed}")
+        self.synced.append((step, str(path)))

@@ -1,5 +1,9 @@
 """verl's ``RayPPOTrainer.fit()`` (verl==0.9.1) taking its rollouts from rayapp (docs/trainers.md, verl).
 
+It is verl's legacy trainer, which 0.9.1 runs with ``trainer.use_v1=False`` (and warns is deprecated);
+its v1 trainer, 0.9.1's default, hands rollouts on through its TransferQueue, which this adapter
+does not write, so a config with ``use_v1`` set is refused.
+
 The change, in the trainer's config (fit() builds both objects by these dotted paths)::
 
     actor_rollout_ref.rollout.agent.agent_loop_manager_class=rayapp.trainers.verl.RayappAgentLoopManager
@@ -27,7 +31,8 @@ adapter decides where fit()'s contract and rayapp's differ:
   from ``global_step_N`` asks for step N+1 again, with the same rows from its stateful dataloader, and
   rayapp serves that step's saved result: the same id with the same tasks).
 - weights: ``RayappCheckpointManager.update_weights`` (fit() calls it where verl would wake its engines
-  and send them weights) saves the actor's Hugging Face weights and has rayapp's engines load them;
+  and send them weights: before the first step, and after each) saves the actor's Hugging Face weights
+  and has rayapp's engines load them, so the first rollout, too, runs on the trainer's weights;
   verl's own rollout replicas, which fit() still builds, are put to sleep once and never woken.
 - validation: fit()'s ``_validate`` is refused (one error saying which keys turn it off); run
   rayapp's eval steps (``manager.evaluate``).
@@ -183,6 +188,11 @@ class RayappAgentLoopManager:
     def __init__(self, config: Any, llm_client: Any = None, teacher_client: Any = None,
                  reward_loop_worker_handles: Any = None, *, source: Any = None):
         self.config, self.settings = config, settings(config)
+        trainer = config.get("trainer") if hasattr(config, "get") else None
+        if trainer is not None and trainer.get("use_v1"):
+            raise ValueError("rayapp.trainers.verl drives verl's RayPPOTrainer.fit(): set trainer.use_v1=False (verl "
+                             "0.9.1's v1 trainer, its default, takes rollouts through its TransferQueue, which the "
+                             "adapter does not write)")
         rollout = config.actor_rollout_ref.rollout
         self.prompt_length, self.response_length = int(rollout.prompt_length), int(rollout.response_length)
         if source is None:

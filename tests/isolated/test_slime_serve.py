@@ -31,7 +31,7 @@ def slime():
 
 
 @pytest.fixture(scope="module")
-def app(head, slime, tmp_path_factory):
+def app(head, slime, tmp_path_factory, model_dir):
     import ray
 
     tmp = tmp_path_factory.mktemp("slime-serve")
@@ -40,7 +40,8 @@ def app(head, slime, tmp_path_factory):
     args["data"]["math"] |= {"n_prompts": 8, "n_samples_per_prompt": 2}
     args["eval"] = {"math": args["eval"]["math"] | {"n_prompts": 2}}
     args["scheduler"]["rollout_batch_size"] = 2
-    args["engines"]["student"]["weight_roots"] = [str(tmp)]  # where this test's "slime" saves
+    # where this test's "slime" saves, and the weights it starts from (loaded before step 0)
+    args["engines"]["student"]["weight_roots"] = [str(tmp), str(model_dir)]
     with serve_app(head, cfg, tmp):
         ray.init(address=head.address, namespace="rayapp-slime", logging_level="error", log_to_driver=False)
         try:
@@ -84,12 +85,13 @@ def test_slimes_prompts_and_weights_go_through_the_serve_app(slime, app, model_d
         assert [s.group_index for s in samples] == [2 * rollout_id + k // 2 for k in range(4)]
         assert [s.index for s in samples] == list(range(4 * rollout_id, 4 * rollout_id + 4))
         assert all(s.response_length == len(s.loss_mask) == len(s.rollout_log_probs) > 0 for s in samples)
-        # every model turn of step N ran on the weights slime saved after step N-1, on either replica
-        assert {v for s in samples for v in s.weight_versions} == {str(rollout_id)}
+        # every model turn of step N ran on the weights slime saved after step N-1 (step 0: on those it
+        # starts from, --hf-checkpoint, version 1), on either replica
+        assert {v for s in samples for v in s.weight_versions} == {str(rollout_id + 1)}
     assert slime.adapter.source_of(args).loaded == args.save_hf.format(rollout_id=0)
 
     out = call_rollout_fn(generate_rollout, args, 1, data_source, evaluation=True)  # after training step 1
     assert isinstance(out, slime.types.RolloutFnEvalOutput) and list(out.data) == ["math"]
     samples = out.data["math"]["samples"]
     assert len(samples) == len(out.data["math"]["rewards"]) > 0
-    assert {v for s in samples for v in s.weight_versions} == {"2"}
+    assert {v for s in samples for v in s.weight_versions} == {"3"}

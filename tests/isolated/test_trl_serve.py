@@ -1,9 +1,9 @@
 """TRL's GRPOTrainer (trl==1.16.0, the ``trl`` extra) trains through ``rayapp.trainers.trl`` against the Serve app,
 whose engine has two replicas: each step's rollout comes through the manager's handle (``ServeManager``), the
-trainer's batch is exactly rayapp's prompt and completion ids, loss masks and log-probs, and after each optimiser
-step ``WeightSyncCallback`` puts the trainer's weights on both replicas, so that every turn of the next step runs
-on them (its version on every turn, its log-probs the trainer's weights') and both replicas answer turns. Skipped
-without trl (docs/trainers.md, TRL); on the isolated files' shared Ray head (conftest.py)."""
+trainer's batch is exactly rayapp's prompt and completion ids, loss masks and log-probs, and at the start and after
+each optimiser step ``WeightSyncCallback`` puts the trainer's weights on both replicas, so that every turn of the
+next step runs on them (its version on every turn, its log-probs the trainer's weights') and both replicas answer
+turns. Skipped without trl (docs/trainers.md, TRL); on the isolated files' shared Ray head (conftest.py)."""
 
 
 import pytest
@@ -130,19 +130,20 @@ def test_each_update_reaches_both_replicas_and_the_next_step_runs_on_it(trained,
     from transformers import AutoModelForCausalLM
 
     source, sync = trained["source"], trained["sync"]
-    assert [step for step, _ in sync.synced] == list(range(1, STEPS + 1))
-    for step, replies in enumerate(source.updates, 1):
+    assert [step for step, _ in sync.synced] == list(range(0, STEPS + 1))  # the start's, then each step's
+    for i, replies in enumerate(source.updates):
         assert len(replies) == 2, replies  # the recipe's two replicas, each answering for itself
-        assert all(r["ok"] and r["version"] == step and r["path"] == sync.synced[step - 1][1] for r in replies)
+        assert all(r["ok"] and r["version"] == i + 1 and r["path"] == sync.synced[i][1] for r in replies)
     for k, result in enumerate(source.results):
-        assert versions(result) == {k}  # every turn of step k on the weights of optimiser step k
+        assert versions(result) == {k + 1}  # every turn of step k on the weights of optimiser step k (0: the start's)
     engines = {t["engine"] for r in source.results for g in r.groups for s in g for t in s.metadata["_turn_placement"]}
     replica = "hf@engine-student#"  # the backend @ the Serve replica that answered
     assert len(engines) == 2 and all(e.startswith(replica) for e in engines), engines
     original = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
-    for k in range(1, STEPS):  # sampled from the trainer's weights: the log-probs of the folder step k saved
-        model = AutoModelForCausalLM.from_pretrained(sync.synced[k - 1][1], local_files_only=True).eval()
-        assert any(not torch.equal(original[n], w) for n, w in model.state_dict().items())  # the weights moved
+    for k in range(STEPS):  # sampled from the trainer's weights: the log-probs of the folder step k saved
+        model = AutoModelForCausalLM.from_pretrained(sync.synced[k][1], local_files_only=True).eval()
+        moved = any(not torch.equal(original[n], w) for n, w in model.state_dict().items())
+        assert moved == (k > 0)  # the start's are the model's own; then the weights moved
         samples = [s for g in source.results[k].groups for s in g if s.response_length > 0]
         b = make_batch(samples, [0.0] * len(samples))
         with torch.no_grad():

@@ -324,16 +324,28 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
             _stop_serve_run(proc)
             if copier is not None:
                 copier.join(timeout=30)  # serve run has exited: its pipe ends
+            if not own_head and proc is not None:  # the user's cluster goes on: our application leaves it
+                delete_app(address, "rayapp")
             if own_head:
                 left = stop_cluster(temp_dir)
                 print("shut down: " + ("no Ray process left" if not left else
                                        f"{len(left)} Ray processes left: {left}"))
 
 
+def delete_app(address: str, app: str) -> None:
+    """Delete ``app`` from the cluster at ``address`` and wait until it is gone. ``serve run`` leaves its
+    application running when stopped by SIGTERM (Ray's driver turns it into an exit that skips its clean-up),
+    and its Ctrl-C path would shut down every application of the cluster's Serve."""
+    code = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
+            "log_to_driver=False); s = serve.status(); "
+            "sys.argv[2] in s.applications and serve.delete(sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, address, app], capture_output=True, timeout=180)
+
+
 def _stop_serve_run(proc: subprocess.Popen | None) -> None:
     if proc is None or proc.poll() is not None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)  # serve run deletes the app it started when told to stop
+    os.killpg(proc.pid, signal.SIGTERM)  # on an own head the cluster stops next; elsewhere delete_app follows
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,17 +36,10 @@ class Head:
 @contextlib.contextmanager
 def serve_app(head: Head, cfg: dict, tmp: Path, timeout_s: float = 600) -> Iterator[subprocess.Popen]:
     """``serve run`` of ``cfg`` (a Serve config dict) on the shared head, yielding the serve process
-    once its application runs; when the block ends the process is stopped and the application is
-    deleted, so the next file deploys its own on a clean Serve."""
+    once its application runs; the application is deleted when the block ends (``local_app`` on a
+    cluster it did not start), so the next file deploys its own on a clean Serve."""
     cfg["http_options"]["port"] = head.http_port
     recipe = tmp / "rollout.yaml"
     recipe.write_text(yaml.safe_dump(cfg))
-    names = [a["name"] for a in cfg["applications"]]
-    try:
-        with local_app(recipe, head.temp_dir, tmp / "serve.log", timeout_s=timeout_s, address=head.address) as (_, p):
-            yield p
-    finally:
-        code = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
-                "log_to_driver=False); [serve.delete(n) for n in sys.argv[2:] if n in serve.status().applications]")
-        subprocess.run([sys.executable, "-c", code, head.address, *names], capture_output=True, timeout=180,
-                       check=True)
+    with local_app(recipe, head.temp_dir, tmp / "serve.log", timeout_s=timeout_s, address=head.address) as (_, p):
+        yield p

@@ -20,6 +20,7 @@ import yaml
 from shared_head import serve_app
 
 from rayapp.cli import ROOT
+from rayapp.cli.local import app_status
 
 EXAMPLE = ROOT / "examples" / "openai_agent"
 HTTP_TOKEN = "rayapp-test-" + os.urandom(16).hex()
@@ -48,6 +49,7 @@ def test_rayapp_run_runs_the_example_recipe(head, tmp_path):
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert f"ray cluster at {head.address}" in proc.stdout and "driver done" in proc.stdout, proc.stdout
+    assert app_status(head.address, "rayapp")[0] == "MISSING"  # the user's cluster goes on without our app
 
 
 @pytest.fixture(scope="module")

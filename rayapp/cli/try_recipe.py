@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from rayapp.core.termination import AgentTimeout
+from rayapp.training.converters import EpisodeKey
 from rayapp.types import Sample
 
 HF_ONLY = ("rayapp try runs hf engines only, in its own process; an sglang engine needs GPUs and its "
@@ -145,7 +146,7 @@ def runs(mask: list[int]) -> str:
 def sample_line(s: Sample) -> str:
     lp = s.rollout_log_probs
     logprobs = f"mean {sum(lp) / len(lp):7.3f} min {min(lp):7.3f}" if lp else "-"
-    reason = s.episode.reason.value if s.episode.reason else "-"
+    reason = s.metadata.get(EpisodeKey.TERMINATION_REASON) or "-"  # as the trainer reads it
     score = s.reward.get("score")
     response = s.response if len(s.response) <= 40 else s.response[:37] + "..."
     return (f"  {s.task_id[:28]:<28} {s.index:>3} {'-' if score is None else f'{score:g}':>6} "
@@ -168,7 +169,8 @@ def print_step(title: str, groups: Mapping[str, list[Sample]] | list[list[Sample
         for s in samples:
             print(sample_line(s))
     # the step's outcome counts and each dataset's mean reward; the rest (timings) is in --json
-    shown = {k: round(v, 4) for k, v in metrics.items() if v and (k.count("/") == 1 or k.endswith("/reward_mean"))}
+    shown = {k: round(v, 4) for k, v in metrics.items()
+             if v and (k.count("/") == 1 or k.endswith(("/reward_mean", "/accuracy")))}
     print(f"  metrics: {shown}")
 
 

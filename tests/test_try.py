@@ -3,16 +3,20 @@
 Each run is a child process started through the CLI's entry, which then says whether ``ray`` was
 ever imported in it; recipes are cut down from shipped ones so that a run takes seconds."""
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from rayapp.cli import build_parser
 from rayapp.cli.check import findings
-from rayapp.cli.try_recipe import runs
+from rayapp.cli.try_recipe import LocalEngine, flag_problem, runs
+from rayapp.core.termination import AgentTimeout
 
 ROOT = Path(__file__).resolve().parents[1]
 # The CLI's entry, then whether this process ever imported ray, on the last line of stdout.
@@ -130,3 +134,33 @@ def test_an_sglang_engine_is_one_error_naming_its_backend():
 def test_the_loss_mask_shows_as_runs():
     assert runs([1, 1, 1, 0, 0, 1]) == "1x3 0x2 1x1"
     assert runs([]) == "-"
+
+
+class SlowBackend:
+    """Answers after ``delay_s``: an engine that is slower than its request_timeout_s."""
+
+    def __init__(self, delay_s):
+        self.delay_s = delay_s
+
+    async def generate(self, req):
+        await asyncio.sleep(self.delay_s)
+        return "late"
+
+
+def test_an_engine_call_past_its_timeout_is_an_agent_timeout_naming_the_engine():
+    async def call():
+        return await LocalEngine(SlowBackend(30), "student", timeout_s=0.05).generate(None)
+
+    with pytest.raises(AgentTimeout, match=r"engine student\.generate gave no answer within 0\.05s"):
+        asyncio.run(call())
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--rollouts", "0"], "--rollouts 0: expected at least 1"),
+    (["--timeout", "-1"], "--timeout -1: expected a positive number of seconds"),
+    (["--timeout", "inf"], "--timeout inf: expected a positive number of seconds"),
+    (["--num-gpus", "-2"], "--num-gpus -2: expected 0 or more"),
+    (["--num-cpus", "nan"], "--num-cpus nan: expected 0 or more"),
+])
+def test_a_flag_out_of_range_is_one_line_naming_it(flags, said):
+    assert flag_problem(build_parser().parse_args(["try", "local", *flags])) == said

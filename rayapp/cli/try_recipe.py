@@ -49,7 +49,7 @@ class LocalEngine:
         try:
             return await asyncio.wait_for(self.backend.generate(req), bound)
         except TimeoutError:
-            raise AgentTimeout(f"engine {self.name}.generate gave no answer within {bound:.0f}s") from None
+            raise AgentTimeout(f"engine {self.name}.generate gave no answer within {bound:g}s") from None
 
     async def info(self) -> dict:
         return self.backend.info()
@@ -206,19 +206,36 @@ async def run_steps(recipe: Path, args: argparse.Namespace) -> dict[str, list[An
     return found
 
 
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """The first flag out of its range, said with its value; None when all fit."""
+    if args.rollouts < 1:
+        return f"--rollouts {args.rollouts}: expected at least 1"
+    if not 0 < args.timeout < float("inf"):
+        return f"--timeout {args.timeout:g}: expected a positive number of seconds"
+    if args.num_gpus < 0:
+        return f"--num-gpus {args.num_gpus}: expected 0 or more"
+    if not 0 <= args.num_cpus < float("inf"):
+        return f"--num-cpus {args.num_cpus:g}: expected 0 or more"
+    return None
+
+
 def try_recipe(recipe: Path, args: argparse.Namespace) -> int:
     """Print the samples (and write them whole to ``--json``); 0, or 2 for a recipe this cannot run
     (its one-line error, as validate prints it)."""
     from rayapp.recipe import RecipeError
 
-    if args.rollouts < 1:
-        print(f"rayapp try: --rollouts {args.rollouts}: expected at least 1", file=sys.stderr)
+    bad = flag_problem(args)
+    if bad is not None:
+        print(f"rayapp try: {bad}", file=sys.stderr)
         return 2
     try:
         found = asyncio.run(run_steps(recipe, args))
     except RecipeError as e:
         print(str(e), file=sys.stderr)
         return 2
+    except TimeoutError:
+        print(f"rayapp try: a step ran past --timeout {args.timeout:g}s", file=sys.stderr)
+        return 1
     if args.json:
         Path(args.json).write_bytes(msgspec.json.encode(found))
         print(f"\nwrote the steps' whole results to {args.json}")

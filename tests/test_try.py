@@ -131,6 +131,21 @@ def test_an_sglang_engine_is_one_error_naming_its_backend():
     assert ".args.engines." in line and ".backend: 'sglang': rayapp try runs hf engines only" in line
 
 
+def test_an_hf_engine_that_cannot_start_is_one_line_naming_its_options(tmp_path):
+    recipe = cut_down("recipes/local/rollout.yaml", tmp_path, {"arithmetic"})
+    doc = yaml.safe_load(recipe.read_text())
+    broken = tmp_path / "broken-model"  # a model folder validate finds, whose files no model loads from
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    doc["applications"][0]["args"]["engines"]["student"]["options"]["model_path"] = str(broken)
+    recipe.write_text(yaml.safe_dump(doc))
+    proc = rayapp_try(recipe)
+    assert proc.returncode == 2
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith(f'recipe "{recipe}": $.applications[0].args.engines.student.options: the hf backend '
+                           "could not start: ")
+
+
 def test_the_loss_mask_shows_as_runs():
     assert runs([1, 1, 1, 0, 0, 1]) == "1x3 0x2 1x1"
     assert runs([]) == "-"
@@ -161,6 +176,7 @@ def test_an_engine_call_past_its_timeout_is_an_agent_timeout_naming_the_engine()
     (["--timeout", "inf"], "--timeout inf: expected a positive number of seconds"),
     (["--num-gpus", "-2"], "--num-gpus -2: expected 0 or more"),
     (["--num-cpus", "nan"], "--num-cpus nan: expected 0 or more"),
+    (["--json", "/no/such/folder/steps.json"], "--json /no/such/folder/steps.json: its folder does not exist"),
 ])
 def test_a_flag_out_of_range_is_one_line_naming_it(flags, said):
     assert flag_problem(build_parser().parse_args(["try", "local", *flags])) == said

@@ -61,17 +61,19 @@ class LocalEngine:
         return await self.backend.health()
 
 
-def local_engines(cfg: Any, source: str | os.PathLike, root: str) -> dict[str, LocalEngine]:
-    """One in-process backend per recipe engine (one replica each); an sglang engine is one
-    RecipeError naming its ``backend`` field."""
+def start_engine(name: str, e: Any, source: str | os.PathLike, root: str) -> LocalEngine:
+    """Engine ``name``'s backend, started in this process; an sglang engine, or an hf backend that
+    cannot start (its model folder missing), is one RecipeError naming the engine's field."""
     from rayapp.inference.backends import make_backend
     from rayapp.recipe import RecipeError
 
-    for name, e in cfg.engines.items():
-        if e.backend != "hf":
-            raise RecipeError(source, f"{root}.engines.{name}.backend", f"{e.backend!r}: {HF_ONLY}")
-    return {name: LocalEngine(make_backend("hf", **e.options), name, e.request_timeout_s)
-            for name, e in cfg.engines.items()}
+    if e.backend != "hf":
+        raise RecipeError(source, f"{root}.engines.{name}.backend", f"{e.backend!r}: {HF_ONLY}")
+    try:
+        return LocalEngine(make_backend("hf", **e.options), name, e.request_timeout_s)
+    except (ValueError, OSError) as err:
+        said = " ".join(str(err).split())  # transformers' messages run over lines: one line here
+        raise RecipeError(source, f"{root}.engines.{name}.options", f"the hf backend could not start: {said}") from None
 
 
 def local_pool(cfg: Any, num_gpus: int, num_cpus: float) -> Any:
@@ -185,10 +187,16 @@ async def run_steps(recipe: Path, args: argparse.Namespace) -> dict[str, list[An
     cfg = apply_env(cfg, os.environ)
     # A try runs fresh steps: a checkpoint folder would serve a finished step again, or overwrite a real run's.
     cfg = msgspec.structs.replace(cfg, scheduler=msgspec.structs.replace(cfg.scheduler, checkpoint_dir=None))
-    engines = local_engines(cfg, recipe, recipe_document(recipe)[2])
+    root = recipe_document(recipe)[2]
+    for name, e in cfg.engines.items():  # an sglang engine is refused before any model loads
+        if e.backend != "hf":
+            start_engine(name, e, recipe, root)
     pool = local_pool(cfg, args.num_gpus, args.num_cpus)
     found: dict[str, list[Any]] = {"rollouts": [], "evals": []}
+    engines: dict[str, LocalEngine] = {}
     try:
+        for name, e in cfg.engines.items():
+            engines[name] = start_engine(name, e, recipe, root)
         async with loopback_gateway(cfg) as gateway:
             steps = build_step_runner(cfg, engines, pool, executor=run_inline, open_sandbox=open_local_sandbox,
                                       gateway=gateway)
@@ -216,6 +224,8 @@ def flag_problem(args: argparse.Namespace) -> str | None:
         return f"--num-gpus {args.num_gpus}: expected 0 or more"
     if not 0 <= args.num_cpus < float("inf"):
         return f"--num-cpus {args.num_cpus:g}: expected 0 or more"
+    if args.json and not Path(args.json).absolute().parent.is_dir():
+        return f"--json {args.json}: its folder does not exist"
     return None
 
 

@@ -10,6 +10,8 @@
 - ``rayapp init [dir]``: a shipped recipe written to ``dir/rollout.yaml``;
 - ``rayapp run <recipe> [--verbose] [-- driver options]``: validate, a local Ray head, ``serve run``, the
   driver; Ray's and Serve's lines go to the run's log (``--verbose``: to the terminal too);
+- ``rayapp try <recipe> [--rollouts N] [--eval] [--json FILE]``: the recipe's steps in this one process,
+  without Ray (hf engines in process), printing the samples a trainer would get (``rayapp.cli.try_recipe``);
 - ``rayapp driver [-- driver options]``: the shipped training driver against a running app;
 - ``rayapp demo [--verbose]``: ``run`` of the embedded default with the tiny CPU model.
 
@@ -105,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address", default=None,
                    help="a running Ray cluster to deploy on instead of starting a local head")
     _local_head_args(r)
+    from rayapp.cli.try_recipe import add_parser as add_try
+
+    add_try(sub, RECIPE_HELP)
     sub.add_parser("driver", help="the shipped training driver (recipes/driver.py) against a running app; "
                                   "its options after --")
     return p
@@ -127,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         from rayapp.cli.verify import verify
 
         sys.exit(verify(resolve_recipe(args.recipe), args.dataset, args.responses, args.limit))
+    if args.cmd == "try":
+        from rayapp.cli.try_recipe import try_recipe
+
+        sys.exit(try_recipe(resolve_recipe(args.recipe), args))
     if args.cmd == "schema":
         sys.exit(schema(args.serve_config))
     if args.cmd == "init":

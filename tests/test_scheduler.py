@@ -420,7 +420,7 @@ def plain_callback(task, samples):
     ({"data_source": object()}, r"^data_source object\.get_tasks: missing; it must be a coroutine function"),
     ({"on_task_done": plain_callback}, r"^on_task_done plain_callback: a plain function; it must be a coroutine "
                                        r"function: async \(task, samples\) -> None$"),
-    ({"pool": HalfPool(), "config": SchedulerConfig(release="batch_end")},
+    ({"pool": HalfPool()},
      r"^pool HalfPool\.release_batch: a plain function; it must be a coroutine function"),
     ({"iteration": AsyncIteration()}, r"^iteration AsyncIteration\.rollout_state: not a plain function; it must be "
                                       r"def rollout_state\(self, rollout_id: int\) -> Iteration"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 from msgspec import Meta
@@ -31,7 +31,6 @@ from rayapp.types import (
 
 OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None]]
 Fetch = Callable[[], Awaitable[list[Task]]]  # a step's tasks in fetch order, in place of the data source's
-Release = Literal["early", "batch_end"]
 # After a step ran: what it leaves to the next one (partial rollouts' carried groups), which a
 # resumable wrapper saves with the step's end
 Carry = Callable[["RolloutResult"], list[Any]]
@@ -61,7 +60,8 @@ class Pool(Protocol):
 
     async def release_tokens(self, tokens: list[Token]) -> None:
         """Give back some tokens of one admitted batch early (early release); the batch still closes
-        whole with ``release_batch``, which frees what it holds then."""
+        whole with ``release_batch``, which frees what it holds then. A pool that cannot free a
+        token before its batch closes makes this a no-op."""
         ...
 
     async def max_tokens_for(self, per_sample: Resource) -> int: ...
@@ -126,11 +126,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "seconds a batch may wait for the pool to admit it, then the step fails; unset: as long as the "
         "batches ahead of it run (a batch the pool can never admit fails at once)"))] = None
     progress: Annotated[bool, Meta(description="show a progress bar per step")] = True
-    # "batch_end" is the spec's behaviour, kept to measure against.
-    release: Annotated[Release, Meta(description="when a batch's placement goes back to the pool: early, each "
-                                                 "sample's share as soon as it ended and no sample of its batch "
-                                                 "waits for one; batch_end, all of it when the batch's last "
-                                                 "sample ends (the spec's)")] = "early"
 
 
 class StepContext(msgspec.Struct, frozen=True):
@@ -265,8 +260,9 @@ def check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) 
     if data_source is not None:
         require_async(data_source, "get_tasks", "data_source", "async def get_tasks(self, n: int) -> list[Task]")
     if pool is not None:
-        for method in ("acquire_batch", "release_batch", "max_tokens_for"):
-            require_async(pool, method, "pool", f"async def {method}(...) (core.contracts.Pool)")
+        for method in ("acquire_batch", "release_batch", "release_tokens", "max_tokens_for"):
+            hint = "; a pool that frees nothing early makes it a no-op" if method == "release_tokens" else ""
+            require_async(pool, method, "pool", f"async def {method}(...) (core.contracts.Pool){hint}")
     if on_task_done is not None:
         require_async(on_task_done, None, "on_task_done", "async (task, samples) -> None")
     if iteration is not None:

@@ -5,10 +5,9 @@ indexed by their position in the fetch: results, the progress callback and a ste
 "group i". ``run_all`` checks first that the pool can ever admit the largest batch each spec will ask
 for (fail fast instead of hanging), then runs the batches concurrently; each batch waits for an
 all-or-nothing admission, runs one Evaluator, and closes its grant in ``finally`` (``release_batch``).
-With ``SchedulerConfig.release="early"`` (the default) the Evaluator gives each token back as soon
-as no sample of its batch can use it (``Pool.release_tokens``), so a later batch may be admitted
-while an earlier one's slowest samples still run; ``"batch_end"`` holds every token until the batch
-closes (the spec's behaviour). Either way the pool is as it was after every step. Results
+The Evaluator gives each token back as soon as no sample of its batch can use it
+(``Pool.release_tokens``), so a later batch may be admitted while an earlier one's slowest samples
+still run. The pool is as it was after every step. Results
 stream out through ``on_task_done`` as each task finishes, and come back whole at the end. The step
 status records how the step ended (done, failed, cancelled), not what its counters suggest.
 
@@ -104,9 +103,6 @@ class TaskScheduler:
         config = config or SchedulerConfig()
         if config.rollout_batch_size < 1 or config.n_samples_per_eval_prompt < 1:
             raise ValueError("rollout_batch_size and n_samples_per_eval_prompt must be >= 1")
-        if config.release == "early" and pool is not None and not callable(getattr(pool, "release_tokens", None)):
-            raise ValueError(f"SchedulerConfig.release='early' needs a pool with release_tokens; "
-                             f"{type(pool).__name__} has none (set release='batch_end')")
         check_seams(data_source, pool, on_task_done, iteration)
         self.data_source, self.pool, self.config = data_source, pool, config
         self.batching_strategy = batching_strategy or fifo_batching
@@ -371,8 +367,8 @@ class TaskScheduler:
         st.batches_waiting -= 1
         st.batches_running += 1
         try:
-            early = tokens is not None and self.config.release == "early"
-            evaluator = Evaluator(spec, step, tokens=tokens, release=self.pool.release_tokens if early else None,
+            evaluator = Evaluator(spec, step, tokens=tokens,
+                                  release=self.pool.release_tokens if tokens is not None else None,
                                   batch=label, admission=(queued, loop_time()) if tokens is not None else None)
 
             def done(k: int) -> Awaitable[None] | None:

@@ -335,6 +335,7 @@ def test_an_old_recipe_setting_a_removed_mode_is_refused_naming_the_key(section,
 
 def test_the_pool_client_gives_tokens_back_in_one_bounded_call():
     from rayapp.actors.pool_client import PoolClient
+    from rayapp.actors.pool_wire import unpack_tokens
 
     calls = []
 
@@ -353,7 +354,7 @@ def test_the_pool_client_gives_tokens_back_in_one_bounded_call():
 
     tokens = [Token(1, "n0", (0,), 0.5, 0.0, 0.0)]
     run(PoolClient(type("H", (), {"release_tokens": Method(release_tokens)})(), owner="m").release_tokens(tokens))
-    assert calls == [tokens]
+    assert [unpack_tokens(c, "release_tokens") for c in calls] == [tokens]
     slow = PoolClient(type("H", (), {"release_tokens": Method(hang)})(), owner="m", call_timeout_s=0.01)
     with pytest.raises(TimeoutError):
         run(slow.release_tokens(tokens))

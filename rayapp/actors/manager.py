@@ -67,7 +67,7 @@ class SchedulerRolloutManager:
         self.metrics = RayappMetrics()
         self.metrics.zero({StepKind.ROLLOUT: self.cfg.data, StepKind.EVAL: self.cfg.eval}, engines,
                           EngineClient.METHODS)
-        self.pool_client = PoolClient(pool, owner, packed=True) if pool is not None else None
+        self.pool_client = PoolClient(pool, owner) if pool is not None else None
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s,
                                            observe=self.metrics.engine_call)
                         for name, h in engines.items()}

@@ -395,7 +395,6 @@ def test_a_release_in_flight_lands_when_complete_after_or_a_cancellation_cuts_th
     """Batches finish one after another while the step completes (``complete_after``) or is cancelled:
     a finished batch's ``release_batch`` is on its way then, and still reaches the pool; the pool is
     back to its snapshot when the step returns, and no call reaches it afterwards."""
-    from rayapp.core.contracts import RolloutPlan
 
     rng = random.Random(seed)
     hours = {(f"t{i}", 0): rng.choice([0.5, 1, 1.5, 2, 8]) for i in range(5)}
@@ -409,7 +408,7 @@ def test_a_release_in_flight_lands_when_complete_after_or_a_cancellation_cuts_th
     cancel_at = rng.choice([None, 1.2 * H, 2.7 * H])
 
     async def step():
-        run_step = asyncio.ensure_future(sched.execute_rollout(0, plan=RolloutPlan(complete_after=rng.randint(1, 4))))
+        run_step = asyncio.ensure_future(sched.execute_rollout(0, complete_after=rng.randint(1, 4)))
         if cancel_at is not None:
             await asyncio.sleep(cancel_at)
             run_step.cancel()

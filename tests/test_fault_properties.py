@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from rayapp.core.batching import fifo_batching, longest_first_batching
 from rayapp.core.clock import loop_time, run_virtual
-from rayapp.core.contracts import RolloutPlan
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
@@ -201,7 +200,7 @@ async def one_step(sc):
 
     sched = TaskScheduler([spec], Source(), WatchedPool(core, journal, hold=sc["release"] == "hold"), config,
                           batching_strategy=STRATEGIES[sc["strategy"]], on_task_done=on_done)
-    step = asyncio.ensure_future(sched.execute_rollout(0, plan=RolloutPlan(complete_after=sc["complete_after"])))
+    step = asyncio.ensure_future(sched.execute_rollout(0, complete_after=sc["complete_after"]))
     cancelled_at = None
     if sc["cancel_at"] is not None:
         await asyncio.sleep(sc["cancel_at"] * H)

@@ -138,38 +138,14 @@ class StepContext(msgspec.Struct, frozen=True):
     complete_after: int | None = None  # the step completes once this many groups are handed on
 
 
-class RolloutPlan(msgspec.Struct, frozen=True):
-    """How a wrapper asks the rollout step below it to run, beyond the step's id; every field is
-    optional, and the plain plan runs the step as the scheduler would alone.
-
-    - ``fetch``: the step's tasks, in place of ``rollout_batch_size`` of the data source's;
-    - ``complete_after=n`` (n >= 0): the step completes once ``n`` groups are; the rest come back as
-      ``RolloutResult.unfinished`` (0: nothing runs, every fetched group is unfinished);
-    - ``step_log``: the groups finished before (not run again) and the record of each finished now;
-    - ``carry``: called with the step's result, what it leaves to the next step; a resumable
-      wrapper saves it with the step's end (the scheduler has nothing to save it in);
-    - ``digest``: names what ``fetch`` returns when the trainer chose it (``training.trainer_tasks``);
-      a resumable wrapper saves it with the step's start and resumes only a step begun with the same."""
-
-    fetch: Fetch | None = None
-    complete_after: int | None = None
-    step_log: StepLog | None = None
-    carry: Carry | None = None
-    digest: str | None = None
-
-
-PLAIN = RolloutPlan()
-
-
 @runtime_checkable
 class Rollouts(Protocol):
     """Something that runs a rollout step: the TaskScheduler, and the wrappers that compose over
-    one (``training.checkpoint.ResumableRollouts``, ``training.partial.PartialRollouts``). A wrapper
-    takes the ``Rollouts`` below it and passes its own needs down in the plan; ``on_task_done``
-    fires once per group finished now, with the group as the caller should see it."""
+    one (``training.checkpoint.ResumableRollouts``, ``training.partial.PartialRollouts``); each also
+    takes, as keyword arguments, what the wrapper above it passes down. ``on_task_done`` fires once
+    per group finished now, with the group as the caller should see it."""
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
-                              plan: RolloutPlan = PLAIN) -> RolloutResult: ...
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult: ...
 
 
 class StepState(enum.StrEnum):

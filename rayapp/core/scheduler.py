@@ -29,16 +29,16 @@ from rayapp.core.batching import BatchingStrategy, fifo_batching
 from rayapp.core.cascade import build_sampling_params, resolve_stopping
 from rayapp.core.clock import loop_time
 from rayapp.core.contracts import (
-    PLAIN,
     DataSource,
     EvalResult,
+    Fetch,
     IterationSource,
     OnTaskDone,
     Pool,
-    RolloutPlan,
     RolloutResult,
     SchedulerConfig,
     StepContext,
+    StepLog,
     StepState,
     StepStatus,
     UnfinishedGroup,
@@ -114,21 +114,21 @@ class TaskScheduler:
 
     # -- the four moves ----------------------------------------------------------------------
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
-                              plan: RolloutPlan = PLAIN) -> RolloutResult:
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None, *,
+                              fetch: Fetch | None = None, complete_after: int | None = None,
+                              step_log: StepLog | None = None) -> RolloutResult:
         """One rollout step (the ``Rollouts`` protocol). Each fetched task starts a group known by its
-        ``TaskKey.GROUP_ID`` (``identified``). With a ``plan.step_log``, the groups it names as
-        finished are not run again (``on_task_done`` does not fire for them) and come back in place;
-        every group finished now is handed to it before ``on_task_done``. ``plan.fetch`` gives the
-        step's tasks in place of ``rollout_batch_size`` of the data source's.
+        ``TaskKey.GROUP_ID`` (``identified``). With a ``step_log`` (a resumable wrapper's), the groups
+        it names as finished are not run again (``on_task_done`` does not fire for them) and come back
+        in place; every group finished now is handed to it before ``on_task_done``. ``fetch`` gives
+        the step's tasks in place of ``rollout_batch_size`` of the data source's.
 
-        ``plan.complete_after=n``: the step completes once ``n`` groups are (a step log's finished
+        ``complete_after=n`` (partial rollouts): the step completes once ``n`` groups are (a step log's finished
         ones count): the batches still running are cancelled, their episodes torn down and their
         tokens back in the pool before it returns; ``groups`` holds the ``n`` complete groups in fetch
         order and ``unfinished`` every other group with its samples as they were left (n=0: nothing
         runs). A group whose last sample ends after the n-th was handed on is unfinished too: no
         group is handed on twice."""
-        fetch, step_log, complete_after = plan.fetch, plan.step_log, plan.complete_after
         if fetch is None and self.data_source is None:
             raise ValueError("execute_rollout needs a data_source")
         if complete_after is not None and (type(complete_after) is not int or complete_after < 0):

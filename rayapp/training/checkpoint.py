@@ -51,7 +51,6 @@ from rayapp.core.contracts import (
 from rayapp.core.convert import InputError, decode
 from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.training.converters import stored_sample
 from rayapp.training.files import atomic_write, fsync_dir
 from rayapp.training.trainer_tasks import tasks_named
 from rayapp.types import Sample, Task
@@ -215,11 +214,7 @@ class RolloutCheckpoint:
         marker = self.folder(rollout_id) / _DONE
         if not marker.exists():
             return None
-        carried = _read(marker, CheckpointFinished).carried
-        for g in carried:
-            for s in g.samples:
-                stored_sample(s)  # one an earlier version wrote: its episode back from the metadata keys
-        return carried
+        return _read(marker, CheckpointFinished).carried
 
     def resume(self, rollout_id: int) -> ResumeState | None:
         """The saved source state and finished groups of an unfinished ``rollout_id``; None when it
@@ -241,7 +236,7 @@ class RolloutCheckpoint:
             except InputError as e:
                 log.warning("resume: skipping %s, its group will be re-run: %s", p, e)
                 continue
-            groups[g.index] = [stored_sample(s) for s in g.samples]  # one an earlier version wrote, too
+            groups[g.index] = g.samples
         self._run[rollout_id], self._done[rollout_id] = state.run, set(groups)
         return ResumeState(rollout_id, state.source_state, dict(sorted(groups.items())), state.tasks_digest)
 

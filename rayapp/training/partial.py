@@ -144,15 +144,6 @@ def _unidentified(task: Task) -> Task:
     return msgspec.structs.replace(task, metadata=meta)
 
 
-def _carried_ids(groups: list[CarriedGroup], rollout_id: int) -> list[CarriedGroup]:
-    """Carried groups as this version knows them: one saved before groups had ids gets one now, by
-    its place in what it came with (deterministic, so a resumed step gives it the same one)."""
-    key = TaskKey.GROUP_ID.value
-    return [g if group_id(g.task) is not None else msgspec.structs.replace(
-        g, task=msgspec.structs.replace(g.task, metadata={**g.task.metadata, key: f"carried{rollout_id}/{k}"}))
-        for k, g in enumerate(groups)]
-
-
 class PartialRollouts:
     """Rollout steps as partial rollouts (module docstring), over the scheduler, or a
     ``ResumableRollouts`` over it (then ``checkpoint`` is that one's, and the carried groups survive
@@ -268,7 +259,7 @@ class PartialRollouts:
         if self.checkpoint is not None:
             if rollout_id == 0:
                 return []
-            return _carried_ids(await in_thread(self.checkpoint.carried, rollout_id - 1) or [], rollout_id - 1)
+            return await in_thread(self.checkpoint.carried, rollout_id - 1) or []
         return [CarriedGroup(_unidentified(g.task), rollout_id) for g in self.carried()]
 
     def _attempt(self, group: CarriedGroup, rollout_id: int) -> CarriedGroup:

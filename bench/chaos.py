@@ -126,7 +126,7 @@ class ChaosManager:
     a PoolClient; a replacement replica first frees what its predecessor held, as the app's does."""
 
     def __init__(self, pool, engine, batch_size: int, n_samples: int, results_dir: str | None = None):
-        self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30, packed=True)  # as the app's manager
+        self.pool = PoolClient(pool, "chaos-manager", call_timeout_s=30)  # as the app's manager
         self.engine = EngineClient(engine, "engine", timeout_s=30)  # as the app's: turns on stale weights retried
         self.weights = self.engine.weights = WeightSync({"engine": self.engine})
         self.spec, self.batch_size, self.n_samples = make_spec(self.engine), batch_size, n_samples

@@ -4,8 +4,9 @@ The manager's path: ``PoolClient`` over an actor handle, one 8-token batch (gpu 
 memory 0.01 GB each) acquired and released whole, sequentially and from 8 concurrent callers. Prints
 p50 and p99 per batch (ms) and batches/s, on one node (``ray.init`` with 8 logical GPUs) and on a
 4-node ``ray.cluster_utils.Cluster``, for the pool's design (one long-lived placement group per node,
-the ledger sub-allocating it, with the app's client: ``PoolClient(packed=True)``) and, unless
-``--smoke``, for the same with its calls not packed (Ray pickles each token) and with the client's
+the ledger sub-allocating it, with the app's client: ``PoolClient``, its calls packed) and, unless
+``--smoke``, for the same with its calls not packed (Ray pickles each token: ``PlainClient``, the
+bench's own copy of the wire format the product dropped) and with the client's
 background release (``background_release=True``: the caller waits for the acquire's round trip only),
 for the former design kept here as a bench-only mode (one placement group made and removed per batch)
 and for Ray's floor (the same calls to an async actor that does nothing: what any design through one
@@ -111,11 +112,20 @@ class RayFloor:
         pass
 
 
-# design -> (the actor's class, the PoolClient's options); "group per node" is the app's client
-PACKED, BG = {"packed": True}, {"background_release": True}
-DESIGNS = {"group per node": (PlacementPoolService, PACKED), "node, not packed": (PlacementPoolService, {}),
-           "node, bg release": (PlacementPoolService, PACKED | BG), "no-op (Ray floor)": (RayFloor, {}),
-           "no-op, bg release": (RayFloor, BG), "group per batch": (PerBatchService, {})}
+class PlainClient(PoolClient):
+    """The bench's own copy of the plain wire format, gone from the product: the request and the
+    tokens sent as the Structs themselves, which Ray pickles one by one (the service still takes them)."""
+
+    def _wire(self, value: Any) -> Any:
+        return value
+
+
+# design -> (the actor's class, the client's class, its options); "group per node" is the app's client
+BG = {"background_release": True}
+DESIGNS = {"group per node": (PlacementPoolService, PoolClient, {}),
+           "node, not packed": (PlacementPoolService, PlainClient, {}),
+           "node, bg release": (PlacementPoolService, PoolClient, BG), "no-op (Ray floor)": (RayFloor, PlainClient, {}),
+           "no-op, bg release": (RayFloor, PlainClient, BG), "group per batch": (PerBatchService, PlainClient, {})}
 ROUNDS = 5  # the designs sharing a setup take turns, so that the load of a shared machine hits them alike
 
 
@@ -171,7 +181,7 @@ def measure(setup: str, layout: dict[str, Any], batches: int, designs: list[str]
 
 
 def rounds(setup: str, designs: list[str], actors: dict[type, Any], batches: int) -> list[str]:
-    clients = {d: PoolClient(actors[DESIGNS[d][0]], "bench", **DESIGNS[d][1]) for d in designs}
+    clients = {d: DESIGNS[d][1](actors[DESIGNS[d][0]], "bench", **DESIGNS[d][2]) for d in designs}
     for client in clients.values():
         asyncio.run(run(client, 4, 1))  # warm up the actor and the client's path
     rows = []

@@ -47,28 +47,23 @@ class Policy:
     config: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig fields it sets
     batching: BatchingStrategy = fifo_batching
     needs: tuple[str, ...] = ()  # SchedulerConfig fields without which it cannot run
+    # "hold": the bench's own copy of the spec's release (a batch's tokens go back only when it
+    # closes), which left the product: MeteredPool frees nothing early then. "early": the scheduler's.
+    release: str = "early"
     partial: dict[str, Any] | None = None  # PartialConfig fields: its steps are partial rollouts
 
 
 POLICIES: tuple[Policy, ...] = (
-    Policy("hold FIFO", {"release": "batch_end"}),
-    Policy("early FIFO", {"release": "early"}, needs=("release",)),
-    Policy("longest-first, noisy", {"release": "early"}, longest_first_batching),
-    Policy("partial (restart)", {"release": "early"}, needs=("release",),
-           partial={"over_provision": 1.25, "max_staleness": 1, "policy": "restart"}),
-    Policy("partial (resume)", {"release": "early"}, needs=("release",),
-           partial={"over_provision": 1.25, "max_staleness": 1, "policy": "resume"}),
+    Policy("hold FIFO", release="hold"),
+    Policy("early FIFO"),
+    Policy("longest-first, noisy", batching=longest_first_batching),
+    Policy("partial (restart)", partial={"over_provision": 1.25, "max_staleness": 1, "policy": "restart"}),
+    Policy("partial (resume)", partial={"over_provision": 1.25, "max_staleness": 1, "policy": "resume"}),
 )
 
 
 def supported(policy: Policy) -> bool:
     return all(f in SchedulerConfig.__struct_fields__ for f in policy.needs)
-
-
-def release_mode(policy: Policy) -> str:
-    """How this policy's batches give capacity back, on this scheduler."""
-    fields = SchedulerConfig.__struct_fields__
-    return policy.config["release"] if "release" in fields and "release" in policy.config else "batch_end"
 
 
 @dataclass
@@ -124,10 +119,11 @@ class Meter:
 
 class MeteredPool:
     """The scheduler's Pool protocol over a ``PlacementPool``, metering the tokens it holds. Tokens
-    given back early (``release_tokens``) stop counting then; ``release_batch`` stops the rest."""
+    given back early (``release_tokens``) stop counting then; ``release_batch`` stops the rest.
+    ``hold``: free nothing early (the spec's release, kept here to measure against)."""
 
-    def __init__(self, pool: PlacementPool, meter: Meter) -> None:
-        self.pool, self.meter = pool, meter
+    def __init__(self, pool: PlacementPool, meter: Meter, hold: bool = False) -> None:
+        self.pool, self.meter, self.hold = pool, meter, hold
         self._held: set[int] = set()
 
     async def acquire_batch(self, request: BatchRequest) -> list[Token]:
@@ -137,6 +133,8 @@ class MeteredPool:
         return tokens
 
     async def release_tokens(self, tokens: list[Token]) -> None:
+        if self.hold:
+            return
         await self.pool.release_tokens(tokens)
         self._held.difference_update(t.token_id for t in tokens)
         self.meter.change(held=-_gpus(tokens))
@@ -270,7 +268,8 @@ def run_policy(policy: Policy, steps: list[list[TaskTrace]], nodes: int, batch_t
             return [Task(t.task_id, "", TaskConfig("sim", n_samples=len(t.samples), expected_len=t.expected_len))
                     for t in taken]
 
-    sched = TaskScheduler([_spec(batch_tasks, traces, meter, runs)], Source(), MeteredPool(pool, meter), config,
+    metered = MeteredPool(pool, meter, hold=policy.release == "hold")
+    sched = TaskScheduler([_spec(batch_tasks, traces, meter, runs)], Source(), metered, config,
                           batching_strategy=policy.batching)
     # partial steps start more groups than they return; the last one drains what is left (the stream ends)
     rollouts = PartialRollouts.over(sched, PartialConfig(**policy.partial)) if policy.partial else sched
@@ -285,7 +284,8 @@ def run_policy(policy: Policy, steps: list[list[TaskTrace]], nodes: int, batch_t
     wall = time.perf_counter()
     groups = run_virtual(main())
     wall = time.perf_counter() - wall
-    return Run(policy.name, release_mode(policy), meter.last, meter.busy_area, meter.held_area,
+    release = "batch_end" if policy.release == "hold" else "early"
+    return Run(policy.name, release, meter.last, meter.busy_area, meter.held_area,
                nodes * float(GPUS_PER_NODE), sum(len(t.samples) for t in traces.values()), wall,
                returned_once=check_returned_once(steps, groups, runs, restarts=policy.partial is not None),
                pool_restored=pool.snapshot() == before and not pool.batches(), timeline=meter.timeline,

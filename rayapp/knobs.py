@@ -20,6 +20,7 @@ from rayapp.envs.plugins import IMPORT_TIMEOUT_S
 from rayapp.envs.plugins import TIMEOUT_ENV as PLUGIN_TIMEOUT_ENV
 from rayapp.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
 from rayapp.recipe import RecipeConfig
+from rayapp.recipe.removed import REMOVED
 from rayapp.training import dagger, reuse
 
 # Environment variables read outside the two tables above.
@@ -145,6 +146,33 @@ def recipe_rows() -> list[str]:
     return rows
 
 
+# One way to do each thing (issue 31): a key with several modes says here who needs each.
+MODES: dict[str, str] = {
+    "engines.<name>.backend": "hf for tests, CPU-only machines and tiny models (nothing to serve); sglang for "
+                              "a GPU run that needs batched generation at speed.",
+    "engines.<name>.placement_group_strategy": "STRICT_PACK for an engine whose GPUs must share a node "
+                                               "(tensor parallel); the others, Ray's own, for an engine "
+                                               "spread over nodes.",
+    "evaluators[].sandbox.kind": "local for agents whose commands are trusted on the node; docker for agents "
+                                 "that run untrusted code (SWE tasks) and need an image's tools and isolation.",
+    "evaluators[].gateway.segments": "last for a trainer that learns from the last call, which holds the whole "
+                                     "conversation; each for an agent that rewrites or trims its history, whose "
+                                     "earlier tokens the last segment no longer holds.",
+    "scheduler.partial.policy": "resume to keep what a cut-short group did; restart for a trainer that needs "
+                                "each sample generated start to end under one weight version.",
+    "dagger.beta_schedule": "for a user tuning how fast the expert hands over to the student; linear unless an "
+                            "experiment calls for another curve.",
+}
+
+
+def mode_rows() -> list[str]:
+    return [f"| `{key}` | {who} |" for key, who in MODES.items()]
+
+
+def removed_rows() -> list[str]:
+    return [f"| `{section}.{key}` | {_cell(why)} |" for (section, key), why in REMOVED.items()]
+
+
 def render() -> str:
     return "\n".join([
         "# Knob reference",
@@ -179,6 +207,18 @@ def render() -> str:
         "| key | type | default | meaning | spec flag |",
         "| --- | --- | --- | --- | --- |",
         *recipe_rows(),
+        "",
+        "## Modes: who needs each",
+        "",
+        "| key | who needs which |",
+        "| --- | --- |",
+        *mode_rows(),
+        "",
+        "## Removed keys (a recipe that sets one is refused, naming it)",
+        "",
+        "| key | now |",
+        "| --- | --- |",
+        *removed_rows(),
         "",
     ])
 

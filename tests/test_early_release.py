@@ -1,7 +1,7 @@
 """Early release: a batch's token goes back to the global pool as soon as its sample ended and no
-sample of the batch waits for one; ``release="batch_end"`` keeps the spec's hold-until-the-batch-
-ends. Everything runs in virtual time (``core.clock.run_virtual``): episodes last hours, and the
-times asserted are the loop's, exact."""
+sample of the batch waits for one; a pool whose ``release_tokens`` frees nothing (``"hold"`` here)
+keeps the spec's hold-until-the-batch-ends. Everything runs in virtual time
+(``core.clock.run_virtual``): episodes last hours, and the times asserted are the loop's, exact."""
 
 import asyncio
 import contextlib
@@ -17,7 +17,7 @@ from rayapp.core.clock import loop_time, run_virtual
 from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.scheduler import SchedulerConfig, StepState, TaskScheduler
-from rayapp.recipe import RecipeError, build_scheduler, parse_recipe
+from rayapp.recipe import RecipeError, parse_recipe
 from rayapp.types import (
     AgentResult,
     EvaluatorSpec,
@@ -39,8 +39,8 @@ class RecordingPool:
     """The core pool behind the scheduler's Pool protocol, checking as it goes that a token is never
     released twice and never while its sample runs (``running``: token ids of running samples)."""
 
-    def __init__(self, pool, running):
-        self.pool, self.running = pool, running
+    def __init__(self, pool, running, hold=False):
+        self.pool, self.running, self.hold = pool, running, hold
         self.granted: list[tuple[float, list[int]]] = []  # (when, token ids) per admitted batch
         self.early: list[tuple[float, int]] = []  # (when, token id) per early release
         self.closed: list[list[int]] = []  # token ids of each release_batch
@@ -52,6 +52,8 @@ class RecordingPool:
         return tokens
 
     async def release_tokens(self, tokens):
+        if self.hold:  # a pool that frees nothing before release_batch
+            return
         released = {tid for _, tid in self.early}
         for t in tokens:
             assert t.token_id not in self.running, f"token {t.token_id} released while its sample runs"
@@ -123,15 +125,15 @@ def scheduler(make_pool, agent, tasks, release="early", concurrency=2, pool=None
     spec = EvaluatorSpec("x", agent, batch_size=1, resource=Resource(gpu=math.inf, concurrency=concurrency),
                          run_resource=Resource(gpu=0.5))
     core = pool or make_pool(ONE_GPU)
-    recording = RecordingPool(core, agent.running)
+    recording = RecordingPool(core, agent.running, hold=release == "hold")
     sched = TaskScheduler([spec], Source(tasks), recording,
-                          SchedulerConfig(rollout_batch_size=len(tasks), progress=False, release=release))
+                          SchedulerConfig(rollout_batch_size=len(tasks), progress=False))
     return sched, recording, core
 
 
 # ---- a later batch starts while an earlier batch's slow sample still runs ---------------------------
 
-@pytest.mark.parametrize(("release", "second_starts"), [("early", 1 * H), ("batch_end", 10 * H)])
+@pytest.mark.parametrize(("release", "second_starts"), [("early", 1 * H), ("hold", 10 * H)])
 def test_a_later_batch_is_admitted_while_a_slow_sample_runs_only_with_early_release(make_pool, release,
                                                                                     second_starts):
     # t0: two samples (10 h and 1 h) holding both tokens of the pool; t1: one sample, one token.
@@ -159,9 +161,9 @@ def test_samples_reuse_the_batch_tokens_before_any_goes_back(make_pool):
     assert sorted(pool.early) == sorted([(2 * H, agent.started[("t0", 2)][1]), (6 * H, agent.started[("t0", 3)][1])])
 
 
-def test_with_batch_end_every_token_stays_until_the_batch_closes(make_pool):
+def test_with_a_holding_pool_every_token_stays_until_the_batch_closes(make_pool):
     agent = Timed({("t0", 0): 1, ("t0", 1): 3, ("t0", 2): 1})
-    sched, pool, core = scheduler(make_pool, agent, tasks_of(3, 1), release="batch_end")
+    sched, pool, core = scheduler(make_pool, agent, tasks_of(3, 1), release="hold")
 
     async def main():
         step = asyncio.ensure_future(sched.execute_rollout(0))
@@ -239,7 +241,7 @@ def _random_tasks(rng):
     return tasks, hours
 
 
-@pytest.mark.parametrize("release", ["early", "batch_end"])
+@pytest.mark.parametrize("release", ["early", "hold"])
 def test_every_sample_comes_back_once_and_the_pool_is_whole_after_each_step(make_pool, release):
     rng = random.Random(7)
     core = make_pool('{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}')
@@ -261,7 +263,7 @@ def test_every_sample_comes_back_once_and_the_pool_is_whole_after_each_step(make
     run_virtual(steps())
 
 
-@pytest.mark.parametrize("release", ["early", "batch_end"])
+@pytest.mark.parametrize("release", ["early", "hold"])
 def test_a_step_cancelled_at_random_moments_or_failed_by_a_callback_leaves_the_pool_whole(make_pool, release):
     rng = random.Random(11)
     core = make_pool('{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}')
@@ -303,7 +305,7 @@ def test_a_step_cancelled_at_random_moments_or_failed_by_a_callback_leaves_the_p
 
 # ---- settings ----------------------------------------------------------------------------------------
 
-def test_early_release_needs_a_pool_that_can_give_tokens_back(make_pool):
+def test_a_pool_without_release_tokens_is_refused_with_the_way_to_hold(make_pool):
     class OldPool:
         async def acquire_batch(self, request): ...
 
@@ -312,33 +314,28 @@ def test_early_release_needs_a_pool_that_can_give_tokens_back(make_pool):
         async def max_tokens_for(self, per_sample): ...
 
     spec = EvaluatorSpec("x", Timed())
-    with pytest.raises(ValueError, match="release='early' needs a pool with release_tokens; OldPool has none"):
+    with pytest.raises(TypeError, match=r"pool OldPool\.release_tokens: missing.*no-op"):
         TaskScheduler([spec], Source([]), OldPool(), SchedulerConfig())
-    TaskScheduler([spec], Source([]), OldPool(), SchedulerConfig(release="batch_end"))  # the spec's way still works
 
 
-def test_the_recipe_chooses_the_release_and_refuses_a_bad_one():
+@pytest.mark.parametrize(("section", "key", "value", "now"), [
+    ("scheduler", "release", "batch_end", "release: early"), ("scheduler", "release", "early", "release: early"),
+    ("pool", "work", "tasks", "work: hosts"), ("pool", "work", "hosts", "work: hosts")])
+def test_an_old_recipe_setting_a_removed_mode_is_refused_naming_the_key(section, key, value, now):
     import yaml
 
     from rayapp.cli import ROOT
 
     args = yaml.safe_load((ROOT / "recipes" / "local" / "rollout.yaml").read_text())["applications"][0]["args"]
-    assert parse_recipe(args).scheduler.release == "early"
-    args["scheduler"] = {**args.get("scheduler", {}), "release": "batch_end"}
-    cfg = parse_recipe(args)
-
-    async def not_called(*a, **kw):
-        raise AssertionError("the wiring must not run or open anything")
-
-    sched = build_scheduler(cfg, {"student": object()}, None, executor=not_called, open_sandbox=not_called)
-    assert sched.config.release == "batch_end"
-    args["scheduler"]["release"] = "asap"
-    with pytest.raises(RecipeError, match=r"\$\.scheduler\.release"):
+    assert not hasattr(parse_recipe(args).scheduler, "release")
+    args[section] = {**args.get(section, {}), key: value}
+    with pytest.raises(RecipeError, match=rf"\$\.{section}\.{key}: {key}: '{value}' removed: .*{now}.*delete the key"):
         parse_recipe(args)
 
 
 def test_the_pool_client_gives_tokens_back_in_one_bounded_call():
     from rayapp.actors.pool_client import PoolClient
+    from rayapp.actors.pool_wire import unpack_tokens
 
     calls = []
 
@@ -357,7 +354,7 @@ def test_the_pool_client_gives_tokens_back_in_one_bounded_call():
 
     tokens = [Token(1, "n0", (0,), 0.5, 0.0, 0.0)]
     run(PoolClient(type("H", (), {"release_tokens": Method(release_tokens)})(), owner="m").release_tokens(tokens))
-    assert calls == [tokens]
+    assert [unpack_tokens(c, "release_tokens") for c in calls] == [tokens]
     slow = PoolClient(type("H", (), {"release_tokens": Method(hang)})(), owner="m", call_timeout_s=0.01)
     with pytest.raises(TimeoutError):
         run(slow.release_tokens(tokens))
@@ -367,8 +364,8 @@ class LatePool:
     """A pool whose calls arrive ``delay_s`` late (a remote pool over a slow link): a call cancelled
     on its way never reaches the pool. Records when each call arrives."""
 
-    def __init__(self, pool, delay_s):
-        self.pool, self.delay_s, self.arrived = pool, delay_s, []
+    def __init__(self, pool, delay_s, hold=False):
+        self.pool, self.delay_s, self.hold, self.arrived = pool, delay_s, hold, []
 
     async def _arrive(self, name):
         await asyncio.sleep(self.delay_s)
@@ -379,6 +376,8 @@ class LatePool:
         return await self.pool.acquire_batch(request)
 
     async def release_tokens(self, tokens):
+        if self.hold:  # a pool that frees nothing before release_batch
+            return
         await self._arrive("release_tokens")
         await self.pool.release_tokens(tokens)
 
@@ -390,27 +389,26 @@ class LatePool:
         return await self.pool.max_tokens_for(per_sample)
 
 
-@pytest.mark.parametrize("release", ["early", "batch_end"])
+@pytest.mark.parametrize("release", ["early", "hold"])
 @pytest.mark.parametrize("seed", range(6))
 def test_a_release_in_flight_lands_when_complete_after_or_a_cancellation_cuts_the_batches(make_pool, release, seed):
     """Batches finish one after another while the step completes (``complete_after``) or is cancelled:
     a finished batch's ``release_batch`` is on its way then, and still reaches the pool; the pool is
     back to its snapshot when the step returns, and no call reaches it afterwards."""
-    from rayapp.core.contracts import RolloutPlan
 
     rng = random.Random(seed)
     hours = {(f"t{i}", 0): rng.choice([0.5, 1, 1.5, 2, 8]) for i in range(5)}
     core = make_pool('{"n0": {"gpus": [0, 1, 2], "cpu": 8, "memory_gb": 64}}')
     before = core.snapshot()
-    late = LatePool(core, delay_s=rng.choice([0.25, 0.5, 1.0]) * H)
+    late = LatePool(core, delay_s=rng.choice([0.25, 0.5, 1.0]) * H, hold=release == "hold")
     spec = EvaluatorSpec("x", Timed(hours), batch_size=1, resource=Resource(gpu=math.inf, concurrency=2),
                          run_resource=Resource(gpu=1))
     sched = TaskScheduler([spec], Source(tasks_of(1, 1, 1, 1, 1)), late,
-                          SchedulerConfig(rollout_batch_size=5, progress=False, release=release))
+                          SchedulerConfig(rollout_batch_size=5, progress=False))
     cancel_at = rng.choice([None, 1.2 * H, 2.7 * H])
 
     async def step():
-        run_step = asyncio.ensure_future(sched.execute_rollout(0, plan=RolloutPlan(complete_after=rng.randint(1, 4))))
+        run_step = asyncio.ensure_future(sched.execute_rollout(0, complete_after=rng.randint(1, 4)))
         if cancel_at is not None:
             await asyncio.sleep(cancel_at)
             run_step.cancel()

@@ -6,7 +6,6 @@ import asyncio
 import pytest
 
 from rayapp.core.agent import FunctionAgent
-from rayapp.core.contracts import RolloutPlan
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.types import AgentResult, EvaluatorSpec, NodeSpec, Resource, Task, TaskConfig
@@ -90,7 +89,7 @@ def test_complete_after_n_returns_n_groups_whether_or_not_groups_are_handed_on(c
         seen.append(task.task_id)
 
     sched = scheduler(64, 2, on_done if callback else None)
-    result = asyncio.run(sched.execute_rollout(0, plan=RolloutPlan(complete_after=n)))
+    result = asyncio.run(sched.execute_rollout(0, complete_after=n))
     assert len(result.groups) == n and len(result.unfinished) == 64 - n
     assert len({g[0].task_id for g in result.groups} | {u.task.task_id for u in result.unfinished}) == 64
     assert sched.status().tasks_done == n

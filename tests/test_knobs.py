@@ -33,7 +33,7 @@ def test_code_set_variables_are_marked_never_to_set_by_hand():
 
 
 def _recipe_rows(page: str) -> list[list[str]]:
-    section = page.split("## Recipe keys", 1)[1]
+    section = page.split("## Recipe keys", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in rows]
 
@@ -55,3 +55,18 @@ def test_recipe_key_types_defaults_and_dagger_meanings_come_from_the_code():
     # dagger.* meanings are the --dagger-* flags' help, written once in dagger.py
     assert rows["dagger.beta_start"][3].startswith("β at iteration 0") and "(default:" not in rows["dagger.gamma"][3]
     assert rows["dagger.beta_start"][4] == "`--dagger-beta-start`"
+
+
+def test_every_key_with_modes_says_who_needs_each_and_no_removed_key_is_still_read():
+    """One way to do each thing (issue 31): a key with a closed set of modes has its sentence in
+    ``knobs.MODES``; a removed key is no longer in the recipe's schema."""
+    import msgspec
+
+    from rayapp.knobs import MODES, _walk
+    from rayapp.recipe import RecipeConfig
+    from rayapp.recipe.removed import REMOVED
+
+    rows = _walk(msgspec.inspect.type_info(RecipeConfig), "")
+    with_modes = {path for path, kind, _, _ in rows if " or " in kind}
+    assert with_modes == set(MODES)
+    assert not {f"{section}.{key}" for section, key in REMOVED} & {path for path, *_ in rows}

@@ -211,7 +211,8 @@ def test_a_carried_group_already_complete_is_returned_with_a_batch_of_one(make_p
     assert len(run_virtual(partial.execute_rollout(2)).groups) == 1
 
 
-def test_the_scheduler_and_both_wrappers_are_one_rollouts_protocol_with_one_signature(make_pool, tmp_path):
+def test_the_scheduler_and_both_wrappers_are_one_rollouts_protocol_with_extras_by_keyword_only(make_pool,
+                                                                                                 tmp_path):
     import inspect
 
     from rayapp.core.contracts import Rollouts
@@ -221,5 +222,8 @@ def test_the_scheduler_and_both_wrappers_are_one_rollouts_protocol_with_one_sign
     stack = [sched, ResumableRollouts.over(sched, RolloutCheckpoint(tmp_path)),
              PartialRollouts.over(sched, KEEP, RolloutCheckpoint(tmp_path))]
     assert all(isinstance(r, Rollouts) for r in stack)
-    want = inspect.signature(Rollouts.execute_rollout)
-    assert all(inspect.signature(type(r).execute_rollout) == want for r in stack)
+    want = list(inspect.signature(Rollouts.execute_rollout).parameters.values())
+    for r in stack:  # the protocol's parameters, then what a wrapper passes down: by keyword, with a default
+        params = list(inspect.signature(type(r).execute_rollout).parameters.values())
+        assert params[:len(want)] == want, type(r).__name__
+        assert all(p.kind is p.KEYWORD_ONLY and p.default is None for p in params[len(want):]), type(r).__name__

@@ -13,7 +13,7 @@ import pytest
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
-from rayapp.core.contracts import RolloutPlan, SchedulerConfig, StepState
+from rayapp.core.contracts import SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import EpisodeRecord, ResumePoint, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
@@ -85,7 +85,7 @@ def test_complete_after_returns_n_groups_and_hands_back_the_rest_with_their_turn
     agent = LongTail(seed=1)
     sched, pool = make(make_pool, agent, batch=6)
     before = pool.snapshot()
-    result = run_virtual(sched.execute_rollout(0, plan=RolloutPlan(complete_after=3)))
+    result = run_virtual(sched.execute_rollout(0, complete_after=3))
     assert len(result.groups) == 3 and len(result.unfinished) == 3
     assert sched.status().state is StepState.DONE
     assert pool.snapshot() == before and pool.held == 0  # every cancelled episode's token is back
@@ -103,14 +103,14 @@ def test_complete_after_returns_n_groups_and_hands_back_the_rest_with_their_turn
 def test_complete_after_is_checked():
     sched = TaskScheduler([EvaluatorSpec("x", FunctionAgent(lambda s, c: None, lambda s, r: {}))], Stream())
     with pytest.raises(ValueError, match="complete_after must be an int >= 0"):
-        run_virtual(sched.execute_rollout(0, plan=RolloutPlan(complete_after=-1)))
+        run_virtual(sched.execute_rollout(0, complete_after=-1))
 
 
 def test_complete_after_zero_runs_nothing_and_hands_every_group_back(make_pool):
     agent = LongTail()
     sched, pool = make(make_pool, agent)
     before = pool.snapshot()
-    result = run_virtual(sched.execute_rollout(0, plan=RolloutPlan(complete_after=0)))
+    result = run_virtual(sched.execute_rollout(0, complete_after=0))
     assert result.groups == [] and len(result.unfinished) == 4 and not agent.started
     assert all(s.status is Status.PENDING for u in result.unfinished for s in u.samples)
     assert pool.snapshot() == before

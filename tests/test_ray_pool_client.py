@@ -3,6 +3,7 @@ on the wire, releases sent in the background, and the group states read once per
 
 import asyncio
 
+import msgspec
 import pytest
 
 from rayapp.types import BatchRequest, Resource
@@ -70,7 +71,7 @@ def test_a_background_release_lands_before_the_clients_next_call_and_a_refusal_i
                                                                                          caplog):
     from rayapp.actors.pool_client import PoolClient
 
-    client = PoolClient(pool, "bg", background_release=True, packed=True)
+    client = PoolClient(pool, "bg", background_release=True)
     whole = BatchRequest(Resource(gpu=4.0, concurrency=16, cpu=8, memory_gb=4), QUARTER, 16, label="all")
 
     async def scenario():
@@ -89,8 +90,8 @@ def test_a_background_release_lands_before_the_clients_next_call_and_a_refusal_i
     assert any("background release_batch of 3 tokens failed" in r.getMessage() for r in caplog.records)
 
 
-def test_a_packed_client_gets_the_tokens_a_plain_one_would_and_bad_packed_input_changes_nothing(ray_session,
-                                                                                                 pool):
+def test_the_clients_packed_call_gets_the_tokens_a_plain_call_would_and_bad_packed_input_changes_nothing(
+        ray_session, pool):
     from rayapp.actors.pool_client import PoolClient
     from rayapp.core.units import PoolError
     from rayapp.types import Token
@@ -98,8 +99,8 @@ def test_a_packed_client_gets_the_tokens_a_plain_one_would_and_bad_packed_input_
     request = BatchRequest(Resource(gpu=1.0, concurrency=4, cpu=2, memory_gb=1), QUARTER, 4, label="packed")
 
     async def scenario():
-        tokens = await PoolClient(pool, "packed", packed=True).acquire_batch(request)
-        plain = await PoolClient(pool, "plain").acquire_batch(request)
+        tokens = await PoolClient(pool, "packed").acquire_batch(request)
+        plain = await pool.acquire_batch.remote(msgspec.structs.replace(request, owner="plain"))  # the Structs
         view = await pool.placement.remote()
         try:
             assert all(type(t) is Token for t in tokens) and len(tokens) == 4
@@ -114,7 +115,7 @@ def test_a_packed_client_gets_the_tokens_a_plain_one_would_and_bad_packed_input_
                     await call
             assert await pool.placement.remote() == view  # refused: nothing changed
         finally:
-            await PoolClient(pool, "packed", packed=True).release_batch(tokens)
-            await PoolClient(pool, "plain").release_batch(plain)
+            await PoolClient(pool, "packed").release_batch(tokens)
+            await pool.release_batch.remote(plain)
 
     asyncio.run(scenario())

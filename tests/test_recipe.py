@@ -33,7 +33,7 @@ def test_the_local_recipe_parses():
     (lambda a: a["evaluators"][0].update(engine="teacher"), r"\$\.evaluators\[0\]\.engine: 'teacher'"),
     (lambda a: a["pool"].update(cluster_layuot="x"),
      r'\$\.pool: unknown field "cluster_layuot" \(expected gate, cluster_layout, num_cpus, memory_gb, '
-     r'pg_ready_timeout_s, work\)$'),
+     r'pg_ready_timeout_s\)$'),
     (lambda a: a.update(engines={}), r"\$\.engines: at least one engine"),
     (lambda a: a.update(evaluators=[]), r"\$\.evaluators: at least one evaluator"),
     (lambda a: a["evaluators"][3].update(teacher="expert"), r"\$\.evaluators\[3\]\.teacher: 'expert' is not one of"),

@@ -11,6 +11,7 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError, WorkerCr
 
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.pool_client import PoolClient
+from rayapp.actors.pool_wire import pack, unpack_request, unpack_tokens
 from rayapp.actors.remote import bounded, is_lost
 from rayapp.actors.sandbox import BundleSandbox
 from rayapp.core.termination import AgentTimeout, EngineConnectionError, SandboxError, classify_abort
@@ -162,17 +163,24 @@ def test_bundle_sandbox_maps_a_late_answer_and_a_lost_host_to_infra_sandbox():
 TOKENS = [Token(1, "n", (0,), 0.5, 1.0, 1.0, "rayapp/x/1", 0)]
 
 
-def test_pool_client_sends_one_request_stamped_with_its_owner():
+def test_pool_client_sends_one_packed_request_stamped_with_its_owner():
+    """The one wire format: the request and the tokens travel as msgpack bytes (``pool_wire``)."""
     seen = []
 
     async def acquire_batch(request, request_id):
         seen.append(request)
-        return TOKENS
+        return pack(TOKENS)
 
-    client = PoolClient(FakeHandle(acquire_batch=acquire_batch), owner="m")
+    async def release_batch(tokens):
+        seen.append(tokens)
+
+    client = PoolClient(FakeHandle(acquire_batch=acquire_batch, release_batch=release_batch), owner="m")
     request = BatchRequest(Resource(), Resource(), 1, label="r0/b0/x", timeout_s=5)
     assert run(client.acquire_batch(request)) == TOKENS
-    assert seen == [BatchRequest(Resource(), Resource(), 1, label="r0/b0/x", owner="m", timeout_s=5)]
+    run(client.release_batch(TOKENS))
+    assert all(type(x) is bytes for x in seen)
+    assert unpack_request(seen[0]) == BatchRequest(Resource(), Resource(), 1, label="r0/b0/x", owner="m", timeout_s=5)
+    assert unpack_tokens(seen[1], "release_batch") == TOKENS
 
 
 def test_pool_client_bounds_a_wait_by_its_timeout_plus_the_trip():
@@ -204,7 +212,7 @@ def test_pool_client_retries_a_release_that_got_no_answer_and_logs_it(caplog):
 
     client = PoolClient(FakeHandle(release_batch=flaky), owner="m", call_timeout_s=0.05)
     run(client.release_batch(TOKENS))
-    assert calls == [TOKENS] * 3
+    assert [unpack_tokens(c, "release_batch") for c in calls] == [TOKENS] * 3
     assert sum("retrying" in r.getMessage() for r in caplog.records) == 2
     refused = PoolClient(FakeHandle(release_batch=raising(PoolError("released whole"))), owner="m")
     with pytest.raises(PoolError):

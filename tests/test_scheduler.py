@@ -7,7 +7,6 @@ from conftest import run
 
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
-from rayapp.core.contracts import RolloutPlan
 from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
 from rayapp.training.converters import trainer_metadata
@@ -349,7 +348,7 @@ def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_eac
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, lambda s, r: {"score": 0.0}))
     sched = TaskScheduler([spec], Source(tasks), None, SchedulerConfig(rollout_batch_size=3, progress=False))
-    result = run(sched.execute_rollout(0, on_task_done=on_done, plan=RolloutPlan(step_log=Log())))
+    result = run(sched.execute_rollout(0, on_task_done=on_done, step_log=Log()))
     assert sorted(ran) == ["t0", "t2"] and result.groups[1] is done_before
     assert [g[0].task_id for g in result.groups] == ["t0", "t1", "t2"]
     for i in (0, 2):
@@ -361,7 +360,7 @@ def test_a_step_log_skips_finished_groups_returns_them_in_place_and_hears_of_eac
             return {3: done_before}
 
     with pytest.raises(ValueError, match=r"finished groups \[3\] beyond the 3 fetched"):
-        run(sched.execute_rollout(1, plan=RolloutPlan(step_log=Beyond())))
+        run(sched.execute_rollout(1, step_log=Beyond()))
 
 
 @pytest.mark.parametrize(("strategy", "message"), [
@@ -420,7 +419,7 @@ def plain_callback(task, samples):
     ({"data_source": object()}, r"^data_source object\.get_tasks: missing; it must be a coroutine function"),
     ({"on_task_done": plain_callback}, r"^on_task_done plain_callback: a plain function; it must be a coroutine "
                                        r"function: async \(task, samples\) -> None$"),
-    ({"pool": HalfPool(), "config": SchedulerConfig(release="batch_end")},
+    ({"pool": HalfPool()},
      r"^pool HalfPool\.release_batch: a plain function; it must be a coroutine function"),
     ({"iteration": AsyncIteration()}, r"^iteration AsyncIteration\.rollout_state: not a plain function; it must be "
                                       r"def rollout_state\(self, rollout_id: int\) -> Iteration"),

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import ended
 
 import rayapp.training.checkpoint as checkpoint
 from rayapp.core.agent import FunctionAgent
@@ -22,7 +21,6 @@ from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.record import EpisodeRecord, EpisodeTiming, Placement, TerminationReason, TurnRecord
 from rayapp.training.checkpoint import CheckpointGroup, ResumableRollouts, RolloutCheckpoint
-from rayapp.training.converters import trainer_sample
 from rayapp.types import AgentResult, EvaluatorSpec, Sample, Status, Task, TaskConfig
 
 
@@ -47,22 +45,6 @@ def test_a_group_file_is_msgpack_of_a_typed_record_and_comes_back_exactly(tmp_pa
     assert record.index == 3 and record.rollout_id == 0 and record.version == 1 and record.samples == group
     assert msgspec.msgpack.decode(raw)["format"] == "rayapp.rollout_checkpoint.group"
     assert RolloutCheckpoint(tmp_path).resume(0).groups == {3: group}
-
-
-def test_a_group_the_previous_format_wrote_comes_back_with_its_record_typed(tmp_path):
-    """Before Sample.episode a checkpoint held the record as the trainer's metadata keys, and a carried
-    group's renumbered samples their group index in ``_partial_sample_indices``: both read back."""
-    ckpt = RolloutCheckpoint(tmp_path)
-    ckpt.begin(0, {})
-    run = msgspec.msgpack.decode((tmp_path / "rollout_000000" / "state.msgpack").read_bytes())["run"]
-    whole = [sample(index=0), sample(index=2, status=Status.ABORTED, remove_sample=True,
-                                     episode=ended("infra_conn", turns=1))]
-    old = [trainer_sample(s) for s in whole]
-    old[1].index, old[1].metadata["_partial_sample_indices"] = 0, [2]
-    assert old[0].metadata["_timing"]["started"] == 1.0 and old[0].episode == EpisodeRecord()
-    (tmp_path / "rollout_000000" / "group_000003.msgpack").write_bytes(
-        msgspec.msgpack.encode(CheckpointGroup(1, 0, run, 3, old)))
-    assert RolloutCheckpoint(tmp_path).resume(0).groups == {3: whole}
 
 
 def test_a_file_of_another_kind_is_skipped_naming_why(tmp_path, caplog):

@@ -13,9 +13,8 @@ from rayapp.training.converters import EpisodeKey
 ROOT = Path(rayapp.__file__).parent
 DOOR = ROOT / "training" / "converters.py"
 ENV_WRITER = ROOT / "training" / "stacx_env.py"
-# the timing record's fields, read by name before it was typed; and the legacy task keys partial
-# rollouts once handed a carried group's task, which only the door still reads back from old files
-RECORD_STRINGS = {k.value for k in EpisodeKey} | {"started", "queued", "_resume_points", "_partial_sample_indices"}
+# the timing record's fields, read by name before it was typed
+RECORD_STRINGS = {k.value for k in EpisodeKey} | {"started", "queued"}
 ENV_NAMES = {"env", "environ"}
 WRITES = {"update", "pop", "popitem", "setdefault", "clear", "__setitem__", "__delitem__"}
 

@@ -27,7 +27,6 @@ from rayapp.actors.http import ERRORS, error_response, exception_response, gatew
 from rayapp.actors.http_auth import HttpGuard, load_token, ray_cluster_token
 from rayapp.actors.logs import follow_serve_logging
 from rayapp.actors.metrics import RayappMetrics, poll
-from rayapp.actors.pool import run_in_bundle
 from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.actors.work_hosts import WorkHosts
@@ -68,7 +67,7 @@ class SchedulerRolloutManager:
         self.metrics = RayappMetrics()
         self.metrics.zero({StepKind.ROLLOUT: self.cfg.data, StepKind.EVAL: self.cfg.eval}, engines,
                           EngineClient.METHODS)
-        self.pool_client = PoolClient(pool, owner, packed=True) if pool is not None else None
+        self.pool_client = PoolClient(pool, owner) if pool is not None else None
         self.engines = {name: EngineClient(h, name, self.cfg.engines[name].request_timeout_s,
                                            observe=self.metrics.engine_call)
                         for name, h in engines.items()}
@@ -78,8 +77,7 @@ class SchedulerRolloutManager:
         # where agents reach it (Serve's proxy, this app's prefix) is asked before the first step.
         self.gateway = Gateway("http://gateway-url-not-asked-yet")
         self._gateway_pointed = all(ev.gateway is None for ev in self.cfg.evaluators)
-        # a sample's function calls: warm hosts in its bundle, or a Ray task per call (pool.work)
-        executor = WorkHosts().run if self.cfg.pool.work == "hosts" else run_in_bundle
+        executor = WorkHosts().run  # a sample's function calls run on warm hosts in its bundle
         self.steps = build_step_runner(self.cfg, self.engines, self.pool_client, executor=executor,
                                        open_sandbox=open_sandbox, release_previous=release, gateway=self.gateway)
         self.steps.observers.append(self.metrics)

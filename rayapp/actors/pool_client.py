@@ -14,8 +14,8 @@ predecessor held. A grant must never outlive its caller:
 * a release that fails for want of an answer (a timeout, a lost replica) is retried with backoff
   and logged each time; a release the pool refuses (a PoolError) is not retried.
 
-With ``packed`` the request and the tokens travel as msgpack bytes (``pool_wire``): Ray pickles
-nothing per token. With ``background_release`` a release costs its caller no round trip: ``release_batch`` and
+The request and the tokens travel as msgpack bytes (``pool_wire``): Ray pickles nothing per
+token. With ``background_release`` a release costs its caller no round trip: ``release_batch`` and
 ``release_tokens`` return once the call is sent, and its answer is awaited (and retried as above)
 in the background, never cancelled with its caller; a refusal is logged instead of raised, and
 ``drain()`` waits for the releases in flight. Calls of one client to one actor run in the order
@@ -47,12 +47,16 @@ RELEASE_BACKOFF_S = 0.5  # doubled after each failed try
 
 class PoolClient:
     def __init__(self, handle: Any, owner: str, call_timeout_s: float = 60.0, renew_s: float = RENEW_S,
-                 background_release: bool = False, packed: bool = False):
+                 background_release: bool = False):
         self.handle, self.owner, self.call_timeout_s, self.renew_s = handle, owner, call_timeout_s, renew_s
-        self.background_release, self.packed = background_release, packed
+        self.background_release = background_release
         self._renewer: asyncio.Task | None = None
         self._cancels: set[asyncio.Task] = set()  # best-effort cancels in flight (kept from the GC)
         self._releases: set[asyncio.Task] = set()  # background releases in flight (kept from the GC)
+
+    def _wire(self, value: BatchRequest | list[Token]) -> Any:
+        """What a request or tokens travel as (``pool_wire``)."""
+        return pack(value)
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         return await bounded(getattr(self.handle, method).remote(*args), timeout_s or self.call_timeout_s)
@@ -81,7 +85,7 @@ class PoolClient:
         self._keep_renewing()
         request_id = uuid.uuid4().hex
         try:
-            answer = await self._call("acquire_batch", pack(request) if self.packed else request, request_id,
+            answer = await self._call("acquire_batch", self._wire(request), request_id,
                                       timeout_s=wait_s + self.call_timeout_s)
             return unpack_tokens(answer, "acquire_batch")
         except (TimeoutError, asyncio.CancelledError):
@@ -107,7 +111,7 @@ class PoolClient:
         await self._release("release_tokens", tokens)
 
     async def _release(self, method: str, tokens: list[Token]) -> None:
-        payload = pack(tokens) if self.packed else tokens
+        payload = self._wire(tokens)
         if not self.background_release:
             return await self._release_tries(method, payload, len(tokens))
         sent = getattr(self.handle, method).remote(payload)  # sent now, ahead of this client's next call

@@ -3,8 +3,8 @@
 Ray pickles an argument or a result it does not know with cloudpickle, one object at a time: for a
 batch of tokens (msgspec structs) that is most of what an acquire or a release costs beyond Ray's
 own round trip (``bench/ray_pool.py``). Packed, each call moves one bytes object, which Ray copies
-as it is. ``PoolClient(packed=True)`` packs; the service answers a packed request packed and
-takes packed or plain tokens alike, so plain callers (tests, tools) keep working.
+as it is. ``PoolClient`` always packs; the service answers a packed request packed and also takes
+the Structs themselves from a caller holding the actor's handle (the Ray tests).
 """
 
 from __future__ import annotations

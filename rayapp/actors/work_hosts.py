@@ -19,8 +19,7 @@ Guarantees, as ``run_in_bundle``'s: a call is bounded by ``timeout_s`` (``AgentT
 times out or is cancelled kills its host, so nothing of it runs on; a lost host, node or bundle is a
 ``SandboxError``, also while the call waits for the bundle (``bundle_watch``); the function's own error
 comes back as itself and its host stays warm. What Ray no longer does: hold each call to the token's
-share of the bundle (the ledger still admits by it); ``pool.work: tasks`` asks for that
-(``run_in_bundle``).
+share of the bundle (the ledger still admits by it).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import msgspec
 from msgspec import Meta
@@ -31,7 +31,6 @@ from rayapp.types import (
 
 OnTaskDone = Callable[[Task, list[Sample]], Awaitable[None]]
 Fetch = Callable[[], Awaitable[list[Task]]]  # a step's tasks in fetch order, in place of the data source's
-Release = Literal["early", "batch_end"]
 # After a step ran: what it leaves to the next one (partial rollouts' carried groups), which a
 # resumable wrapper saves with the step's end
 Carry = Callable[["RolloutResult"], list[Any]]
@@ -61,7 +60,8 @@ class Pool(Protocol):
 
     async def release_tokens(self, tokens: list[Token]) -> None:
         """Give back some tokens of one admitted batch early (early release); the batch still closes
-        whole with ``release_batch``, which frees what it holds then."""
+        whole with ``release_batch``, which frees what it holds then. A pool that cannot free a
+        token before its batch closes makes this a no-op."""
         ...
 
     async def max_tokens_for(self, per_sample: Resource) -> int: ...
@@ -126,11 +126,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "seconds a batch may wait for the pool to admit it, then the step fails; unset: as long as the "
         "batches ahead of it run (a batch the pool can never admit fails at once)"))] = None
     progress: Annotated[bool, Meta(description="show a progress bar per step")] = True
-    # "batch_end" is the spec's behaviour, kept to measure against.
-    release: Annotated[Release, Meta(description="when a batch's placement goes back to the pool: early, each "
-                                                 "sample's share as soon as it ended and no sample of its batch "
-                                                 "waits for one; batch_end, all of it when the batch's last "
-                                                 "sample ends (the spec's)")] = "early"
 
 
 class StepContext(msgspec.Struct, frozen=True):
@@ -143,38 +138,14 @@ class StepContext(msgspec.Struct, frozen=True):
     complete_after: int | None = None  # the step completes once this many groups are handed on
 
 
-class RolloutPlan(msgspec.Struct, frozen=True):
-    """How a wrapper asks the rollout step below it to run, beyond the step's id; every field is
-    optional, and the plain plan runs the step as the scheduler would alone.
-
-    - ``fetch``: the step's tasks, in place of ``rollout_batch_size`` of the data source's;
-    - ``complete_after=n`` (n >= 0): the step completes once ``n`` groups are; the rest come back as
-      ``RolloutResult.unfinished`` (0: nothing runs, every fetched group is unfinished);
-    - ``step_log``: the groups finished before (not run again) and the record of each finished now;
-    - ``carry``: called with the step's result, what it leaves to the next step; a resumable
-      wrapper saves it with the step's end (the scheduler has nothing to save it in);
-    - ``digest``: names what ``fetch`` returns when the trainer chose it (``training.trainer_tasks``);
-      a resumable wrapper saves it with the step's start and resumes only a step begun with the same."""
-
-    fetch: Fetch | None = None
-    complete_after: int | None = None
-    step_log: StepLog | None = None
-    carry: Carry | None = None
-    digest: str | None = None
-
-
-PLAIN = RolloutPlan()
-
-
 @runtime_checkable
 class Rollouts(Protocol):
     """Something that runs a rollout step: the TaskScheduler, and the wrappers that compose over
-    one (``training.checkpoint.ResumableRollouts``, ``training.partial.PartialRollouts``). A wrapper
-    takes the ``Rollouts`` below it and passes its own needs down in the plan; ``on_task_done``
-    fires once per group finished now, with the group as the caller should see it."""
+    one (``training.checkpoint.ResumableRollouts``, ``training.partial.PartialRollouts``); each also
+    takes, as keyword arguments, what the wrapper above it passes down. ``on_task_done`` fires once
+    per group finished now, with the group as the caller should see it."""
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
-                              plan: RolloutPlan = PLAIN) -> RolloutResult: ...
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult: ...
 
 
 class StepState(enum.StrEnum):
@@ -265,8 +236,9 @@ def check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) 
     if data_source is not None:
         require_async(data_source, "get_tasks", "data_source", "async def get_tasks(self, n: int) -> list[Task]")
     if pool is not None:
-        for method in ("acquire_batch", "release_batch", "max_tokens_for"):
-            require_async(pool, method, "pool", f"async def {method}(...) (core.contracts.Pool)")
+        for method in ("acquire_batch", "release_batch", "release_tokens", "max_tokens_for"):
+            hint = "; a pool that frees nothing early makes it a no-op" if method == "release_tokens" else ""
+            require_async(pool, method, "pool", f"async def {method}(...) (core.contracts.Pool){hint}")
     if on_task_done is not None:
         require_async(on_task_done, None, "on_task_done", "async (task, samples) -> None")
     if iteration is not None:

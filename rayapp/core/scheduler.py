@@ -5,10 +5,9 @@ indexed by their position in the fetch: results, the progress callback and a ste
 "group i". ``run_all`` checks first that the pool can ever admit the largest batch each spec will ask
 for (fail fast instead of hanging), then runs the batches concurrently; each batch waits for an
 all-or-nothing admission, runs one Evaluator, and closes its grant in ``finally`` (``release_batch``).
-With ``SchedulerConfig.release="early"`` (the default) the Evaluator gives each token back as soon
-as no sample of its batch can use it (``Pool.release_tokens``), so a later batch may be admitted
-while an earlier one's slowest samples still run; ``"batch_end"`` holds every token until the batch
-closes (the spec's behaviour). Either way the pool is as it was after every step. Results
+The Evaluator gives each token back as soon as no sample of its batch can use it
+(``Pool.release_tokens``), so a later batch may be admitted while an earlier one's slowest samples
+still run. The pool is as it was after every step. Results
 stream out through ``on_task_done`` as each task finishes, and come back whole at the end. The step
 status records how the step ended (done, failed, cancelled), not what its counters suggest.
 
@@ -30,16 +29,16 @@ from rayapp.core.batching import BatchingStrategy, fifo_batching
 from rayapp.core.cascade import build_sampling_params, resolve_stopping
 from rayapp.core.clock import loop_time
 from rayapp.core.contracts import (
-    PLAIN,
     DataSource,
     EvalResult,
+    Fetch,
     IterationSource,
     OnTaskDone,
     Pool,
-    RolloutPlan,
     RolloutResult,
     SchedulerConfig,
     StepContext,
+    StepLog,
     StepState,
     StepStatus,
     UnfinishedGroup,
@@ -104,9 +103,6 @@ class TaskScheduler:
         config = config or SchedulerConfig()
         if config.rollout_batch_size < 1 or config.n_samples_per_eval_prompt < 1:
             raise ValueError("rollout_batch_size and n_samples_per_eval_prompt must be >= 1")
-        if config.release == "early" and pool is not None and not callable(getattr(pool, "release_tokens", None)):
-            raise ValueError(f"SchedulerConfig.release='early' needs a pool with release_tokens; "
-                             f"{type(pool).__name__} has none (set release='batch_end')")
         check_seams(data_source, pool, on_task_done, iteration)
         self.data_source, self.pool, self.config = data_source, pool, config
         self.batching_strategy = batching_strategy or fifo_batching
@@ -118,21 +114,21 @@ class TaskScheduler:
 
     # -- the four moves ----------------------------------------------------------------------
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
-                              plan: RolloutPlan = PLAIN) -> RolloutResult:
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None, *,
+                              fetch: Fetch | None = None, complete_after: int | None = None,
+                              step_log: StepLog | None = None) -> RolloutResult:
         """One rollout step (the ``Rollouts`` protocol). Each fetched task starts a group known by its
-        ``TaskKey.GROUP_ID`` (``identified``). With a ``plan.step_log``, the groups it names as
-        finished are not run again (``on_task_done`` does not fire for them) and come back in place;
-        every group finished now is handed to it before ``on_task_done``. ``plan.fetch`` gives the
-        step's tasks in place of ``rollout_batch_size`` of the data source's.
+        ``TaskKey.GROUP_ID`` (``identified``). With a ``step_log`` (a resumable wrapper's), the groups
+        it names as finished are not run again (``on_task_done`` does not fire for them) and come back
+        in place; every group finished now is handed to it before ``on_task_done``. ``fetch`` gives
+        the step's tasks in place of ``rollout_batch_size`` of the data source's.
 
-        ``plan.complete_after=n``: the step completes once ``n`` groups are (a step log's finished
+        ``complete_after=n`` (partial rollouts): the step completes once ``n`` groups are (a step log's finished
         ones count): the batches still running are cancelled, their episodes torn down and their
         tokens back in the pool before it returns; ``groups`` holds the ``n`` complete groups in fetch
         order and ``unfinished`` every other group with its samples as they were left (n=0: nothing
         runs). A group whose last sample ends after the n-th was handed on is unfinished too: no
         group is handed on twice."""
-        fetch, step_log, complete_after = plan.fetch, plan.step_log, plan.complete_after
         if fetch is None and self.data_source is None:
             raise ValueError("execute_rollout needs a data_source")
         if complete_after is not None and (type(complete_after) is not int or complete_after < 0):
@@ -371,8 +367,8 @@ class TaskScheduler:
         st.batches_waiting -= 1
         st.batches_running += 1
         try:
-            early = tokens is not None and self.config.release == "early"
-            evaluator = Evaluator(spec, step, tokens=tokens, release=self.pool.release_tokens if early else None,
+            evaluator = Evaluator(spec, step, tokens=tokens,
+                                  release=self.pool.release_tokens if tokens is not None else None,
                                   batch=label, admission=(queued, loop_time()) if tokens is not None else None)
 
             def done(k: int) -> Awaitable[None] | None:

@@ -40,6 +40,7 @@ from rayapp.recipe.limits import (
 )
 from rayapp.recipe.paths import with_paths_from
 from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
+from rayapp.recipe.removed import removed_keys
 from rayapp.recipe.runnable import check_runnable
 from rayapp.recipe.yaml_doc import YamlError, read_yaml
 from rayapp.training.dagger import DAggerSchedule
@@ -112,10 +113,6 @@ class PoolConfig(_Strict):
                                                         "layout, overrides each live node's memory")] = None
     pg_ready_timeout_s: Annotated[Seconds, Meta(description="seconds the pool's placement groups (one per node) may "
                                                           "take to become ready at start-up; then it fails")] = 10.0
-    work: Annotated[Literal["hosts", "tasks"], Meta(
-        description="where a sample's function calls (verifiers, tools) run in its bundle: hosts, warm processes "
-                    "kept per bundle (rayapp/actors/work_hosts.py); tasks, a Ray task per call that asks for the "
-                    "token's share (a fresh Python process once Ray's idle workers are gone)")] = "hosts"
 
 
 class SandboxConfig(_Strict):
@@ -340,6 +337,9 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) 
             for name, value in section.items() if isinstance(section, dict) else ():
                 convert(value, type_, "", root=f"$.{key}.{name}")
         check_dagger_section(args.get("dagger") if isinstance(args, dict) else None)
+        removed = next(removed_keys(args), None)
+        if removed is not None:
+            raise RecipeError(source, *removed)
         recipe = convert(args, RecipeConfig, "")
     except InputError as e:
         raise RecipeError(source, e.path, e.reason) from None

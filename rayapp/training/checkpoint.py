@@ -19,7 +19,7 @@ is decoded straight into that type (``core.convert.decode``), so a damaged or fo
 state (the saved one when the step resumes, else where the previous finished step left the stream)
 and saves it; the step's ``StepLog`` hands back the groups finished before (checked against the
 re-fetched tasks) and records each group as it finishes; after the step, ``finish`` marks it done.
-A step whose tasks the trainer chose (``RolloutPlan.digest``) resumes only with the same tasks: other
+A step whose tasks the trainer chose (``execute_rollout(digest=...)``) resumes only with the same tasks: other
 ones (or the data source's, or the reverse) are one ValueError naming the step, before anything runs.
 The scheduler itself knows nothing of checkpoints.
 """
@@ -41,18 +41,16 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.core.contracts import (
-    PLAIN,
+    Carry,
+    Fetch,
     OnTaskDone,
     ResumableSource,
-    RolloutPlan,
     RolloutResult,
-    Rollouts,
     require_async,
 )
 from rayapp.core.convert import InputError, decode
 from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.training.converters import stored_sample
 from rayapp.training.files import atomic_write, fsync_dir
 from rayapp.training.trainer_tasks import tasks_named
 from rayapp.types import Sample, Task
@@ -216,11 +214,7 @@ class RolloutCheckpoint:
         marker = self.folder(rollout_id) / _DONE
         if not marker.exists():
             return None
-        carried = _read(marker, CheckpointFinished).carried
-        for g in carried:
-            for s in g.samples:
-                stored_sample(s)  # one an earlier version wrote: its episode back from the metadata keys
-        return carried
+        return _read(marker, CheckpointFinished).carried
 
     def resume(self, rollout_id: int) -> ResumeState | None:
         """The saved source state and finished groups of an unfinished ``rollout_id``; None when it
@@ -242,7 +236,7 @@ class RolloutCheckpoint:
             except InputError as e:
                 log.warning("resume: skipping %s, its group will be re-run: %s", p, e)
                 continue
-            groups[g.index] = [stored_sample(s) for s in g.samples]  # one an earlier version wrote, too
+            groups[g.index] = g.samples
         self._run[rollout_id], self._done[rollout_id] = state.run, set(groups)
         return ResumeState(rollout_id, state.source_state, dict(sorted(groups.items())), state.tasks_digest)
 
@@ -289,11 +283,11 @@ class _Recorder:
 
 
 class ResumableRollouts:
-    """Rollout steps of the ``Rollouts`` below it (the scheduler), checkpointed and resumable
-    (module docstring). ``source`` is the data source that ``Rollouts`` fetches from: its stream is
-    saved and set back (``ResumableSource``)."""
+    """Rollout steps of the scheduler below it, checkpointed and resumable (module docstring).
+    ``source`` is the data source that scheduler fetches from: its stream is saved and set back
+    (``ResumableSource``)."""
 
-    def __init__(self, rollouts: Rollouts, source: ResumableSource, checkpoint: RolloutCheckpoint):
+    def __init__(self, rollouts: TaskScheduler, source: ResumableSource, checkpoint: RolloutCheckpoint):
         if not isinstance(source, ResumableSource):
             missing = [m for m in ("get_tasks", "state_dict", "load_state_dict")
                        if not callable(getattr(source, m, None))]
@@ -308,21 +302,21 @@ class ResumableRollouts:
         """``scheduler``'s rollout steps, checkpointed, with its data source."""
         return cls(scheduler, scheduler.data_source, checkpoint)
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
-                              plan: RolloutPlan = PLAIN) -> RolloutResult:
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None, *,
+                              fetch: Fetch | None = None, complete_after: int | None = None,
+                              carry: Carry | None = None, digest: str | None = None) -> RolloutResult:
         """The step below; one that was cut short (the process killed) resumes: the same tasks are
         fetched again from the saved source state, and only the groups not recorded as finished run
-        (``on_task_done`` fires for those only). ``plan.fetch`` and ``plan.complete_after`` go down;
-        the step log is this one's; ``plan.carry(result)`` names what the finished step carries on,
-        saved with its end (``carried``)."""
-        if plan.step_log is not None:
-            raise ValueError("a resumable step keeps its own step log (its checkpoint); pass none in the plan")
-        restored = await self._open(rollout_id, plan.digest)
+        (``on_task_done`` fires for those only). ``fetch`` and ``complete_after`` go down, with this
+        one's step log. ``carry(result)`` (partial rollouts) names what the finished step carries
+        on, saved with its end (``carried``); ``digest`` names the trainer's chosen tasks (saved with
+        the step's start: a step resumes only with the same)."""
+        restored = await self._open(rollout_id, digest)
         step_log = _Recorder(self.checkpoint, rollout_id, restored)
-        result = await self.rollouts.execute_rollout(
-            rollout_id, on_task_done, msgspec.structs.replace(plan, step_log=step_log, carry=None))
+        result = await self.rollouts.execute_rollout(rollout_id, on_task_done, fetch=fetch,
+                                                     complete_after=complete_after, step_log=step_log)
         result.metrics["rollout/resumed_groups"] = float(len(restored))
-        carried = plan.carry(result) if plan.carry is not None else []
+        carried = carry(result) if carry is not None else []
         await self._finish(rollout_id, self.source.state_dict(), carried)
         return result
 

@@ -3,8 +3,8 @@ typed record (``Sample.episode``, ``rayapp.record``); here, and only here, it be
 metadata keys (``EpisodeKey``: ``_termination_reason``, ``_placement``, ...), with the names and
 meaning they always had. The step pipeline hands every result out through ``for_trainer`` (the
 manager's results, and what a step stores to serve again); saved trajectories are written with
-``trainer_sample``. ``stored_sample`` is the way back, for samples saved in the trainer's form or by
-an earlier version (trajectory files, rollout checkpoints). And the batch shapes trainers take:
+``trainer_sample``. ``stored_sample`` is the way back, for samples saved in the trainer's form
+(trajectory files). And the batch shapes trainers take:
 verl's ``DataProto`` and slime's ``Sample`` dicts.
 
 Guarantees:
@@ -69,8 +69,6 @@ class EpisodeKey(enum.StrEnum):
     TIMING = "_timing"  # EpisodeTiming: its batch's admission wait, its phases' durations
 
 
-# Task metadata keys of versions before CarriedRun, read back from their checkpoints only.
-_OLD_RESUME_POINTS, _OLD_SAMPLE_INDICES = "_resume_points", "_partial_sample_indices"
 _EMPTY = EpisodeRecord()
 # An abort's phase as the spec names it for the trainer: the verify phase is its "eval" phase.
 _SPEC_PHASE = {EpisodePhase.RUN: "run", EpisodePhase.VERIFY: "eval"}
@@ -143,13 +141,8 @@ def _take(metadata: dict[str, Any], key: EpisodeKey, kind: type[T]) -> T | None:
 
 def stored_sample(s: Sample) -> Sample:
     """``s`` with its episode back in its record, in place, when it was saved in the trainer's form
-    (its metadata keys, which leave its metadata) or by an earlier version (a carried group's sample
-    renumbered in its step: its index in the group back); ``s`` as it is otherwise."""
+    (its metadata keys, which leave its metadata); ``s`` as it is otherwise."""
     m = s.metadata
-    indices = m.pop(_OLD_SAMPLE_INDICES, None)
-    if indices:
-        s.index = indices[s.index]
-    m.pop(_OLD_RESUME_POINTS, None)  # what a step was handed: no part of its result
     if s.episode != _EMPTY or not any(k.value in m for k in EpisodeKey):
         return s
     reason = m.pop(EpisodeKey.TERMINATION_REASON.value, None)

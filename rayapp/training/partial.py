@@ -3,8 +3,8 @@
 
 ``PartialRollouts`` wraps the ``Rollouts`` below it (the TaskScheduler, or a ``ResumableRollouts``
 over it with a ``RolloutCheckpoint``; ``PartialRollouts.over`` builds the stack); the scheduler
-itself knows only its general seam (``RolloutPlan(fetch=..., complete_after=n)``: complete after
-``n`` groups, the rest cancelled and handed back as unfinished). A group is known by its own
+itself knows only its general seam (``execute_rollout(fetch=..., complete_after=n)``: complete
+after ``n`` groups, the rest cancelled and handed back as unfinished). A group is known by its own
 identity (``TaskKey.GROUP_ID``, given when its task was first fetched), never by its task_id: a
 small dataset hands the same task out twice in a step, and again each epoch. Each step:
 
@@ -57,12 +57,9 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.core.contracts import (
-    PLAIN,
     DataSource,
     OnTaskDone,
-    RolloutPlan,
     RolloutResult,
-    Rollouts,
     UnfinishedGroup,
     identified,
     require_async,
@@ -147,21 +144,12 @@ def _unidentified(task: Task) -> Task:
     return msgspec.structs.replace(task, metadata=meta)
 
 
-def _carried_ids(groups: list[CarriedGroup], rollout_id: int) -> list[CarriedGroup]:
-    """Carried groups as this version knows them: one saved before groups had ids gets one now, by
-    its place in what it came with (deterministic, so a resumed step gives it the same one)."""
-    key = TaskKey.GROUP_ID.value
-    return [g if group_id(g.task) is not None else msgspec.structs.replace(
-        g, task=msgspec.structs.replace(g.task, metadata={**g.task.metadata, key: f"carried{rollout_id}/{k}"}))
-        for k, g in enumerate(groups)]
-
-
 class PartialRollouts:
-    """Rollout steps as partial rollouts (module docstring), over any ``Rollouts``: the scheduler, or
-    a ``ResumableRollouts`` over it (then ``checkpoint`` is that one's, and the carried groups survive
-    restarts). It fetches from ``source`` itself and hands the scheduler its tasks through the plan."""
+    """Rollout steps as partial rollouts (module docstring), over the scheduler, or a
+    ``ResumableRollouts`` over it (then ``checkpoint`` is that one's, and the carried groups survive
+    restarts). It fetches from ``source`` itself and hands the scheduler its tasks (``fetch``)."""
 
-    def __init__(self, rollouts: Rollouts, source: DataSource, rollout_batch_size: int,
+    def __init__(self, rollouts: TaskScheduler | ResumableRollouts, source: DataSource, rollout_batch_size: int,
                  config: PartialConfig | None = None, *, checkpoint: RolloutCheckpoint | None = None,
                  on_task_done: OnTaskDone | None = None):
         require_async(source, "get_tasks", "partial rollouts' data_source",
@@ -183,7 +171,7 @@ class PartialRollouts:
         with its data source, batch size and default callback."""
         if scheduler.data_source is None:
             raise ValueError("partial rollouts need a scheduler with a data_source")
-        inner: Rollouts = scheduler if checkpoint is None else ResumableRollouts.over(scheduler, checkpoint)
+        inner = scheduler if checkpoint is None else ResumableRollouts.over(scheduler, checkpoint)
         return cls(inner, scheduler.data_source, scheduler.config.rollout_batch_size, config,
                    checkpoint=checkpoint, on_task_done=scheduler.on_task_done)
 
@@ -191,13 +179,10 @@ class PartialRollouts:
         """The groups the last step carried on (a copy of the list)."""
         return list(self._carry[max(self._carry)]) if self._carry else []
 
-    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None,
-                              plan: RolloutPlan = PLAIN) -> RolloutResult:
+    async def execute_rollout(self, rollout_id: int, on_task_done: OnTaskDone | None = None) -> RolloutResult:
         """One partial step (module docstring): ``groups`` are the ``rollout_batch_size`` complete
         groups in fetch order (carried ones first), each whole; the unfinished ones stay here for
-        the next step. It plans its own steps: ``plan`` must be the plain one."""
-        if plan != PLAIN:
-            raise ValueError("partial rollouts plan the step themselves (fetch, complete_after); pass no plan")
+        the next step."""
         start = math.ceil(self.size * self.config.over_provision)
         carried_in = await self._carried_into(rollout_id)
         carried = [self._attempt(g, rollout_id) for g in carried_in]
@@ -228,9 +213,10 @@ class PartialRollouts:
             if callback is not None:
                 await callback(g.task, samples)
         try:
+            # a checkpoint below saves what the step carries on with the step's end
+            saved = {"carry": carry} if isinstance(self.rollouts, ResumableRollouts) else {}
             result = await self.rollouts.execute_rollout(
-                rollout_id, whole_done if callback is not None else None,
-                RolloutPlan(fetch=fetch, complete_after=left, carry=carry))
+                rollout_id, whole_done if callback is not None else None, fetch=fetch, complete_after=left, **saved)
         except BaseException:
             if self.checkpoint is None:  # its checkpoint takes a resumed step up again; without one, this does
                 fresh = [CarriedGroup(t, rollout_id) for t in tasks[len(running):]]
@@ -273,7 +259,7 @@ class PartialRollouts:
         if self.checkpoint is not None:
             if rollout_id == 0:
                 return []
-            return _carried_ids(await in_thread(self.checkpoint.carried, rollout_id - 1) or [], rollout_id - 1)
+            return await in_thread(self.checkpoint.carried, rollout_id - 1) or []
         return [CarriedGroup(_unidentified(g.task), rollout_id) for g in self.carried()]
 
     def _attempt(self, group: CarriedGroup, rollout_id: int) -> CarriedGroup:

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rayapp.core.contracts import PLAIN, EvalResult, OnTaskDone, RolloutPlan, RolloutResult, Rollouts
+from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult
 from rayapp.core.metrics import abort_digest
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.training.artifacts import EvalDetailsWriter
@@ -130,7 +130,7 @@ class StepRunner:
         self.release_previous, self.reuse = release_previous, reuse
         # With a checkpoint folder, a rollout cut short resumes where it stopped; with ``partial``,
         # steps are partial rollouts (training.partial), their carried groups in that folder too.
-        self._rollouts: Rollouts = scheduler
+        self._rollouts: TaskScheduler | PartialRollouts | ResumableRollouts = scheduler
         if partial is not None:
             self._rollouts = PartialRollouts.over(scheduler, partial, checkpoint)
         elif checkpoint is not None:
@@ -172,18 +172,17 @@ class StepRunner:
                              "ones first, more than the step returns), so they cannot run the trainer's tasks; "
                              "turn scheduler.partial off, or pass no tasks")
         chosen = step_tasks(rollout_id, tasks)
-        plan = RolloutPlan(fetch=_given(chosen), digest=tasks_digest(chosen))
-        return await self.results.once(StepKind.ROLLOUT, rollout_id, lambda rid: self._rollout(rid, plan),
-                                       digest=plan.digest)
+        return await self.results.once(StepKind.ROLLOUT, rollout_id, lambda rid: self._rollout(rid, chosen),
+                                       digest=tasks_digest(chosen))
 
     async def evaluate(self, rollout_id: int) -> EvalResult:
         """Eval step ``rollout_id``'s result: run once, then served again (module docstring)."""
         return await self.results.once(StepKind.EVAL, rollout_id, self._evaluate)
 
-    async def _rollout(self, rollout_id: int, plan: RolloutPlan = PLAIN) -> RolloutResult:
+    async def _rollout(self, rollout_id: int, chosen: list[Task] | None = None) -> RolloutResult:
         async with self._lock:
             await self._begin()
-            ran = await self._run_or_reuse(rollout_id, plan)
+            ran = await self._run_or_reuse(rollout_id, chosen)
             ran.metrics.update(roll_in_metrics(ran.groups))  # before the filters: every roll-in counts
             result, report = filter_step(ran, self.filters, self.abort_cap)
             self._step_ran(StepKind.ROLLOUT, rollout_id, [s for g in ran.groups for s in g], result.metrics)
@@ -236,20 +235,29 @@ class StepRunner:
             return {}
         return {k: str(p) for k, p in paths.items()}
 
-    async def _run_or_reuse(self, rollout_id: int, plan: RolloutPlan) -> RolloutResult:
+    def _running(self, chosen: list[Task] | None) -> dict[str, Any]:
+        """What the rollouts below take to run the trainer's tasks: them, and with a checkpoint the
+        digest that names them (a step resumes only with the same)."""
+        if chosen is None:
+            return {}
+        digest = {"digest": tasks_digest(chosen)} if isinstance(self._rollouts, ResumableRollouts) else {}
+        return {"fetch": _given(chosen), **digest}
+
+    async def _run_or_reuse(self, rollout_id: int, chosen: list[Task] | None) -> RolloutResult:
         """A fresh rollout, or the saved one the reuse policy (docs/scheduler.md §5) points at; the
-        trainer's tasks (``plan.fetch``) always run fresh, and a policy that would reuse is refused."""
+        trainer's tasks (``chosen``) always run fresh, and a policy that would reuse is refused."""
+        given = self._running(chosen)
         if self.trajectory_dir is None:
-            return await self._rollouts.execute_rollout(rollout_id, self._observed(StepKind.ROLLOUT), plan)
+            return await self._rollouts.execute_rollout(rollout_id, self._observed(StepKind.ROLLOUT), **given)
         ran: list[RolloutResult] = []
         policy = self.reuse or ReusePolicy.from_env()
-        if plan.fetch is not None and not (decision := policy.decide(rollout_id, self.trajectory_dir)).fresh:
+        if chosen is not None and not (decision := policy.decide(rollout_id, self.trajectory_dir)).fresh:
             raise ValueError(f"rollout {rollout_id}: the reuse policy would load {decision.load_path} "
                              f"({decision.mode}) instead of running the trainer's tasks; set "
                              f"STACX_FORCE_FRESH_ROLLOUT=1, or unset scheduler.trajectory_dir")
 
         async def run() -> list[list[Sample]]:
-            ran.append(await self._rollouts.execute_rollout(rollout_id, self._observed(StepKind.ROLLOUT), plan))
+            ran.append(await self._rollouts.execute_rollout(rollout_id, self._observed(StepKind.ROLLOUT), **given))
             return ran[0].groups
 
         groups, decision = await rollout_or_reuse(rollout_id, self.trajectory_dir, run, policy)

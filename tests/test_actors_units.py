@@ -124,3 +124,23 @@ def test_the_gateway_url_is_the_proxy_s_loopback_address_under_the_app_s_prefix(
     assert gateway_base_url("head.internal", 8000, "/x") == "http://head.internal:8000/x/gateway"
     with pytest.raises(ValueError, match="route_prefix"):
         gateway_base_url("127.0.0.1", 8000, None)
+
+
+def test_the_manager_serves_the_gateway_routes_from_their_own_module_each_bound_to_its_replica():
+    """Issue 31 point 5: the agent gateway's routes live in ``actors/gateway_routes.py`` and the manager's
+    ingress includes them; the app still answers every route it did, each with its own parameters only
+    (a ``self`` left as a query parameter would mean Serve did not bind the method to the replica)."""
+    from rayapp.actors import gateway_routes
+    from rayapp.actors.manager import SchedulerRolloutManager, api
+
+    paths = {path: sorted(ops) for path, ops in api.openapi()["paths"].items()}
+    gateway = {f"/gateway/{{episode}}/v1/{r}": ["post"] for r in ("chat/completions", "responses", "completions")}
+    assert paths == {**gateway, "/gateway/{episode}/v1/models": ["get"], "/status": ["get"],
+                     "/placement": ["get"], "/healthz": ["get"], "/rollout/{rollout_id}": ["get", "post"],
+                     "/eval/{rollout_id}": ["get", "post"]}
+    for path, ops in api.openapi()["paths"].items():
+        for op in ops.values():
+            assert "self" not in {p["name"] for p in op.get("parameters", [])}, path
+    assert issubclass(SchedulerRolloutManager, gateway_routes.GatewayRoutes)
+    own = {name for name, v in vars(SchedulerRolloutManager).items() if callable(v)}
+    assert not {n for n in own if n.startswith("gateway_")}, "the gateway's routes belong to gateway_routes.py"

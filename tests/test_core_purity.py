@@ -46,3 +46,38 @@ def test_the_package_imports_no_trainer_and_the_trl_adapter_not_trl():
     assert_imports_none_of("rayapp, rayapp.trainers, rayapp.trainers.sync", ("trl", "accelerate", "datasets", "verl"))
     # the adapter needs only what TRL's loop hands it, and transformers' callback base (which loads accelerate)
     assert_imports_none_of("rayapp.trainers.trl", ("trl",))
+
+
+def test_the_recipe_package_has_no_import_cycle_even_through_imports_inside_functions():
+    """Issue 31 point 4: ``recipe/config.py`` imported ``recipe/wiring.py`` inside a function while the
+    wiring imported the config; each module of ``rayapp/recipe`` now sits above the ones it imports."""
+    import ast
+    from pathlib import Path
+
+    import rayapp.recipe
+
+    folder = Path(rayapp.recipe.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        graph[path.stem] = {n.split(".")[2] if n.count(".") >= 2 else "__init__" for n in names
+                            if n == "rayapp.recipe" or n.startswith("rayapp.recipe.")} - {path.stem}
+        graph[path.stem] &= {p.stem for p in folder.glob("*.py")} | {"__init__"}
+
+    def cycle_from(start: str, seen: tuple[str, ...]) -> tuple[str, ...] | None:
+        for nxt in sorted(graph.get(start, ())):
+            if nxt in seen:
+                return (*seen[seen.index(nxt):], nxt)
+            if (found := cycle_from(nxt, (*seen, nxt))) is not None:
+                return found
+        return None
+
+    cycles = [c for m in sorted(graph) if (c := cycle_from(m, (m,))) is not None]
+    assert not cycles, f"import cycle in rayapp/recipe: {' -> '.join(cycles[0])}"
+    assert graph["load"] >= {"config", "wiring"} and "load" not in graph["config"] | graph["wiring"]

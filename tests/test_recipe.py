@@ -58,6 +58,34 @@ def test_a_recipe_takes_a_dagger_schedule_and_filters():
         parse_recipe(args)
 
 
+def test_the_user_set_variables_are_read_once_when_the_recipe_is_built_and_a_bad_one_stops_the_build(monkeypatch):
+    """Issue 31 point 4: the spec's user-set STACX_* variables are read when the step runner is built
+    (``rayapp.recipe.environment``), not at each step; a bad one is an error naming the variable then."""
+    from rayapp.recipe import build_step_runner
+
+    async def not_called(*a, **kw):
+        raise AssertionError("the wiring must not run or open anything")
+
+    args = _local()
+    args["dagger"] = {"t_max_step": 0}
+    cfg = parse_recipe(args)
+    for name, value in (("STACX_REUSE_ROLLOUT", "1"), ("STACX_DAGGER_EVAL_BETA", "0.3"), ("STACX_DAGGER_T_MAX", "12")):
+        monkeypatch.setenv(name, value)
+    runner = build_step_runner(cfg, {"student": object()}, None, executor=not_called, open_sandbox=not_called)
+    for name in ("STACX_REUSE_ROLLOUT", "STACX_DAGGER_EVAL_BETA", "STACX_DAGGER_T_MAX"):
+        monkeypatch.setenv(name, "changed later, not read")
+    iteration = runner.scheduler.iteration
+    assert runner.reuse.reuse_rollout and (iteration.eval_beta, iteration.static_t_max) == (0.3, 12)
+    monkeypatch.setenv("STACX_SAVE_PER_ITER_PT", "maybe")
+    with pytest.raises(RecipeError) as info:
+        build_step_runner(cfg, {"student": object()}, None, executor=not_called, open_sandbox=not_called)
+    assert str(info.value).startswith("environment variable: STACX_DAGGER_EVAL_BETA=")  # the first bad one
+    for name in ("STACX_REUSE_ROLLOUT", "STACX_DAGGER_EVAL_BETA", "STACX_DAGGER_T_MAX"):
+        monkeypatch.delenv(name)
+    with pytest.raises(RecipeError, match=r"^environment variable: STACX_SAVE_PER_ITER_PT='maybe': expected 1 or 0"):
+        build_step_runner(cfg, {"student": object()}, None, executor=not_called, open_sandbox=not_called)
+
+
 def test_stacx_dagger_env_concurrency_sets_the_ceiling_of_swe_dagger_evaluators_only():
     args = _local()
     args["engines"]["teacher"] = args["engines"]["student"]
@@ -231,3 +259,17 @@ def test_a_layout_file_is_read_by_load_recipe_only(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match=r'^recipe "r\.yaml": \$\.pool\.cluster_layout: cluster layout '
                                           r'"layout\.json": \$\.n\[1\]: duplicate GPU id 0$'):
         load_recipe("r.yaml")
+
+
+def test_no_module_but_the_writer_touches_the_process_environment_where_stacx_variables_are_named():
+    """The user-set STACX_* variables are read by ``recipe/environment.py`` from the mapping it is handed
+    (the wiring hands it ``os.environ`` once, at the build); the code-set ones are written by
+    ``training/stacx_env.py`` alone. No other module reads the process's environment for them."""
+    from pathlib import Path
+
+    import rayapp
+
+    names = re.compile(r"STACX_|ENV_T_MAX|ENV_EVAL_BETA|ENV_KNOBS|ENV_CONCURRENCY")
+    touching = {str(p.relative_to(Path(rayapp.__file__).parent)) for p in Path(rayapp.__file__).parent.rglob("*.py")
+                if re.search(r"os\.environ|getenv", (text := p.read_text())) and names.search(text)}
+    assert touching == {"training/stacx_env.py"}

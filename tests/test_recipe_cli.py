@@ -220,7 +220,7 @@ def test_rayapp_run_hands_the_driver_its_options_and_returns_its_exit_status(tmp
     code, out, _ = _main(capsys, "run", "local", "--timeout", "60", "--", "--rollouts", "2", "--timeout", "5")
     assert code == 3 and "local/rollout.yaml: OK" in out and "driver done" in out
     # the recipe deployed as validated: its dataset paths absolute against its folder
-    from rayapp.recipe.config import recipe_document
+    from rayapp.recipe.load import recipe_document
 
     assert yaml.safe_load(seen["recipe"].read_text()) == recipe_document(GOOD)[0]
     assert seen["cwd"] == tmp_path and seen["address"] is None

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rayapp.recipe.environment import read_environment
 from rayapp.record import Iteration
 from rayapp.training.dagger import (
     ENV_BETA,
@@ -19,7 +20,6 @@ from rayapp.training.dagger import (
     DAggerIterations,
     DAggerSchedule,
     add_dagger_args,
-    eval_beta,
 )
 from rayapp.training.stacx_env import StacxEnv, env_values
 from rayapp.types import StepKind
@@ -29,6 +29,17 @@ def publish(state, env=None):
     """What the observer writes for a rollout step with ``state``; the values it wrote."""
     StacxEnv(env).published(StepKind.ROLLOUT, state)
     return env_values(state)
+
+
+def eval_beta(env):
+    """Eval's β as the recipe's build reads it from ``env`` (``rayapp.recipe.environment``)."""
+    return read_environment(env).eval_beta
+
+
+def iterations(schedule, env, observers=()):
+    """The schedule's DAggerIterations with the user-set variables of ``env``, read as the build does."""
+    read = read_environment(env)
+    return DAggerIterations(schedule, read.eval_beta, read.static_t_max, observers=observers)
 
 
 def pop_beta_for_eval(env):
@@ -157,7 +168,7 @@ def test_t_max_step_guard_keeps_a_static_tail_length():
 ])
 def test_agents_see_the_guarded_t_max_never_0(static, schedule, rollout_id, seen):
     env = {} if static is None else {ENV_T_MAX: static}
-    it = DAggerIterations(schedule, env, observers=[StacxEnv(env)])
+    it = iterations(schedule, env, observers=[StacxEnv(env)])
     for state in (it.rollout_state(rollout_id), it.eval_state(rollout_id)):
         assert (state.t_max or None) == seen
         assert state.rollout_id == rollout_id and state.t_max_step == schedule.t_max_step
@@ -170,7 +181,7 @@ def test_agents_see_the_guarded_t_max_never_0(static, schedule, rollout_id, seen
 def test_agents_get_the_ramp_else_the_static_else_the_start_t_max_and_never_0(start, end, step, t, static):
     env = {} if static is None else {ENV_T_MAX: str(static)}
     schedule = DAggerSchedule(t_max_start=start, t_max_end=end, t_max_step=step)
-    state = DAggerIterations(schedule, env).rollout_state(t)
+    state = iterations(schedule, env).rollout_state(t)
     want = schedule.t_max(t) if step else (static if static is not None else start)
     assert state.t_max == want
 
@@ -178,8 +189,8 @@ def test_agents_get_the_ramp_else_the_static_else_the_start_t_max_and_never_0(st
 @pytest.mark.parametrize("bad", ["-3", "five", "1.5", "9" * 5000])
 def test_a_bad_static_tail_length_is_one_error_and_publishes_nothing(bad):
     env = {ENV_T_MAX: bad}
-    with pytest.raises(ValueError, match=f"{ENV_T_MAX}: a statically set tail length must be an integer >= 0"):
-        DAggerIterations(DAggerSchedule(t_max_step=0), env, observers=[StacxEnv(env)]).rollout_state(2)
+    with pytest.raises(ValueError, match=f"{ENV_T_MAX}='.*': a statically set tail length must be an integer >= 0"):
+        iterations(DAggerSchedule(t_max_step=0), env, observers=[StacxEnv(env)]).rollout_state(2)
     assert env == {ENV_T_MAX: bad}
 
 

@@ -11,6 +11,7 @@ from conftest import run
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, verify
+from rayapp.recipe.environment import read_environment
 from rayapp.record import Iteration
 from rayapp.training.dagger import DAggerIterations, DAggerSchedule
 from rayapp.training.stacx_env import StacxEnv
@@ -36,9 +37,11 @@ def scheduler(seen, schedule):
         return AgentResult(tokens=[1, 2], response_length=1, response=str(sample.label))
 
     spec = EvaluatorSpec("arithmetic", FunctionAgent(run_fn, verify))
+    env = read_environment(os.environ)  # the user-set variables, read as the recipe's build reads them
     return TaskScheduler([spec], Source(), None, SchedulerConfig(rollout_batch_size=2, progress=False),
                          eval_datasets={"a": ArithmeticSource(9).take(1)},
-                         iteration=DAggerIterations(schedule, observers=[StacxEnv()]))
+                         iteration=DAggerIterations(schedule, env.eval_beta, env.static_t_max,
+                                                   observers=[StacxEnv()]))
 
 
 def test_rollout_publishes_state_before_the_fetch_and_returns_it(clean_env):
@@ -55,7 +58,7 @@ def test_a_static_tail_length_is_not_clobbered_when_the_ramp_is_off(clean_env):
     clean_env.setenv("STACX_DAGGER_T_MAX", "17")
     seen: list = []
     run(scheduler(seen, DAggerSchedule(decay_iters=2)).execute_rollout(1))
-    assert seen[1][4] == "17" and seen[1][1] == 0.5
+    assert seen[1][4] == "17" and seen[1][1] == 0.5 and seen[1][2] == 17  # agents get it typed too
 
 
 @pytest.mark.parametrize(("eval_beta", "expected"), [(None, 0.0), ("0.3", 0.3)])

@@ -1,5 +1,6 @@
 import enum
 import io
+import os
 import pickle
 import re
 from collections import namedtuple
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rayapp.training.trajectories as tr
+from rayapp.recipe.environment import read_environment
 from rayapp.record import EpisodeRecord, TurnRecord
 from rayapp.training.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy, SaveKind
 from rayapp.training.trajectories import (
@@ -194,7 +196,7 @@ def test_every_bad_file_is_one_trajectory_error_naming_it(tmp_path, content, pro
 # ---- reuse policy --------------------------------------------------------------------------------
 
 def _decide(env, rollout_id, save_dir):
-    return ReusePolicy.from_env(env).decide(rollout_id, save_dir)
+    return read_environment(env).reuse.decide(rollout_id, save_dir)
 
 
 def test_decision_table(tmp_path):
@@ -230,18 +232,18 @@ def test_per_iter_replay_in_order_and_errors(tmp_path):
     with pytest.raises(ValueError, match="both iteration 2"):
         _decide(env, 0, tmp_path)
     with pytest.raises(ValueError, match="STACX_REUSE_ROLLOUT=1 and STACX_REUSE_PER_ITER_DIR are both set"):
-        ReusePolicy.from_env({**env, "STACX_REUSE_ROLLOUT": "1"})
+        read_environment({**env, "STACX_REUSE_ROLLOUT": "1"})
 
 
 @pytest.mark.parametrize("name", ["STACX_FORCE_FRESH_ROLLOUT", "STACX_REUSE_ROLLOUT", "STACX_SAVE_PER_ITER_PT"])
 def test_bad_env_value_names_the_variable(name):
     with pytest.raises(ValueError, match=f"{name}='maybe': expected 1 or 0"):
-        ReusePolicy.from_env({name: "maybe"})
+        read_environment({name: "maybe"})
 
 
 def test_bad_rollout_id_and_os_environ(monkeypatch, tmp_path):
     monkeypatch.setenv("STACX_REUSE_ROLLOUT", "yes")
-    assert ReusePolicy.from_env().reuse_rollout
+    assert read_environment(os.environ).reuse.reuse_rollout
     with pytest.raises(ValueError, match="rollout_id must be an int >= 0"):
         ReusePolicy().decide(-1, tmp_path)
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Path, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
+from rayapp.actors.gateway_routes import GatewayRoutes
+from rayapp.actors.gateway_routes import router as gateway_router
 from rayapp.actors.heap import trim_soon
 from rayapp.actors.http import ERRORS, error_response, exception_response, gateway_base_url, parse_step_id, summary
 from rayapp.actors.http_auth import HttpGuard, load_token, ray_cluster_token
@@ -31,7 +33,6 @@ from rayapp.actors.pool_client import PoolClient
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.actors.work_hosts import WorkHosts
 from rayapp.core.contracts import EvalResult, RolloutResult
-from rayapp.gateway.http import gateway_response
 from rayapp.gateway.service import Gateway
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
 from rayapp.training.step_jobs import StepConflict, StepJobs
@@ -49,6 +50,7 @@ SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")
 CONTROLLER_TIMEOUT_S = 30.0
 
 api = FastAPI(title="rayapp rollout manager")
+api.include_router(gateway_router)
 
 
 # Registered before the class: @serve.ingress takes the app (and the names the class uses) as they are then.
@@ -59,7 +61,7 @@ async def _unhandled(request: Request, error: Exception) -> JSONResponse:
 
 
 @serve.ingress(api)
-class SchedulerRolloutManager:
+class SchedulerRolloutManager(GatewayRoutes):
     def __init__(self, recipe: dict[str, Any], engines: dict[str, Any], pool: Any | None = None,
                  owner: str = "rayapp-manager"):
         follow_serve_logging()
@@ -196,24 +198,6 @@ class SchedulerRolloutManager:
     def healthz(self) -> dict[str, bool]:
         """Open to all (probes carry no token); it says nothing but that the replica answers."""
         return {"ok": True}
-
-    # The agent gateway's routes (docs/agents.md): the episode's own key authenticates each call, so
-    # they do not ask for the admin token (an agent must never hold it).
-    @api.post("/gateway/{episode}/v1/chat/completions")
-    async def gateway_chat(self, episode: str, request: Request) -> Response:
-        return await gateway_response(self.gateway, episode, "chat/completions", request)
-
-    @api.post("/gateway/{episode}/v1/responses")
-    async def gateway_responses(self, episode: str, request: Request) -> Response:
-        return await gateway_response(self.gateway, episode, "responses", request)
-
-    @api.post("/gateway/{episode}/v1/completions")
-    async def gateway_completions(self, episode: str, request: Request) -> Response:
-        return await gateway_response(self.gateway, episode, "completions", request)
-
-    @api.get("/gateway/{episode}/v1/models")
-    async def gateway_models(self, episode: str, request: Request) -> Response:
-        return await gateway_response(self.gateway, episode, "models", request)
 
     @api.post("/rollout/{rollout_id}", status_code=202, responses=ERRORS)
     async def http_rollout(self, request: Request, rollout_id: str = STEP_ID) -> JSONResponse:

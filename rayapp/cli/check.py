@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from rayapp.cli.isolate import run_watched
-from rayapp.recipe.config import APP_IMPORT_PATH
+from rayapp.recipe.load import APP_IMPORT_PATH
 
 
 def json_path(doc: Any, loc: tuple[Any, ...]) -> str:
@@ -102,7 +102,7 @@ def _recipe_findings(path: str | os.PathLike, app: int | None) -> list[Any]:
     one problem, else its verifiers' (``recipe.runnable.verifier_problems``: the first); and the recipe's
     warnings (``recipe.runnable.recipe_warnings``)."""
     from rayapp.recipe import RecipeError, load_recipe
-    from rayapp.recipe.config import recipe_document
+    from rayapp.recipe.load import recipe_document
     from rayapp.recipe.runnable import recipe_warnings, routed_rows, verifier_problems
 
     try:
@@ -129,7 +129,7 @@ def findings(path: str | os.PathLike) -> tuple[list[str], list[str]]:
     run, but not as the recipe likely meant."""
     from rayapp.envs.plugins import PluginError, plugin_timeout_s
     from rayapp.recipe import RecipeError
-    from rayapp.recipe.config import read_recipe_file
+    from rayapp.recipe.load import read_recipe_file
 
     where = f'recipe "{os.fsdecode(path)}"'
     try:

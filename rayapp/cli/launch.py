@@ -23,7 +23,7 @@ import yaml
 
 from rayapp.cli.check import validate
 from rayapp.cli.local import LOCAL_ENV, ROOT, free_port, local_app
-from rayapp.recipe.config import recipe_document
+from rayapp.recipe.load import recipe_document
 
 HERE = Path(__file__).resolve().parent
 RECIPES = HERE / "recipes"  # the checkout's recipes/ (a link there), shipped as package data

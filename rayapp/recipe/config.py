@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import itertools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
@@ -38,11 +37,9 @@ from rayapp.recipe.limits import (
     check_limits,
     layout_of,
 )
-from rayapp.recipe.paths import with_paths_from
-from rayapp.recipe.plugins import check_dataset_env, check_dataset_files, check_evaluator_env
+from rayapp.recipe.plugins import check_dataset_env, check_evaluator_env
 from rayapp.recipe.removed import removed_keys
 from rayapp.recipe.runnable import check_runnable
-from rayapp.recipe.yaml_doc import YamlError, read_yaml
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
@@ -262,71 +259,6 @@ class RecipeConfig(_Strict):
 
 # What an error names when the recipe came as a Serve config's args (Serve does not say from which file).
 ARGS_SOURCE = "<serve args>"
-APP_IMPORT_PATH = "rayapp.actors.app:build_app"
-# The top-level keys of a Serve config besides "applications" (ray.serve.schema.ServeDeploySchema).
-SERVE_KEYS = {"proxy_location", "http_options", "grpc_options", "controller_options", "logging_config",
-              "tracing_config", "target_capacity"}
-
-
-def read_recipe_file(path: str | os.PathLike) -> Any:
-    """The YAML document in ``path``, read within bounds (``yaml_doc``), or one RecipeError naming it."""
-    try:
-        return read_yaml(path)
-    except OSError as e:
-        raise RecipeError(path, None, f"cannot read file: {e.strerror or e}") from None
-    except YamlError as e:
-        raise RecipeError(path, e.path, e.reason) from None
-
-
-def recipe_document(path: str | os.PathLike, app: int | None = None) -> tuple[Any, Any, str]:
-    """The file ``path`` read, its relative dataset paths and folders resolved against its folder: (the document,
-    the recipe's args in it, their JSON path). ``app``: which of a Serve config's applications (by index; its
-    import_path must be rayapp's builder); None: the first whose import_path is."""
-    doc = read_recipe_file(path)
-    base = os.path.dirname(os.path.abspath(path))
-    args, root = doc, "$"
-    serve_keys = sorted(set(doc) & SERVE_KEYS) if isinstance(doc, dict) else []
-    if serve_keys and "applications" not in doc:
-        raise RecipeError(path, "$", f"a Serve config ({', '.join(serve_keys)}) needs \"applications\": a list with "
-                                     f"an application whose import_path is {APP_IMPORT_PATH} and whose args are "
-                                     f"the recipe")
-    if isinstance(doc, dict) and "applications" in doc:
-        apps = doc["applications"] if isinstance(doc["applications"], list) else []
-        i = next((i for i, a in enumerate(apps) if isinstance(a, dict) and a.get("import_path") == APP_IMPORT_PATH
-                  and app in (None, i)), None)
-        if i is None:
-            raise RecipeError(path, "$.applications", f"no application with import_path {APP_IMPORT_PATH}")
-        args, root = with_paths_from(apps[i].get("args"), base), f"$.applications[{i}].args"
-        doc = {**doc, "applications": [*apps[:i], {**apps[i], "args": args}, *apps[i + 1:]]}
-    else:
-        doc = args = with_paths_from(args, base)
-    return doc, args, root
-
-
-def load_recipe(path: str | os.PathLike, app: int | None = None) -> tuple[dict[str, Any], RecipeConfig]:
-    """The recipe in file ``path``: a Serve config (the args of its rayapp application) or a bare args
-    mapping, as (args, RecipeConfig), its layout file (relative to the working directory) and dataset
-    files (relative to the recipe file's folder, as its folders are) read too; any failure is one
-    RecipeError naming ``path``. ``app``: as ``recipe_document`` takes it."""
-    _, args, root = recipe_document(path, app)
-    if not isinstance(args, dict):
-        raise RecipeError(path, root, f"expected an object of recipe sections, got {show(args)}")
-    try:
-        recipe = parse_recipe(args, source=path)
-        # a layout file and dataset files too, from here
-        layout_file = recipe.pool.cluster_layout is not None and not is_inline(recipe.pool.cluster_layout)
-        fit = check_limits(recipe, layout_of(recipe.pool)) if layout_file else iter(())
-        from rayapp.recipe.wiring import check_builds  # the wiring builds on this module
-
-        problem = next(itertools.chain(_check_layout(recipe.pool), fit, check_dataset_files(recipe),
-                                       check_builds(recipe)), None)
-        if problem is not None:
-            raise RecipeError(path, *problem)
-    except RecipeError as e:  # the path inside the file, not inside the args
-        raise RecipeError(path, root + (e.path or "$")[1:], e.reason) from None
-    return args, recipe
-
-
 def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) -> RecipeConfig:
     """``args`` as a RecipeConfig, or one RecipeError naming ``source`` and the JSON path."""
     try:
@@ -368,7 +300,7 @@ def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     # A layout file is read where the pool replica runs (the head's working directory), which the build
     # need not share: only load_recipe, on the user's side, reads it ahead.
     if is_inline(recipe.pool.cluster_layout):
-        yield from _check_layout(recipe.pool)
+        yield from check_layout(recipe.pool)
     # Sizes, folders and engine options (recipe/limits.py); a layout file is
     # load_recipe's to read, so only an inline one is fitted here.
     yield from check_limits(recipe, layout_of(recipe.pool) if is_inline(recipe.pool.cluster_layout) else None)
@@ -395,7 +327,7 @@ def _check_dataset_cfg(at: str, cfg: dict[str, Any]) -> Iterator[tuple[str, str]
             yield f"{at}{e.path[1:]}", e.reason
 
 
-def _check_layout(pool: PoolConfig) -> Iterator[tuple[str, str]]:
+def check_layout(pool: PoolConfig) -> Iterator[tuple[str, str]]:
     """The pool's layout read as the pool replica will read it, so a bad one fails before it starts."""
     if pool.gate:
         try:
@@ -415,15 +347,6 @@ def _check_evaluator(at: str, ev: EvaluatorConfig, engines: Mapping[str, EngineC
         yield f"{at}.sandbox", 'kind "local", or kind "docker" with an image'
 
 
-# Launch-time environment variables the spec's recipes read (name -> (default, meaning)).
-ENV_CONCURRENCY = "STACX_DAGGER_ENV_CONCURRENCY"
-ENV_KNOBS: dict[str, tuple[str, str]] = {
-    ENV_CONCURRENCY: ("(unset)", "user-set: when set, the per-evaluator concurrency (resource.concurrency, the "
-                                 "ceiling of samples at once) of every SWE DAgger evaluator (env swe with a "
-                                 "teacher); the spec's SWE recipe default is 4"),
-}
-
-
 def check_live_gpus(recipe: RecipeConfig, cluster_gpus: float | None, source: str = ARGS_SOURCE) -> None:
     """A layout read off the live cluster (``cluster_gpus``: its GPUs; None: no cluster to read) needs
     GPUs there when samples ask for them: say so at `serve run` time, not as a deadlock at the first
@@ -435,20 +358,3 @@ def check_live_gpus(recipe: RecipeConfig, cluster_gpus: float | None, source: st
             source, "$.evaluators", f"{wanted} hold GPU fractions, but this Ray cluster has no GPUs. On one "
             f"machine start Ray with logical GPUs first (ray start --head --num-gpus=4 "
             f"--node-ip-address=127.0.0.1), or give pool.cluster_layout / gpu: 0")
-
-
-def apply_env(recipe: RecipeConfig, environ: Mapping[str, str], source: str = ARGS_SOURCE) -> RecipeConfig:
-    """The recipe with the launch-time variables of ``ENV_KNOBS`` applied (read in the manager's
-    process: set them in the Serve config's ``runtime_env.env_vars`` or the shell of ``serve run``)."""
-    raw = environ.get(ENV_CONCURRENCY)
-    if raw is None:
-        return recipe
-    try:
-        concurrency = int(raw)
-        if concurrency < 1:
-            raise ValueError
-    except ValueError:
-        raise RecipeError(source, f"{ENV_CONCURRENCY}={raw!r}", "expected an integer >= 1") from None
-    evaluators = [msgspec.structs.replace(ev, resource=msgspec.structs.replace(ev.resource, concurrency=concurrency))
-                  if ev.teacher is not None and ev.env == "swe" else ev for ev in recipe.evaluators]
-    return msgspec.structs.replace(recipe, evaluators=evaluators)

@@ -120,7 +120,7 @@ def _show(r: Resource) -> str:
 
 
 def layout_of(pool: Any) -> dict[str, NodeSpec] | None:
-    """The pool's layout, read (its problems are ``_check_layout``'s to report: None here then)."""
+    """The pool's layout, read (its problems are ``config.check_layout``'s to report: None here then)."""
     try:
         return parse_cluster_layout(pool.cluster_layout, pool.num_cpus or 0.0, pool.memory_gb or 0.0)
     except ValueError:

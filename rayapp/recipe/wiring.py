@@ -11,6 +11,7 @@ wiring imports no Ray, and a test wires a recipe with stand-ins.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from rayapp.envs.protocol import AgentDeps, Engine, Executor
 from rayapp.envs.registry import get_env, make_dataset
 from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.recipe.config import ARGS_SOURCE, DatasetConfig, EvaluatorConfig, RecipeConfig, RecipeError
+from rayapp.recipe.environment import RunEnvironment, read_environment
 from rayapp.recipe.runnable import rows_problem
 from rayapp.training.artifacts import EvalDetailsWriter
 from rayapp.training.checkpoint import RolloutCheckpoint
@@ -211,28 +213,32 @@ def build_eval_sets(cfg: RecipeConfig) -> dict[str, list[Task]]:
 
 
 def build_scheduler(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
-                    open_sandbox: SandboxOpener, gateway: Any = None) -> TaskScheduler:
-    s = cfg.scheduler
+                    open_sandbox: SandboxOpener, gateway: Any = None,
+                    environment: RunEnvironment | None = None) -> TaskScheduler:
+    """``environment``: the user-set variables (default: read from this process's now)."""
+    s, env = cfg.scheduler, environment or read_environment(os.environ)
     return TaskScheduler(
         build_evaluator_specs(cfg, engines, executor=executor, open_sandbox=open_sandbox, gateway=gateway),
         build_data_source(cfg), pool, s.scheduler_config(), batching_strategy=s.strategy,
         eval_datasets=build_eval_sets(cfg),
-        iteration=(DAggerIterations(cfg.dagger, observers=[StacxEnv()]) if cfg.dagger
+        iteration=(DAggerIterations(cfg.dagger, env.eval_beta, env.static_t_max, observers=[StacxEnv()]) if cfg.dagger
                    else StepIterations(observers=[StacxEnv(dagger=False)])),
     )
 
 
 def build_step_runner(cfg: RecipeConfig, engines: Mapping[str, Engine], pool: Pool | None, *, executor: Executor,
                       open_sandbox: SandboxOpener, release_previous: Callable[[], Awaitable[int]] | None = None,
-                      gateway: Any = None) -> StepRunner:
+                      gateway: Any = None, environment: RunEnvironment | None = None) -> StepRunner:
     """The recipe's scheduler inside its step pipeline: its filters, trajectory folder (reuse),
     checkpoint folder (mid-rollout checkpoints, and the latest steps' results: a restarted manager
-    serves a finished step again rather than run it anew) and eval_details folder."""
-    s = cfg.scheduler
+    serves a finished step again rather than run it anew) and eval_details folder. ``environment``: the
+    user-set variables (default: read from this process's now, the one moment they are read)."""
+    s, env = cfg.scheduler, environment or read_environment(os.environ)
     checkpoint = RolloutCheckpoint(s.checkpoint_dir) if s.checkpoint_dir else None
-    scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox, gateway=gateway)
+    scheduler = build_scheduler(cfg, engines, pool, executor=executor, open_sandbox=open_sandbox, gateway=gateway,
+                                environment=env)
     return StepRunner(scheduler, filters=cfg.filters.chain(), abort_cap=cfg.filters.abort_cap,
                       trajectory_dir=s.trajectory_dir, checkpoint=checkpoint,
                       details=(EvalDetailsWriter(s.save_eval_details, tokens=s.eval_details_tokens)
                                if s.save_eval_details else None),
-                      release_previous=release_previous, partial=s.partial)
+                      release_previous=release_previous, partial=s.partial, reuse=env.reuse)

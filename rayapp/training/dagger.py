@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, get_args
 
@@ -242,22 +241,6 @@ def add_dagger_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 # -- the iteration ---------------------------------------------------------------------------
 
-def eval_beta(environ: Mapping[str, str] | None = None) -> float:
-    """The spec's eval rule: eval runs student-only at β=0, unless STACX_DAGGER_EVAL_BETA is set
-    (non-empty) to the β it should run at. A bad value is one ValueError naming the variable."""
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_EVAL_BETA, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        beta = float(raw)
-    except ValueError:
-        beta = math.nan  # reported below with the same message as an out-of-range value
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"{ENV_EVAL_BETA}: must be a number in [0, 1], got {raw!r}")
-    return beta
-
-
 class IterationObserver(Protocol):
     """What is told each step's Iteration once it is known, before the step fetches anything."""
 
@@ -267,25 +250,25 @@ class IterationObserver(Protocol):
 class DAggerIterations:
     """The TaskScheduler's IterationSource for a DAgger schedule: each step's Iteration, the value
     every agent of the step gets, told to ``observers`` (the environment's writer, ``StacxEnv``).
-    ``execute_eval`` runs student-only unless STACX_DAGGER_EVAL_BETA names a β (``eval_beta``).
-    ``environ`` (default ``os.environ``) is only read: the static STACX_DAGGER_T_MAX and
-    STACX_DAGGER_EVAL_BETA.
+    ``execute_eval`` runs student-only unless ``eval_beta`` (STACX_DAGGER_EVAL_BETA) names a β.
+    ``static_t_max``: a STACX_DAGGER_T_MAX set by hand (both read once, by ``rayapp.recipe.environment``).
 
     The t_max_step > 0 guard holds for agents too: ``t_max`` is 0 ("no tail, every turn may be the
     teacher's") unless it is a tail length. With the ramp on it is the ramp's value; with it off it
     is the statically set STACX_DAGGER_T_MAX when that is set, else ``t_max_start``. So the unused
     ramp's value never reaches an agent, as it never reaches the environment."""
 
-    def __init__(self, schedule: DAggerSchedule, environ: Mapping[str, str] | None = None,
+    def __init__(self, schedule: DAggerSchedule, eval_beta: float = 0.0, static_t_max: int | None = None,
                  observers: Sequence[IterationObserver] = ()):
-        self.schedule, self.environ, self.observers = schedule, environ, list(observers)
+        self.schedule, self.eval_beta, self.static_t_max = schedule, eval_beta, static_t_max
+        self.observers = list(observers)
 
     def rollout_state(self, rollout_id: int) -> Iteration:
         return self._published(StepKind.ROLLOUT, self._agents_view(self.schedule.state(rollout_id)))
 
     def eval_state(self, rollout_id: int) -> Iteration:
         view = self._agents_view(self.schedule.state(rollout_id))
-        return self._published(StepKind.EVAL, msgspec.structs.replace(view, beta=eval_beta(self.environ)))
+        return self._published(StepKind.EVAL, msgspec.structs.replace(view, beta=self.eval_beta))
 
     def _published(self, kind: StepKind, iteration: Iteration) -> Iteration:
         for o in self.observers:
@@ -297,18 +280,7 @@ class DAggerIterations:
         return msgspec.structs.replace(state, t_max=max(t_max, 0))
 
     def _static_t_max(self, default: int) -> int:
-        env = os.environ if self.environ is None else self.environ
-        raw = env.get(ENV_T_MAX, "").strip()
-        if not raw:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1  # reported below with the out-of-range message
-        if value < 0:
-            shown = raw if len(raw) <= 40 else raw[:40] + "..."
-            raise ValueError(f"{ENV_T_MAX}: a statically set tail length must be an integer >= 0, got {shown!r}")
-        return value
+        return default if self.static_t_max is None else self.static_t_max
 
 
 class StepIterations:

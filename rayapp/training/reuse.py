@@ -8,7 +8,6 @@ import enum
 import logging
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ _PER_ITER_RE = re.compile(r"^trajectory_sft_samples_iter_(\d+)\.pt$")
 
 # ---- policy --------------------------------------------------------------------------------
 
-ENV_KNOBS: dict[str, tuple[str, str]] = {  # name -> (default, meaning); read by ReusePolicy.from_env
+ENV_KNOBS: dict[str, tuple[str, str]] = {  # name -> (default, meaning); read by rayapp.recipe.environment
     "STACX_FORCE_FRESH_ROLLOUT": ("0", "1: roll out fresh every iteration (live DAgger/AggreVaTe/OPD), "
                                        f"bypassing reuse; each saves {MAIN_FILE}"),
     "STACX_REUSE_ROLLOUT": ("0", f"1: every iteration loads {MAIN_FILE} instead of rolling out (iter-SFT)"),
@@ -31,14 +30,6 @@ ENV_KNOBS: dict[str, tuple[str, str]] = {  # name -> (default, meaning); read by
                                      "k-th by NNN; past the last is an error"),
     "STACX_SAVE_PER_ITER_PT": ("1", "0: fresh iterations skip the per-iteration trajectory_sft_samples_iter_NNN.pt"),
 }
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-
-
-def _env_bool(env: Mapping[str, str], name: str) -> bool:
-    raw = env.get(name, "").strip().lower() or ENV_KNOBS[name][0]  # VAR= (empty) means unset
-    if raw in _TRUE | _FALSE:
-        return raw in _TRUE
-    raise ValueError(f"{name}={env.get(name)!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
 
 
 class SaveKind(enum.StrEnum):
@@ -96,16 +87,6 @@ class ReusePolicy:
         if self.force_fresh and (self.reuse_rollout or self.reuse_per_iter_dir is not None):
             log.warning("STACX_FORCE_FRESH_ROLLOUT=1 bypasses STACX_REUSE_ROLLOUT / STACX_REUSE_PER_ITER_DIR")
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ReusePolicy:
-        """Read the ENV_KNOBS (from ``os.environ`` by default); a bad value is a ValueError naming it."""
-        env = os.environ if env is None else env
-        folder = env.get("STACX_REUSE_PER_ITER_DIR", "").strip()
-        return cls(force_fresh=_env_bool(env, "STACX_FORCE_FRESH_ROLLOUT"),
-                   reuse_rollout=_env_bool(env, "STACX_REUSE_ROLLOUT"),
-                   reuse_per_iter_dir=Path(folder).expanduser() if folder else None,
-                   save_per_iter_pt=_env_bool(env, "STACX_SAVE_PER_ITER_PT"))
-
     def decide(self, rollout_id: int, save_dir: str | os.PathLike) -> Decision:
         if type(rollout_id) is not int or rollout_id < 0:
             raise ValueError(f"rollout_id must be an int >= 0, got {rollout_id!r}")
@@ -141,7 +122,7 @@ async def rollout_or_reuse(rollout_id: int, save_dir: str | os.PathLike, run: An
     # Trajectory files are torch.save files: torch (the hf or sglang extra) is needed only once one is read or written.
     from rayapp.training.trajectories import load_trajectories, save_trajectories
 
-    decision = (policy or ReusePolicy.from_env()).decide(rollout_id, save_dir)
+    decision = (policy or ReusePolicy()).decide(rollout_id, save_dir)
     if not decision.fresh:
         _, groups = await asyncio.to_thread(load_trajectories, decision.load_path)
         return groups, decision

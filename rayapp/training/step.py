@@ -117,8 +117,8 @@ def abort_line(kind: str, rollout_id: int, samples: list[Sample]) -> str | None:
 
 class StepRunner:
     """The step pipeline around one TaskScheduler (module docstring). ``trajectory_dir`` unset:
-    every rollout is fresh and nothing is saved; ``reuse`` unset: the policy is read from the
-    STACX_* variables at each step."""
+    every rollout is fresh and nothing is saved; ``reuse`` unset: the policy with no STACX_* variable set
+    (the recipe's wiring hands in the one ``rayapp.recipe.environment`` read)."""
 
     def __init__(self, scheduler: TaskScheduler, *, filters: Sequence[Filter] = (), abort_cap: AbortCap | None = None,
                  trajectory_dir: str | os.PathLike | None = None, checkpoint: RolloutCheckpoint | None = None,
@@ -250,7 +250,7 @@ class StepRunner:
         if self.trajectory_dir is None:
             return await self._rollouts.execute_rollout(rollout_id, self._observed(StepKind.ROLLOUT), **given)
         ran: list[RolloutResult] = []
-        policy = self.reuse or ReusePolicy.from_env()
+        policy = self.reuse or ReusePolicy()
         if chosen is not None and not (decision := policy.decide(rollout_id, self.trajectory_dir)).fresh:
             raise ValueError(f"rollout {rollout_id}: the reuse policy would load {decision.load_path} "
                              f"({decision.mode}) instead of running the trainer's tasks; set "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from shared_head import USER_CODE, Head
 
 from rayapp.cli import LOCAL_ENV, ROOT, free_port
 from rayapp.cli.local import auth_token, start_head, stop_cluster
+
+EXIT_STATUS = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +38,21 @@ def head(tmp_path_factory, cache_dir) -> Iterator[Head]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave without the interpreter's teardown: after several Ray drivers in this one process (a
+    ``ray.init``/``shutdown`` per file), a thread Ray's core worker left behind crashed it at exit
+    (SIGSEGV after every test had passed, the summary's last line lost with the buffered output)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter._tw.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(config.stash.get(EXIT_STATUS, 1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,3 +44,12 @@ def serve_app(head: Head, cfg: dict, tmp: Path, timeout_s: float = 600) -> Itera
     recipe.write_text(yaml.safe_dump(cfg))
     with local_app(recipe, head.temp_dir, tmp / "serve.log", timeout_s=timeout_s, address=head.address) as (_, p):
         yield p
+
+
+def start_serve(head: Head) -> None:
+    """Serve on the head with its proxy on the shared port, unless it runs already: an application that
+    names another port (a shipped recipe deployed as it is) then leaves the proxy where the others expect it."""
+    code = ("import ray, sys; from ray import serve; ray.init(address=sys.argv[1], logging_level='error', "
+            "log_to_driver=False); serve.start(http_options={'host': '127.0.0.1', 'port': int(sys.argv[2])})")
+    subprocess.run([sys.executable, "-c", code, head.address, str(head.http_port)], capture_output=True,
+                   timeout=180, check=True)

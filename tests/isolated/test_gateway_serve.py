@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 import yaml
-from shared_head import serve_app
+from shared_head import serve_app, start_serve
 
 from rayapp.cli import ROOT
 from rayapp.cli.local import app_status
@@ -44,6 +44,7 @@ print("RESULT " + json.dumps({"rollout": [row(s) for g in r.groups for s in g],
 
 def test_rayapp_run_runs_the_example_recipe(head, tmp_path):
     """``rayapp run --address`` onto a running cluster (its own head is the demo's and test_quiet_logs')."""
+    start_serve(head)  # the example names its own HTTP port: Serve's proxy stays on the shared one
     proc = subprocess.run([sys.executable, "-m", "rayapp.cli", "run", str(EXAMPLE), "--address", head.address,
                            "--temp-dir", str(tmp_path / "run"), "--", "--rollouts", "1", "--eval"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)

@@ -7,6 +7,7 @@ session are spread turn by turn. On the isolated files' shared Ray head (conftes
 import asyncio
 
 import pytest
+from shared_head import start_serve
 
 from rayapp.actors.app import engine_app
 from rayapp.actors.engine import EngineClient
@@ -46,7 +47,7 @@ def engine(head, model_dir):
 
     ray.init(address=head.address, namespace="rayapp-sticky", logging_level="warning", log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": head.http_port})  # Serve as the other files have it
+        start_serve(head)
         cfg = EngineConfig(num_replicas=2, num_cpus=0.5,
                            options={"model_path": str(model_dir), "max_concurrency": 4, "seed": 0})
         serve.run(fan_out_app().bind(engine_app("student", cfg)), name="sticky", route_prefix=None)

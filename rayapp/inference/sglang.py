@@ -1,53 +1,12 @@
 """The ``sglang`` backend for GPU clusters: an ``sglang.Engine`` behind the InferenceBackend interface.
 
-``sglang`` is an optional extra (``pip install rayapp[sglang]`` on a GPU node), imported only when a
-backend is constructed. The translation lives in two pure functions, ``to_sglang_request`` and
-``from_sglang_output``, tested without sglang; the class is a thin shell around the engine.
-
-Where it ran: sglang 0.5.23's CPU engine with the tiny model, in the real-engine lane
-(``make test-sglang``, tests/sglang_engine: every method below against a real in-process Engine);
-never on a GPU. What the engine showed there, and this backend therefore does:
-
-- request ids: sglang aborts every request whose id *starts with* the one named, so the engine never
-  sees the caller's ids: each request gets a uuid4 hex of its own (all 32 characters long, so no
-  engine id is a prefix of another) and ``abort`` names that;
-- prompt length: the engine refuses a prompt of ``max_req_input_len`` tokens or more (its report:
-  min(context - 1, KV pool - 1) - 5); such a prompt finishes LENGTH with nothing generated, as a
-  prompt that fills the hf engine's context does, and ``info()["max_prompt_len"]`` says the limit;
-- weight versions: the engine starts as version "0" (sglang's own name is "default"), then each
-  update names its version, the scheme every backend uses; sglang reports them as text, read as
-  the int every backend reports here, once, as its answer is converted;
-- seeds: ``sampling_seed`` is used only by an engine started with ``enable_deterministic_inference``;
-  any other refuses a seeded sampling request (greedy ones drop the seed: it changes nothing there);
-- ``ignore_eos`` also switches off ``stop_token_ids`` in sglang: the two together are refused;
-- a caller that gives up (cancelled, or past ``request_timeout_s``) has its request aborted in sglang,
-  whose answer still comes back and is counted by how it ended (``health()["given_up"]``: ``abort``
-  when the abort stopped it), beside ``engine_in_flight``, the requests sglang itself still holds;
-- ``server_status`` is moved from Starting to Up only by sglang's HTTP server: the backend marks its
-  engine Up once the engine is built, so sglang's own ``is_healthy`` says what it should.
-
-What the code relies on (read in sgl-project/sglang main at commit 001067ff, which pins
-sglang-kernel 0.4.6.post1; files under python/sglang/srt/):
-
-- ``entrypoints/engine.py``: ``Engine(**ServerArgs)``; ``await Engine.async_generate(input_ids=...,
-  sampling_params=..., return_logprob=True, rid=..., stream=False)`` returns one dict
-  ``{"text", "output_ids", "meta_info"}``. ``Engine.update_weights_from_disk`` and ``flush_cache``
-  use ``loop.run_until_complete`` and so cannot run inside a running event loop (a Serve replica):
-  this backend awaits the ``tokenizer_manager`` coroutines they wrap instead.
-- ``managers/tokenizer_manager.py``: ``meta_info`` has ``finish_reason`` (``{"type": "stop" |
-  "length" | "abort", ...}``), ``prompt_tokens``, ``completion_tokens``, ``weight_version`` and, with
-  ``return_logprob``, ``output_token_logprobs``: ``(logprob, token_id, text_or_None)`` per output
-  token. ``abort_request(rid="", abort_all=False)`` sends an ``AbortReq`` to the scheduler; an
-  aborted request still answers, with the tokens made so far and finish type ``abort``.
-  ``update_weights_from_disk(UpdateWeightFromDiskReqInput, None)`` returns ``(success, message[,
-  num_paused_requests])`` after in-flight requests drain (its writer lock).
-- ``managers/data_parallel_controller.py``: an ``AbortReq`` is a control message, sent to every
-  data-parallel rank's scheduler (each rank-0 TP scheduler broadcasts to its group): one
-  ``abort_all`` reaches every worker of this engine, not one picked by a router.
-- ``ray/engine.py`` (commit 01118259): ``RayEngine(placement_group=pg, **ServerArgs)`` runs the
-  schedulers as Ray actors on a placement group's bundles (1 GPU per bundle).
-- ``sampling/sampling_params.py``: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1 = off),
-  ``max_new_tokens`` (default 128), ``stop``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``.
+It exists so a GPU run gets batched generation at speed with the same interface, abort and weight
+versions as the hf backend. ``sglang`` is an optional extra, imported only when a backend is built;
+the translation lives in two pure functions, ``to_sglang_request`` and ``from_sglang_output``,
+tested without sglang, and the class is a thin shell around the engine. Invariant: the engine never
+sees the caller's request ids (each request gets a uuid4 hex of its own, none a prefix of another),
+so an abort stops exactly the request it names. How the backend differs from hf, and the sglang
+API it relies on: docs/cluster.md, "The sglang backend".
 """
 
 from __future__ import annotations

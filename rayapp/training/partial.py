@@ -1,51 +1,13 @@
-"""Partial rollouts: a step starts more groups than the trainer takes and returns as soon as
-``rollout_batch_size`` of them are complete; the unfinished groups are carried into the next step.
+"""Partial rollouts: a step starts more groups than the trainer takes, returns once
+``rollout_batch_size`` are complete, and carries the unfinished groups into the next step.
 
-``PartialRollouts`` wraps the ``Rollouts`` below it (the TaskScheduler, or a ``ResumableRollouts``
-over it with a ``RolloutCheckpoint``; ``PartialRollouts.over`` builds the stack); the scheduler
-itself knows only its general seam (``execute_rollout(fetch=..., complete_after=n)``: complete
-after ``n`` groups, the rest cancelled and handed back as unfinished). A group is known by its own
-identity (``TaskKey.GROUP_ID``, given when its task was first fetched), never by its task_id: a
-small dataset hands the same task out twice in a step, and again each epoch. Each step:
-
-- the carried groups come first, oldest first, then only as many new tasks as it takes to start
-  ``ceil(rollout_batch_size x over_provision)`` groups;
-- the step completes after ``rollout_batch_size`` groups; the others are carried on: under
-  ``policy: restart`` each starts afresh in the next step, whole (what it did is discarded, the
-  samples that had ended too: a group returned under restart is all one step's weights, so its
-  staleness is always 0, which is what restart is for). Under ``policy: resume`` a carried group
-  keeps the samples that ended (completed or aborted: their results stand, and their turns keep
-  the weight versions that produced them, so their staleness shows), and the next step runs only
-  the others: the scheduler gets the group's task with ``n_samples`` the number still to run and
-  ``Task.carried`` naming them (``CarriedRun``: their indices in the group, which the samples it
-  makes keep). Each cut-short one goes on from where it was cut (its ``ResumePoint``, handed to the
-  agent as its record's ``start``: kept tokens, log-probs, mask and turn records as they are;
-  a turn cut mid-generation was aborted at the engine and goes on from the tokens it had made,
-  one cut in a tool call or a DAgger roll-in's turn is generated again); one cut before a point
-  was kept, or whose agent cannot rebuild its state (``resumable`` false), starts afresh. The group is put
-  back together (its kept samples merged in, by index) before anything sees it: the step's
-  ``groups``, ``on_task_done``, what is carried again and the checkpoint's FINISHED record (a step's
-  own mid-way checkpoint holds what the scheduler ran, put back together the same way when a rerun
-  restores it). A carried group whose samples have all ended is complete as it is:
-  it is returned first (up to ``rollout_batch_size`` of them: with that many, nothing runs and
-  nothing new is fetched). A carried group restarts whole, whatever the policy, once its attempt is older than
-  ``max_staleness`` steps (what it kept is dropped), so nothing returned is staler than that;
-- nothing is lost or duplicated: every fetched task comes back exactly once, complete, or is still
-  carried. With a checkpoint the carried groups are saved with the step's end (the FINISHED record),
-  so a restarted manager takes them up again. Without one, a step asked for again (it failed, in the
-  scheduler or after it returned, so its result never reached the trainer) starts from every group
-  its attempt held: the groups it returned (complete: returned first) and those it carried; and a
-  step asked out of order (a trainer went back to an old id) starts from, afresh, the groups the
-  latest step carried on;
-- every turn of what a step returns or carries names the weights that produced it
-  (``TurnRecord.weight_version``): the engine's report, else the step that ran it. The step's
-  metrics count ``rollout/partial/{carried,restarted,resumed,fetched}`` (groups; ``resumed``: carried
-  groups that keep anything), ``rollout/partial/kept_samples`` (ended samples the carried groups
-  bring in, not run again) and the staleness of what it returns
-  (``rollout/partial/staleness_{mean,max}``: current step minus the step of the oldest weights in
-  each returned sample; an integer weight version is read as that step, as the trainer loads new
-  weights once a step). The failure-class counts (``rollout/<class>``) and the sample statistics are
-  of the whole groups it returns, kept samples and complete carried groups included.
+It exists to cut the long tail of a step without wasting the work in flight. ``PartialRollouts``
+wraps the ``Rollouts`` below it (the scheduler, or ``ResumableRollouts`` with a checkpoint;
+``PartialRollouts.over`` builds the stack) through the scheduler's general interface
+(``execute_rollout(fetch=..., complete_after=n)``). A group is known by ``TaskKey.GROUP_ID``, never
+by its task_id. Invariant: every fetched task comes back exactly once, complete, or is still carried,
+and nothing returned is staler than ``max_staleness``. Policies, resume and metrics:
+docs/scheduler.md, "Partial rollouts".
 """
 
 from __future__ import annotations

@@ -1,50 +1,12 @@
 """A sandbox made of plain processes on this node: ``LocalProcessSandbox``.
 
-Guarantees, each enforced by the kernel rather than by politeness:
-- Folder: every sandbox has a fresh ``workdir`` (``<base>/work``; ``<base>`` is root's, mode 0711,
-  so its siblings cannot be listed or written), removed with everything in it on ``close``.
-  ``write_file``/``read_file`` accept only paths that stay inside it (``..``, absolute paths elsewhere
-  and symlinks pointing out raise ``ValueError``); they walk the path one component at a time
-  without following symlinks, replace files instead of writing through links, and only read
-  regular files the sandbox user owns, so a command racing them cannot redirect them.
-- User: run as root (the normal case in a Ray worker container), each sandbox gets its own uid from
-  systemd's dynamic-user range (61184-65519, held by an flock for the sandbox's life), owning only
-  its folder. Commands cannot write anywhere else that is not world-writable, cannot signal other
-  sandboxes, and RLIMIT_NPROC (which the kernel ignores for root) counts only this sandbox's
-  processes. On ``close`` every process of that uid is SIGKILLed (``kill(-1)`` as that uid, atomic
-  against fork bombs) and its files in /tmp, /var/tmp, /dev/shm and /run/lock are removed. Not
-  root: commands run as the current user and a warning is logged once.
-- Processes: every command runs in its own session/process group (``start_new_session``) under
-  rlimits on CPU seconds, address space (``memory_gb``), open files, processes, file size and core
-  size 0. Its wall clock (``timeout_s``, never above ``limits.wall_seconds``) SIGKILLs the whole
-  group, children included; so does the command's own exit, so nothing it started in the background
-  outlives it (one that left the group with ``setsid`` dies with the PID namespace, or on ``close``).
-- Files outside: each command runs in its own mount namespace under a root of its own
-  (``_newroot.py``): the system's runtime read-only (/usr, /bin, /lib*, a Python outside /usr that
-  PATH names, a short list of /etc entries), private tmpfs on /dev/shm (``SHM_BYTES``) and /run/lock,
-  the sandbox's tmp at /tmp and /var/tmp (kept between its commands), its folder at its own path.
-  The host's /tmp, /home, /root, /work, other sandboxes, the project checkout and Ray's files are
-  not there at all. /dev/shm and /run/lock live as long as one command.
-- Other processes: each command runs in its own PID namespace with its own /proc (``hidepid=2``): ``ps``
-  shows its own processes only, and everything it started dies when it ends.
-  Where the kernel refuses a mount namespace (seccomp, no user namespaces) or only a fresh /proc,
-  a warning is logged once, commands get the host's files (TMPDIR and HOME still point into the
-  sandbox) or the host's /proc, and ``isolation`` (a subset of "user", "network", "filesystem",
-  "processes") names what is in force. Folders left by a host that died are swept when the next
-  sandbox under the same root starts.
-- Environment: built from nothing: PATH, HOME=workdir, TMPDIR (a private folder), LANG/LC_ALL, TERM,
-  thread-pool sizes for numeric libraries (from ``cpu``), plus what the caller passes in ``env``.
-  Nothing of the worker's environment (tokens, keys) leaks.
-- Network: with ``limits.network`` False every command runs in a new network namespace (only a
-  private loopback). If the kernel refuses (no root, no user namespaces), commands run with the
-  node's network, a warning is logged once, and ``network_isolated`` is False.
-- Faults: a non-zero exit, a signal (``exit_code`` < 0) or a MemoryError is the command's outcome,
-  reported in ``ExecResult``. The sandbox failing (spawn or setup failure, folder gone, closed while
-  or before running) raises ``SandboxError``; ``check_timeout=True`` turns a wall-clock expiry into
-  ``AgentTimeout``.
-Not enforced here: CPU cores (``limits.cpu``; the placement pool gates it, Docker enforces it), a
-disk quota. Not a boundary against kernel exploits (commands share the host's kernel): untrusted
-code belongs in Docker with gVisor, or a VM.
+It exists so an agent's commands can run on a node without Docker, each sandbox apart from the
+worker and from the others: its own folder and uid, commands in their own process group under
+rlimits and a wall clock, and (where the kernel allows) their own network, mount and PID
+namespaces. Invariant: every guarantee is kept by the kernel, not by the command's politeness, and
+``isolation`` names exactly the ones in force. Not a boundary against kernel exploits: untrusted code
+belongs in Docker with gVisor, or a VM. The guarantees in full: docs/reliability.md, "The local
+sandbox's view of the machine".
 """
 
 from __future__ import annotations

@@ -1,48 +1,12 @@
 """The PlacementPool on Ray: the core pool over long-lived placement groups, one per layout node.
 
-The core pool decides (all-or-nothing, best-fit, FIFO, docs/scheduler.md §3). Ray cannot grow or shrink a
-placement group, and making one per batch costs a Ray round trip plus, now and then, a ~1 s wait for
-resources a removed group gives back; so the service reserves the whole layout once, at start-up,
-all-or-nothing, and the ledger sub-allocates it. Each layout node gets one group, named
-``rayapp/node/<node>@<incarnation>_<owner>`` (the service's own, so a token of a previous service never
-resolves to this one's group: its work fails as a lost bundle instead of running unaccounted here;
-the owner is the service's process, ``rayapp.actors.pool_owners``) and pinned to its Ray node with a
-``ray.io/node-id`` bundle label selector:
-
-* bundle ``p`` for each of the node's GPUs, ``{"GPU": 1}``: the layout's GPU at position ``p``;
-* a last bundle with the node's CPU and memory, ``{"CPU", "memory"}``.
-
-The ledger counts GPU shares per GPU and CPU/memory per node, so these shapes mirror it exactly: any
-set of tokens the ledger can hold at once fits Ray's bundles at once. A token maps to one bundle (its
-first GPU's, or the CPU/memory bundle when it holds no GPU): ``reserve`` is a dictionary look-up and
-``release`` does nothing in Ray. Work runs in the token's bundle asking for the token's share
-(``work_options``), so Ray still refuses more than the ledger granted where it can see it:
-
-* a token with GPUs asks for its GPU share in its GPU's bundle; its CPU and memory are reserved in the
-  node's CPU/memory bundle, but Ray does not check them per task (a task uses one bundle);
-* a token of ``k > 1`` whole GPUs asks for the first of them (``num_gpus=1``); the ledger keeps the
-  other ``k - 1`` free for it, and ``token.gpu_ids`` names them, but Ray shows the task one GPU;
-* a token without GPUs asks for its CPU and memory in the CPU/memory bundle.
-
-Ray counts GPU in steps of 1e-4: finer GPU shares than that are not supported.
-
-A node that dies loses its group's bundles: work running there fails (``SandboxError`` through
-``rayapp.actors.remote``), work still waiting for its bundle there fails within about
-``bundle_watch.LOST_POLL_S`` seconds (Ray would keep it pending), and work sent there later fails at
-once instead of waiting; the other nodes' groups carry on. The service reads its groups' states
-every ``state_poll_s`` seconds (a background task it owns; before admitting, only when that task is a
-whole period late) and cordons a node whose group is not CREATED: no new token goes there, it leaves
-``capacity_for`` (a batch that can no longer fit fails at once), and it is uncordoned if its group is
-CREATED again. Only the samples that held tokens there when it died abort; ``placement()`` lists such
-nodes under ``lost_nodes`` and ``cordoned``. At start-up the service removes every ``rayapp/`` group
-whose owner is gone (a killed service's, also those of the one-group-per-batch design), then makes
-its own; while another live service holds groups on the cluster it refuses to start (``PoolInUse``,
-naming that service): two pools would hand out the same GPUs. Ray removes a group when the detached
-actor that made it dies (the chaos run sees a killed replica's groups gone at once), so the samples in
-flight then lose their bundles (``infra_sandbox``); a service stopped in order removes its own.
-
-Layout node names resolve to Ray nodes as ``rayapp.actors.nodes`` says; with no layout, the pool
-reads one off what the live cluster leaves free (``layout_from_cluster``).
+The core pool decides (all-or-nothing, best-fit, FIFO, docs/scheduler.md §3); this module exists
+because Ray cannot grow or shrink a placement group and one per batch is slow, so the service
+reserves the whole layout once, at start-up, and the ledger sub-allocates it. Each node's group has
+one bundle per GPU and a last one with its CPU and memory, mirroring the ledger, so any set of tokens
+the ledger holds at once fits Ray's bundles at once. Invariant: a token resolves only to its own
+service's groups (a predecessor's fails as a lost bundle), and two live pools never share a cluster.
+Bundles, lost nodes, cordoning and restarts: docs/cluster.md, "Placement groups: one per node".
 """
 
 from __future__ import annotations

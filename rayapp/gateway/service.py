@@ -1,46 +1,13 @@
-"""The agent gateway's service: one OpenAI-compatible door per running episode (docs/agents.md).
+"""The agent gateway's service: one OpenAI-compatible entry point per running episode (docs/agents.md).
 
-``Gateway.open`` binds an episode (its engine, tokenizer and ``EpisodeContext``) to a base URL and a
-key of its own; ``handle`` answers its routes; ``close`` ends it and hands back what the trainer
-needs (``EpisodeLog``). What each call does, in order:
-
-1. the key (``episodes``: 401 / 404 / 410; ``admit`` checks it before the body is read and gives the
-   body's byte bound, from the episode's ``max_context_len``), an episode a budget ended (410), and
-   the body (``openai_api``: 400 naming the field, and options the gateway cannot honour refused by
-   name). A large body is decoded, templated and tokenized in a worker thread, so the event loop (the
-   manager's, with every step's work on it) keeps answering while it runs;
-2. the plan (``accounting.Conversation.prepare``): the exact ids the engine continues from, or a
-   counted new segment;
-3. the episode's budgets, the cascade's meaning: ``max_turns`` counts the calls the engine is asked
-   (unset: 1, as for native agents); ``max_context_len`` bounds the prompt plus the call's
-   ``max_tokens``. A call past either answers 400 (``max_turns_exceeded`` /
-   ``context_length_exceeded``) and ends the episode with that termination (MAX_TURNS /
-   MAX_CONTEXT_LEN): its later calls answer 410. Without ``max_tokens`` the generation is capped to
-   the room left, and a reply that fills it ends the episode at MAX_CONTEXT_LEN as a native turn
-   does (``observation.length_reason``);
-4. sampling: the request's temperature, top_p, seed, stop and max_tokens where it sets them, the
-   episode's ``ctx.sampling`` for the rest (its ``max_new_tokens`` bounds a request's ``max_tokens``,
-   its stop strings stay); with tools, generation also stops after a tool call (``</tool_call>``);
-5. the engine (``generate_abortable``, bounded by ``call_timeout_s``): a call cancelled (the client
-   went away, or ``close``) is aborted at the engine; an engine's refusal or failure is one plain
-   line (a Ray error's cause, not its remote traceback); then ``Conversation.record`` and
-   ``ctx.record_turn`` (engine, weight version, engine seconds), and the OpenAI reply: usage,
-   ``finish_reason`` (stop / length / tool_calls), and with ``logprobs`` the engine's own log-prob of
-   every token it generated.
-
-``stream: true`` answers Server-Sent Events (role, content, tool calls, finish, usage when
-``stream_options.include_usage``, ``[DONE]``) carrying exactly the non-stream reply's tokens. The
-engines are not streaming: the events are sent once the engine's answer is complete.
-
-``/responses`` (the Responses API's subset the OpenAI Agents SDK uses, ``responses.py``) is a chat
-call: the same plan, budgets and record, its answer in the Responses shape.
-
-``/completions`` (a text or token-id prompt) is not part of the chat accounting: each call is a
-segment of its own (reason ``completion``): its prompt as given (text tokenized as the tokenizer
-does by default, its BOS included) and the engine's ids.
-
-An open episode costs its recorded tokens, its messages and a few fields; tokenizers (and the tools
-template copy, ``tool_calls.tools_tokenizer``) are shared. Pure: no Ray, no HTTP server.
+It exists so an agent written against the OpenAI API trains like a native one: ``Gateway.open``
+binds an episode (its engine, tokenizer and ``EpisodeContext``) to a base URL and a key of its own,
+``handle`` answers its routes (chat completions, ``/responses``, ``/completions``, streamed or not),
+and ``close`` ends it and passes on what the trainer needs (``EpisodeLog``). Each call checks the key
+before the body, then the body, plans the exact ids the engine continues from, enforces the
+episode's budgets, generates and records the turn. Invariant: a key opens only its own episode and
+stops working the moment the episode ends, a call then in flight being aborted at the engine. Pure:
+no Ray, no HTTP server. Routes, budgets and sampling in full: docs/agents.md, "The endpoint".
 """
 
 from __future__ import annotations

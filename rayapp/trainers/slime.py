@@ -1,42 +1,13 @@
 """slime (THUDM/slime v0.3.1, commit a6272da0d4f3d0a08520c99a2f3b4f6c887960dc) taking its rollouts
-from rayapp (docs/trainers.md, slime).
+from rayapp.
 
-The one-line change: ``--rollout-function-path rayapp.trainers.slime.generate_rollout`` (slime's
-``--eval-function-path`` defaults to it). slime's ``RolloutManager`` calls it through
-``call_rollout_fn(fn, args, rollout_id, data_source, evaluation=...)`` and gets back a
-``RolloutFnTrainOutput`` (``samples``: ``rollout_batch_size`` groups of ``n_samples_per_prompt``
-slime ``Sample``s) or, for eval, a ``RolloutFnEvalOutput`` (``data``: per dataset its ``rewards``,
-``truncated`` and ``samples``). Its settings are attributes of slime's ``args`` (``--custom-config-path``
-sets them from YAML; ``SETTINGS`` holds the defaults). What the adapter decides where slime's contract
-and rayapp's differ:
-
-- prompts: rayapp's data source chooses them (``rayapp_prompts: rayapp``, the default): slime's
-  ``data_source`` is not read, and ``group_index``/``index`` are made from the step (``rollout_id *
-  rollout_batch_size + g``, then ``group_index * n_samples_per_prompt + i``), so the same step gets
-  the same ids. Or slime's data source chooses them (``rayapp_prompts: slime``): each of its
-  ``rollout_batch_size`` groups becomes one task of type ``rayapp_task_type`` (its prompt, label and
-  metadata; ``n_samples`` the group's size), run as the step's groups in order, and the samples keep
-  the data source's ``group_index``/``index``. rayapp keeps the tasks' digest with the step, so a
-  resumed run, whose data source slime restored from its checkpoint, gets the stored step, and a
-  step asked for with other prompts is refused.
-- groups: exactly ``rollout_batch_size`` groups of ``n_samples_per_prompt`` (slime's reward
-  normalisation and its data-parallel schedule assume it), so rayapp's survivorship filters and
-  partial rollouts must be off; any other shape is one ValueError naming the step.
-- aborted or removed samples stay in their group with ``remove_sample`` set (slime zeroes their loss
-  mask) and reward 0; one with no response gets one pad token (``rayapp_pad_token_id``), so every
-  sample has at least a prompt token and a response token, a mask entry and a log-prob.
-- rewards: the verifier's ``reward[rayapp_reward_key]`` (``score``) as a float; with slime's
-  ``--reward-key`` set, rayapp's whole reward dict (slime reads its key).
-- log-probs: the rollout's own, as ``rollout_log_probs`` (slime's off-policy correction reads them).
-- weights: slime pushes weights only into its own SGLang engines, and with rayapp's engines it runs
-  without them (``--debug-train-only``). So the adapter pulls: before step N it loads the checkpoint
-  slime's ``--save-hf`` wrote after training step N-1 (``save_hf.format(rollout_id=N-1)``; needs
-  ``--save-interval 1``) into every replica (``update_weights``), and before step 0 (and the eval
-  before training) the weights slime starts from (``rayapp_start_weights``, default
-  ``--hf-checkpoint``): engines that served an earlier run keep its final weights. A checkpoint it
-  already loaded is not loaded again. ``rayapp_sync_weights: false`` turns this off.
-- rollout ids: slime's ``rollout_id`` is rayapp's step id; steps are idempotent, so a slime run
-  resumed from its checkpoint asks for the step it is at and gets that step's saved result.
+It exists so a slime run trains on rayapp's rollouts with one flag:
+``--rollout-function-path rayapp.trainers.slime.generate_rollout``. slime's ``RolloutManager`` calls
+it through ``call_rollout_fn`` and gets ``rollout_batch_size`` groups of ``n_samples_per_prompt``
+slime ``Sample``s (or, for eval, per dataset its rewards, truncated flags and samples); its settings
+are attributes of slime's ``args`` (``SETTINGS`` holds the defaults). Invariant: slime's rollout id is
+rayapp's step id, so a step asked for again is the same samples. What the adapter decides where the
+two contracts differ (prompts, group shape, aborted samples, rewards, weights): docs/trainers.md, slime.
 """
 
 from __future__ import annotations
@@ -180,7 +151,7 @@ def _samples(args: Any, result: RolloutResult, evaluation: bool, where: str) -> 
 
 def slime_tasks(args: Any, rollout_id: int, data_source: Any) -> tuple[list[dict], list[list[SlimeSample]]]:
     """The next ``rollout_batch_size`` groups of slime's data source, and each as a rayapp task (a
-    dict of a Task's fields; the manager puts it through its input door)."""
+    dict of a Task's fields; the manager checks it where outside input is checked)."""
     task_type = setting(args, "rayapp_task_type")
     if not isinstance(task_type, str) or not task_type:
         raise ValueError(f"rollout {rollout_id}: rayapp_prompts: slime needs rayapp_task_type, the task type "

@@ -1,39 +1,13 @@
 """TRL's ``GRPOTrainer`` (trl==1.16.0) taking its rollouts from rayapp (docs/trainers.md, TRL).
 
-The one-line change: ``GRPOTrainer(..., rollout_func=RayappRolloutFunc(source),
-reward_funcs=[rayapp_reward], callbacks=[WeightSyncCallback(update, folder)])``.
-
-``source`` is anything with ``rollout(rollout_id, tasks=None)`` returning a ``RolloutResult`` (and, for
-TRL's eval loop, ``evaluate(rollout_id)``), sync or async: an in-process ``StepRunner``
-(``rayapp.recipe.build_step_runner``) or the Serve manager's handle through ``ServeManager``. What the
-adapter decides where TRL's contract and rayapp's differ:
-
-- prompts: by default rayapp's data source chooses them, and the trainer's prompt slice only sets how
-  many groups a step has (``len(prompts) / num_generations``). With ``prompts=TrainerPrompts(...)``
-  (``trl_tasks.py``) the trainer's prompts are the step's tasks, in order, each with the columns of
-  its dataset row (the label for rayapp's verifier); row i of the step is then a completion of
-  ``prompts[i]``. Either way ``prompt_ids`` are the tokens rayapp's episodes really started from.
-- eval: TRL's eval loop calls ``rollout_func`` once per eval batch (the model in eval mode); each is
-  served from rayapp's eval step for the trainer's step (``evaluate(rollout_id)``: the recipe's eval
-  sets, run once and then handed out batch by batch), and its metrics (accuracy, pass@k per eval set)
-  reach TRL's eval log through ``rayapp_reward`` (``eval_rayapp/...``). TRL's eval dataset only counts:
-  it must hold as many prompts as rayapp's eval step has, ``rayapp_eval_prompts(...)``.
-- groups: every group must hold ``num_generations`` samples and the step exactly the slice's count,
-  so survivorship filters (rejection, finish-only) and partial rollouts must be off; a step that
-  breaks this is one ValueError naming the step. A sample with no completion (an abort) stays in its
-  group, fully masked, with no reward (TRL gives it no advantage and leaves it out of the baseline).
-- rewards: per sample, the score rayapp's verifier gave (``reward["score"]``), handed to
-  ``rayapp_reward`` through the ``rayapp_score`` field TRL forwards to reward functions.
-- loss mask: rayapp's ``loss_mask`` becomes TRL's ``env_mask`` (tool and environment tokens of a
-  multi-turn episode are out of the loss).
-- log-probs: the rollout's own, as ``logprobs``; TRL 1.16 reads them for its off-policy mask
-  (``off_policy_mask_threshold``) and, with vLLM only, for importance-sampling correction; otherwise
-  its ratio uses log-probs it recomputes.
-- rollout ids: ``global_step // optimizer steps per generation`` (plus ``first_rollout_id``), so a
-  restarted trainer asks for the step it was at and gets that step's saved result (steps are
-  idempotent in rayapp).
-- weights: ``WeightSyncCallback`` hands the engines the trainer's weights at the start of training
-  and after every optimizer step, so the first rollout, too, runs on the trainer's weights.
+It exists so a TRL user trains on rayapp's rollouts with one change:
+``GRPOTrainer(..., rollout_func=RayappRolloutFunc(source), reward_funcs=[rayapp_reward],
+callbacks=[WeightSyncCallback(update, folder)])``. ``source`` is anything with
+``rollout(rollout_id, tasks=None)`` (and ``evaluate(rollout_id)`` for TRL's eval loop), sync or
+async: an in-process ``StepRunner`` or the Serve manager through ``ServeManager``. Invariant: every
+group holds ``num_generations`` samples and ``prompt_ids`` are the tokens rayapp's episodes really
+started from; a step that breaks the shape is one ValueError naming it. Prompts, eval, rewards,
+masks, log-probs, step ids and weights: docs/trainers.md, TRL.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """verl's ``RayPPOTrainer.fit()`` (verl==0.9.1) taking its rollouts from rayapp (docs/trainers.md, verl).
 
-It is verl's legacy trainer, which 0.9.1 runs with ``trainer.use_v1=False`` (and warns is deprecated);
-its v1 trainer, 0.9.1's default, hands rollouts on through its TransferQueue, which this adapter
-does not write, so a config with ``use_v1`` set is refused.
-
-The change, in the trainer's config (fit() builds both objects by these dotted paths)::
-
-    actor_rollout_ref.rollout.agent.agent_loop_manager_class=rayapp.trainers.verl.RayappAgentLoopManager
-    actor_rollout_ref.rollout.checkpoint_manager_class=rayapp.trainers.verl.RayappCheckpointManager
-
-plus an optional ``rayapp`` section (``VerlSettings``; Hydra: ``+rayapp.task_type=math``). What the
-adapter decides where fit()'s contract and rayapp's differ:
-
-- prompts: the trainer's dataloader chooses them. Each run of ``rollout.n`` rows with one ``uid``
-  (fit() repeats every prompt n times, interleaved) becomes one rayapp Task of ``n_samples=n``
-  (``tasks_from_rows``: ``raw_prompt`` the prompt, ``reward_model.ground_truth`` the label, the row's
-  ``index`` its task id, ``task_type`` or the row's ``data_source`` its evaluator), run as step
-  ``rollout_id`` through ``rollout(rollout_id, tasks)``.
-- rows: fit() joins the output onto its own batch by position (``batch.repeat(n, interleave=True)
-  .union(output)``), so group i of the step (its samples' ``_group_id`` ``"<id>/<i>"``) fills rows
-  i*n..i*n+n-1 and carries those rows' ``uid``: GRPO groups exactly rayapp's groups. A step whose
-  groups do not cover every task with n samples (a survivorship filter) is one ValueError.
-- rewards: the verifier's ``score`` on the last response token as ``rm_scores``, which fit()'s
-  ``extract_reward`` reads (verl's reward loop then computes none). An aborted sample keeps its row
-  with its loss mask all 0 and score 0: verl has no "unscored" row, so that 0 is in its group's mean.
-- log-probs: ``rollout_log_probs``; verl reads them only with ``algorithm.rollout_correction`` (its
-  importance-sampling weights and rejection, or ``bypass_mode``: old_log_probs = these) and for
-  its debug metrics; otherwise it recomputes old log-probs and these are unused.
-- rollout ids: ``first_rollout_id + global_steps - 1`` (fit() counts steps from 1; a trainer resumed
-  from ``global_step_N`` asks for step N+1 again, with the same rows from its stateful dataloader, and
-  rayapp serves that step's saved result: the same id with the same tasks).
-- weights: ``RayappCheckpointManager.update_weights`` (fit() calls it where verl would wake its engines
-  and send them weights: before the first step, and after each) saves the actor's Hugging Face weights
-  and has rayapp's engines load them, so the first rollout, too, runs on the trainer's weights;
-  verl's own rollout replicas, which fit() still builds, are put to sleep once and never woken.
-- validation: fit()'s ``_validate`` is refused (one error saying which keys turn it off); run
-  rayapp's eval steps (``manager.evaluate``).
+It exists so a verl user keeps the dataloader and trainer and swaps only the rollout: two dotted
+paths in the trainer's config, ``actor_rollout_ref.rollout.agent.agent_loop_manager_class`` =
+``rayapp.trainers.verl.RayappAgentLoopManager`` and ``...rollout.checkpoint_manager_class`` =
+``rayapp.trainers.verl.RayappCheckpointManager``, plus an optional ``rayapp`` section
+(``VerlSettings``). Only verl's legacy trainer (``trainer.use_v1=False``) is served: the v1 trainer
+passes rollouts on through a TransferQueue this adapter does not write, so ``use_v1`` is refused.
+Invariant: group i of the step fills rows i*n..i*n+n-1 and carries their ``uid``, so GRPO groups
+exactly rayapp's groups. Prompts, rewards, log-probs, step ids and weights: docs/trainers.md, verl.
 """
 
 from __future__ import annotations

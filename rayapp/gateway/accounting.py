@@ -3,38 +3,12 @@
 An agent speaking the OpenAI API sends its whole message history on every call; the trainer needs
 one token sequence in which every token is either an id the engine generated (loss mask 1, with the
 engine's log-prob) or a token the chat template rendered (mask 0), never a re-tokenisation of
-generated text. ``Conversation`` keeps that sequence as the calls come, in two steps per call, so a
-call the engine never answers leaves nothing behind:
-
-- ``prepare(messages, tools)`` plans a call: the ids the engine continues from (``plan`` does the
-  same from a ``snapshot``, so the templating and tokenizing can run off the event loop while calls
-  are recorded on it). It decides at message
-  level whether the request extends the recording: its first messages equal the recorded ones (the
-  agent's earlier messages and the assistant messages the gateway returned, compared on role, text,
-  name, tool-call id, and tool calls with their arguments compared as JSON) and the tools are
-  unchanged. If so, the engine goes on from the exact recorded ids plus the template's tokens for
-  what the request adds: first the rest of the template's end of an assistant turn that the engine
-  did not generate (the end-of-turn token after a stop-string stop, and what the template puts after
-  it, such as ChatML's newline after ``<|im_end|>``), then the new messages and the generation
-  prompt. These come from the template's own text: the rendering of the recorded messages, closed,
-  must start with the previous call's prompt text, and the rendering of all messages with the
-  generation prompt must start with it; the new tokens are the difference. A template that fails
-  this rewrites earlier turns (Qwen3 drops earlier reasoning): appending there would give the model
-  a context its template never renders.
-- ``record(call, output_ids, logprobs, message)`` commits it: the template's tokens with mask 0 and
-  log-prob 0.0, the engine's ids with mask 1 and its log-probs as given, and the assistant message
-  returned to the agent as the recorded history for the next comparison.
-
-When a request does not extend the recording, a new segment starts from the request's full
-rendering (a fresh token sequence); the old one is kept, closed, and the reason is counted:
-``history_edited`` (earlier messages changed, dropped or summarised), ``tools_changed``,
-``template_rewrite`` (above), ``concurrent`` (a reply to a call planned before another call's reply
-was recorded: its prompt is what the engine saw, but no longer the recording's continuation). Every
-segment is self-consistent: each reply's context in it is exactly what the engine was given. How
-segments reach the trainer (each a sample sharing the episode's reward, or the last one only) is the
-recipe's choice; this module only keeps them (``segments``, and ``reasons``: the counts).
-
-Pure: no Ray, no HTTP; a Hugging Face tokenizer (``apply_chat_template``, ``encode``, ``decode``).
+generated text. ``Conversation`` keeps that sequence in two steps per call, ``prepare`` (the ids the
+engine continues from) and ``record`` (commit the reply), so a call the engine never answers leaves
+nothing behind; a request that does not extend the recording starts a new segment, its reason
+counted (``reasons``). Invariant: each reply's context in a segment is exactly what the engine was
+given. How and why segments start: docs/agents.md, "What is recorded" and "The mismatch counters".
+Pure: no Ray, no HTTP; a Hugging Face tokenizer.
 """
 
 from __future__ import annotations

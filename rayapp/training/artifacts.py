@@ -1,40 +1,12 @@
-"""Eval artifacts (docs/scheduler.md §5, ``--save-eval-details``), written crash-safe.
+"""Eval artifacts (docs/scheduler.md, "Eval artifacts"; ``--save-eval-details``), written crash-safe.
 
-Files under ``{root}/eval_details/``, one set per iteration ``id``:
-
-- ``{id}.jsonl``: one JSON object per sample: ``dataset, task_id, index, status, reward,
-  termination_reason, failure_class, turns, prompt_tokens, response_tokens, remove_sample, abort,
-  response`` (``abort`` is the episode's abort record without its reason, as the trainer's ``_abort``
-  holds it; null for samples that did not abort). With ``tokens`` (the recipe's
-  ``scheduler.eval_details_tokens``) also ``tokens, loss_mask, rollout_log_probs``: the sample's token
-  data as a trainer gets it (prompt + response ids; mask and log-probs of the response).
-- ``{id}.placement.jsonl``: one object per model turn, from the episode's turn records:
-  ``dataset, task_id, index, turn, node, gpu_ids, engine`` plus what else the turn's record holds
-  (``engine_s``: seconds the engine call took; ``actor`` in a DAgger roll-in); node and GPUs fall
-  back to the sample's token when the turn did not name them.
-- ``{id}.summary.json``: ``rollout_id, kind="eval", n_samples, failure_classes`` (the eight of
-  ``failure_summary``), ``datasets: {name: {n_samples, failure_classes}}``, ``aborts`` (null, or
-  ``core.metrics.abort_digest``: the count by reason and the first abort's task and error text), and
-  ``metrics``.
-- ``train_{id}.summary.json``: the same for a rollout step, ``kind="train"``, plus ``n_groups`` and
-  ``n_removed``; datasets from ``metadata["_dataset_name"]`` ("unknown" when absent). It counts every
-  sample of the step as it ran, before the survivorship filters, and ``filters`` says what they did
-  (``FilterReport.summary``: input and kept counts, ``dropped`` and ``dropped_groups`` by filter and
-  reason, the abort share); ``metrics`` are the step's as returned.
-
-Beside ``eval_details/``, ``timeline/{train|eval}_{id}.trace.json`` (and ``.png``) is each step's
-placement timeline (``training.timeline``).
-
-Crash safety, the guarantee every file here keeps: a file never holds half a line.
-- Streamed JSONL (``append_sample``) is written one record per write, flushed per record, fsynced
-  on close. If a write fails part-way the file is cut back to the last whole line before the error
-  propagates; if the process dies part-way, the torn tail is cut off the next time the file is
-  opened for appending, and ``read_jsonl`` ignores it (with a warning) meanwhile.
-- Whole files (``write_eval``'s three, the summaries) are written with ``files.atomic_write``: the
-  old version or the new one, never a mix. The
-  summary is written last, so its presence means that iteration's details are complete.
-
-This module imports no torch: the manager that writes eval details need not have it.
+It exists so a user can read every sample, turn placement and step summary of a run after the fact,
+while the run is still writing them: under ``{root}/eval_details/`` each step ``id`` gets
+``{id}.jsonl``, ``{id}.placement.jsonl``, ``{id}.summary.json`` (``train_{id}.summary.json`` for a
+rollout step). Invariant: a file never holds half a line (streamed JSONL is cut back to its last
+whole line on failure, whole files are written atomically, the summary last), so a summary's
+presence means the step's details are complete. Imports no torch. The fields of each file:
+docs/observability.md, "Eval details files".
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
-"""The trainer's door: a step's result as trainers get it. Inside the project a sample's episode is one
-typed record (``Sample.episode``, ``rayapp.record``); here, and only here, it becomes the spec's
-metadata keys (``EpisodeKey``: ``_termination_reason``, ``_placement``, ...), with the names and
-meaning they always had. The step pipeline hands every result out through ``for_trainer`` (the
-manager's results, and what a step stores to serve again); saved trajectories are written with
-``trainer_sample``. ``stored_sample`` is the way back, for samples saved in the trainer's form
-(trajectory files). And the batch shapes trainers take:
-verl's ``DataProto`` and slime's ``Sample`` dicts.
+"""Where a step's result leaves the project for a trainer: a step's result as trainers get it.
 
-Guarantees:
-
-- Rows are the result's samples in order, group after group, sample after sample; every sample is
-  a row, a ``remove_sample`` one too (its loss mask all 0), so the batch keeps the shape the
-  scheduler promised (``n_samples`` rows a group).
-- verl (``verl_tensors``; ``to_verl`` wraps them in a ``DataProto``), laid out as verl's own agent
-  loop does: ``prompts`` left-padded, ``responses`` right-padded, ``input_ids`` their concatenation,
-  ``attention_mask`` 1 on every real token, ``position_ids`` counting real tokens from 0 (0 on the
-  left padding, the last position repeated on the right: verl's ``compute_position_id_with_mask``),
-  ``response_mask`` the sample's ``loss_mask`` (0 on tool output and padding), ``rollout_log_probs``
-  (0.0 on padding), and ``token_level_scores`` holding the reward on the last response token and 0
-  elsewhere. Ids and masks are int64, floats float32. ``non_tensor_batch`` holds ``uid`` (one value
-  per group, what verl's GRPO groups by), ``task_id``, ``index`` and ``status``.
-- slime (``to_slime``): one dict per sample with the fields ``slime.utils.types.Sample.from_dict``
-  reads; ``reward`` is the reward's ``reward_key`` entry (the whole dict when ``reward_key`` is None)
-  and ``weight_versions`` the weights of each model turn (the turn records' ``weight_version``).
-- ``stored_sample(trainer_sample(s)) == s`` for a sample the evaluator made; a sample's metadata keys
-  other than ``EpisodeKey``'s are left as they are.
-- A sample whose token data does not line up (``loss_mask`` or ``rollout_log_probs`` not
-  ``response_length`` long, a response longer than its tokens, a reward without ``reward_key``, a
-  prompt or response past a fixed width) is one ``ValueError`` naming the group, task, sample and
-  field; nothing is returned. Log-probs are all or nothing: when no sample has them the key is left
-  out, when only some have them it is an error.
+Inside the project a sample's episode is one typed record (``Sample.episode``); here, and only here,
+it becomes the spec's metadata keys (``EpisodeKey``), with the names and meaning they always had.
+Every result leaves the step pipeline through ``for_trainer``; saved trajectories are written with
+``trainer_sample`` and read back with ``stored_sample``; ``to_verl``/``verl_tensors`` and
+``to_slime`` give the batches those trainers take (docs/trainers.md). Invariants: rows are the
+samples in order, group after group, a ``remove_sample`` one too, so a group keeps its size;
+``stored_sample(trainer_sample(s)) == s``; token data that does not line up is one ``ValueError``
+naming the group, task, sample and field, and nothing is returned.
 """
 
 from __future__ import annotations

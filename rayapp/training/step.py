@@ -1,34 +1,12 @@
-"""One training step of a recipe, end to end, in the order the trainer's data depends on (docs/scheduler.md §5):
+"""One training step of a recipe, end to end, in the order the trainer's data depends on (docs/scheduler.md §5).
 
-- rollout: a fresh run of the scheduler, or the saved trajectories the reuse policy points at
-  (``reuse.py``); then the roll-in metrics, counted before any filter drops a sample (every roll-in
-  the teacher paid for counts); then the survivorship filters (rejection, then finish-only; the
-  abort cap warns); then the artifacts: the trajectory files by kind, the checkpoint folder, the
-  train summary (of every sample before the filters, with the filters' drops by reason) and the
-  placement timeline (``timeline.py``).
-- eval: a run whose finished groups stream into ``eval_details/``, then the complete files and the
-  timeline; a failed eval closes its streamed files, and a later run of the same id rewrites them.
-
-A rollout step's tasks come from the data source, or from the trainer (``rollout(id, tasks)``,
-``trainer_tasks.py``): then the step runs exactly those tasks as its groups, in that order, each with
-its own ``n_samples``, and the data source's position is untouched. Its durable record keeps their
-digest, so the same id with the same tasks is served again and with other tasks refused
-(``step_results.py``). Survivorship filters apply to it as to any step (each group's samples carry
-``_group_id`` ``"<id>/<i>"``, i its task's index, so the trainer sees which survived); partial
-rollouts and reused trajectories choose the step's groups themselves, so with either a trainer's
-tasks are refused before anything runs.
-
-What a step returns is the trainer's door (``converters.for_trainer``): each sample's episode record
-is written there as the spec's metadata keys; observers, filters and artifacts see the typed record
-before it. Steps are idempotent (``step_results.py``): a repeated or concurrent request for a rollout or eval
-id gets that step's result, waiting for the one in flight, and never runs it twice at once; with a
-checkpoint folder the latest results also survive a restart. Ids outside 0 .. 2**31-1 are a
-ValueError before anything runs.
-
-One step runs at a time: a second call waits its turn, and so does work that must fall between
-steps (``between_steps``: loading new weights). Before the first step, ``release_previous`` frees
-what a previous host of the same pool owner still held (a replica that replaced a crashed one).
-Nothing here imports Ray: the Serve manager only translates calls into these.
+It exists so the manager only translates calls: a rollout step is a fresh scheduler run (over the
+data source's tasks, or exactly the trainer's own, ``rollout(id, tasks)``) or reused trajectories,
+then the roll-in metrics, the survivorship filters and the artifacts; an eval step streams its
+groups into ``eval_details/``. Invariants: one step runs at a time (weight loads wait their turn
+through ``between_steps``); steps are idempotent by id (``step_results.py``); every result leaves
+through ``converters.for_trainer``, where outside code first sees it, while observers, filters and
+artifacts see the typed record before it. Nothing here imports Ray.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """An agent for gym-style text environments: each model turn is an action, and the environment answers
 it with an observation, a reward and whether the episode is done.
 
-An environment is made per sample by ``env_factory(sample)`` (sync or async) and is one of:
-
-- a plain object: ``step(action_text) -> (observation, reward, done, info)`` (a gymnasium-style
-  ``(observation, reward, terminated, truncated, info)`` is taken too), with ``reset(sample)``
-  optional (the first prompt: a string, a list of chat messages, or None for the sample's own) and
-  ``close()`` optional;
-- a SkyRL-gym text environment (``skyrl_gym``'s ``BaseTextEnv``): ``init(prompt_messages) ->
-  (messages, info)``, ``step(action_text) -> {"observations", "reward", "done", "metadata"}``,
-  ``close()``; ``skyrl_gym_env(env_id)`` is a factory of them (the ``gym`` extra installs skyrl-gym).
-
-Any of these methods may be a coroutine function; a plain one runs in a worker thread, so a slow
-environment does not stall the other episodes. An observation is a string (one user message), a
-chat message, a list of them, or None / empty (the next generation prompt alone).
-
-Token data, as ``ToolAgent``'s: the model's tokens are the engine's own ids with its log-probs and
-mask 1; the observation's are the chat template's rendering of its messages after the closed
-assistant turn (``observation_tokens``, shared with ``ToolAgent``), mask 0 and log-prob 0.0.
-
-The environment steps on every model turn, the last one too, so every action is scored. The episode
-ends when the environment says done (``stop``), after ``max_turns`` model turns (``max_turns``, one
-turn when the stopping criteria set none), when a turn runs out of tokens (``length``, or
-``max_context_len`` when the context limit capped it), or when an observation does not fit in the
-context (cut there, ``max_context_len``). An observation that comes with done is not rendered: no
-model turn follows it. The sample's score is the environment's rewards summed over the episode (its
-return; ``reward="last"``: the last step's alone); the rewards per step are in the sample's
-metadata (``env_rewards``), with whether the environment said done (``env_done``).
-
-Not resumable (partial rollouts): an environment's state is not in the token data, and rebuilding it
-by replaying the actions would assume a deterministic environment; a cut sample starts afresh.
+It exists so an environment that scores each turn needs no agent code: ``env_factory(sample)`` makes
+one environment per episode, a plain ``step``/``reset``/``close`` object or a SkyRL-gym text
+environment (``skyrl_gym_env``), sync or async. Invariant: the token data is ``ToolAgent``'s (the
+engine's ids with its log-probs and mask 1, observations rendered by the chat template with mask 0),
+and the environment steps on every model turn, the last too, so every action is scored. Not
+resumable: the environment's state is not in the tokens. Shapes, stopping and scores:
+docs/plugins.md, "Gym-style environments".
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Trampoline: turn a fresh process into a sandboxed command, then exec it.
 
-``python -I -S _launch.py SPEC_JSON STATUS_FD -- ARGV...`` (run by ``LocalProcessSandbox``).
-
-Why a separate interpreter instead of ``preexec_fn``: ``preexec_fn`` runs Python between fork and
-exec in a child of a multi-threaded process (a Ray worker has many threads); a lock another thread
-held at fork time can deadlock that child, and CPython documents it as unsafe with threads. A fresh
-interpreter has no such state, costs ~30 ms, and does what util-linux's ``unshare``/``prlimit``/
-``setpriv`` would do without needing them on the node. It imports only the standard library and
-nothing from rayapp, so it runs before any privilege is dropped without trusting the project's path.
-
-Order matters, and each step is done while it still can be:
-1. unshare the network, mount and PID namespaces in one call (needs root, or a user namespace when
-   unprivileged); bring the private loopback up;
-2. with a PID namespace, fork: this process stays outside and only relays the exit status; the
-   child is the namespace's init (PID 1). It builds the command's root file system and enters it
-   (``_newroot.py``), forks the command and reaps until the command is done. When init exits the
-   kernel kills everything left in the namespace, so nothing a command started (``setsid`` or not)
-   outlives it, and the command is not PID 1 (whose default signal actions the kernel ignores);
-3. chdir into the working folder while still privileged (its parent may be closed to the sandbox user);
-4. set the rlimits (a hard limit cannot be raised again after dropping privileges);
-5. drop supplementary groups, then gid, then uid (real, effective and saved);
-6. set no_new_privs, so a setuid binary cannot give root back;
-7. exec the command.
-A failure in steps 1-6 is written to STATUS_FD and the process exits 125: the parent reads it as a
-sandbox fault. A successful exec closes STATUS_FD (close-on-exec), which the parent reads as EOF. A
-command that cannot be found or run is the command's own outcome (exit 127/126, as a shell says).
-
-Two more modes: ``{"probe": true}`` reports which isolation steps this kernel/privilege allows, as
-JSON on STATUS_FD; ``{"kill_uid": N}`` becomes uid N and sends SIGKILL to every process of that
-user with ``kill(-1)`` (atomic against fork bombs: the kernel walks the task list under a lock that
-fork must take), then exits.
+``python -I -S _launch.py SPEC_JSON STATUS_FD -- ARGV...`` (run by ``LocalProcessSandbox``). It
+exists because ``preexec_fn`` is unsafe in a multi-threaded Ray worker; a fresh interpreter that
+imports only the standard library can set up namespaces, root, rlimits and identity before any
+privilege is dropped, without trusting the project's path. Invariant: each step runs while it still
+can (rlimits before dropping privileges, ``no_new_privs`` before exec); a failure before exec is
+written to STATUS_FD with exit 125 (a sandbox fault), a successful exec closes it. Modes
+``{"probe": true}`` and ``{"kill_uid": N}`` report what the kernel allows and kill a uid's
+processes. The order and the reasons: docs/reliability.md, "The local sandbox's view of the machine".
 """
 
 # Everything is imported up front: after the uid switch the interpreter's own standard library may

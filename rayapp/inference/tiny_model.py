@@ -1,32 +1,12 @@
 """The tiny CPU model the ``hf`` backend serves by default, built offline on first use.
 
-``ensure_tiny_model()`` returns a folder that ``transformers`` loads with ``local_files_only=True``:
-a 2-layer Llama-shaped ``LlamaForCausalLM`` (safetensors) and a byte-level BPE tokenizer (one token
-per digit), with bos/eos/pad, chat role markers and a Jinja chat template. What it learns from comes
-from the caller (``TrainingData``: the corpus the tokenizer is trained on, the pretraining batches);
-the recipe's own is ``rayapp.training.tiny_recipe.TRAINING``, made by code from the environments'
-texts, so nothing here imports an environment. Guarantees:
-
-- nothing touches the network: the tokenizer and the weights are made here, from data made by code;
-- the build is deterministic: fixed seeds, a fixed number of pretraining steps, one torch thread;
-- the build is atomic and idempotent: it is written into a temporary sibling folder and moved into
-  place with ``os.replace`` under an exclusive ``flock``, so a second process (or thread) waits for
-  the first and then reuses its result; a folder is only ever used once its manifest is in place.
-
-The short pretraining (``tiny_recipe.pretrain_batches``) teaches the model the chat format, the ``The answer is
-N.`` reply, and the mechanics of the ``math`` environment's calculator (write the problem's expression
-into a call, copy the result into the answer) while it seldom chooses to call it: the model cannot do
-two-digit arithmetic itself, so its arithmetic accuracy starts near 0, and GRPO can raise it within
-minutes on CPU by learning to call the tool (``recipes/train_grpo.py``, ``docs/training.md``).
-
-The build takes minutes on two cores, so its result ships with the package (``SHIPPED``, half a
-megabyte): ``ensure_tiny_model()`` returns that folder, and builds into the cache only where the
-shipped one is missing or of another recipe. The shipped build is checked against the code: its
-manifest records the recipe version, the digest of the training data (``data_digest``; the recipe's,
-made afresh, is ``tiny_recipe.training_digest()``: a change to a prompt the corpus copies shows) and
-of the weights, which a test compares; ``make tiny-model`` rebuilds it and ``make check-tiny-model``
-rebuilds it aside and compares (``rayapp.training.tiny_model_ship``). Without the shipped build,
-``ensure_tiny_model`` builds into the cache when its caller hands it the training data.
+It exists so tests, demos and CPU-only machines have a real model that needs no download and that
+GRPO can visibly improve within minutes (docs/training.md, "What it learns, and why it can").
+``ensure_tiny_model()`` returns the build shipped with the package (``SHIPPED``), else builds one into
+the cache from the caller's ``TrainingData`` (the recipe's is ``rayapp.training.tiny_recipe``, so
+nothing here imports an environment). Invariants: the build touches no network, is deterministic,
+and is atomic and idempotent (a temporary sibling folder moved into place under an ``flock``; a
+folder is used only once its manifest is in place); the shipped build's manifest matches the code.
 """
 
 from __future__ import annotations

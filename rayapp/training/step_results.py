@@ -1,33 +1,12 @@
 """Idempotent steps: a rollout or eval id runs at most once at a time, and a finished step's result
 is served again rather than run again.
 
-- A step id is an int in ``0 .. MAX_STEP_ID`` (2**31 - 1); anything else is a ValueError naming
-  it, raised before anything runs (the HTTP surface answers 422 for the same range).
-- A request for an id whose step is in flight waits for that step and gets its result: two
-  concurrent requests for rollout 5 run rollout 5 once and both get the same ``RolloutResult``
-  (the same object in one process: treat it as read-only).
-- A finished step's result is kept for the ``keep`` highest ids of each kind (rollout, eval): in
-  memory, and with a folder (the recipe's ``scheduler.checkpoint_dir``) on disk, as
-  ``{folder}/step_results/{kind}_{id:06d}.msgpack`` (written atomically: msgpack of an envelope
-  tagged ``format: rayapp.step_result`` with ``version``, ``kind``, ``rollout_id`` and ``result``;
-  decoded straight into the result's type, nothing is unpickled), so a manager restarted after a step finished
-  returns that step's samples again instead of running it anew.
-- An old id, one whose result is no longer kept, runs afresh (still never twice at once): a
-  trainer that went back to an earlier step gets new samples for it; with a checkpoint the
-  rollout fetches the same tasks as before (``ResumableRollouts``). A repeat of one of the latest
-  steps, the retry after a lost answer or a restart, is always served.
-- A rollout step may run tasks the trainer chose (``StepRunner.rollout(id, tasks)``): its record
-  keeps their digest (``training.trainer_tasks``; None: the data source chose), in memory and in its
-  file. The same id with the same tasks is served as above; the same id with other tasks, or tasks
-  where the step had none (or the reverse), is one ValueError naming the step, whether that step
-  is kept, saved or in flight, and nothing runs.
-- A step that failed or was cancelled leaves nothing behind: the next request runs it afresh. A
-  damaged or foreign result file is skipped with a warning, and the step runs.
-- With a folder, a step whose result cannot be saved (a full disk) fails with an error naming the
-  file: a result is handed out only once it is durable, so that a repeat of its id, even after a
-  restart, returns the same samples; the trainer's retry runs the step again.
-- A cancelled request leaves the step running for the other requests waiting on it; the last one
-  cancelled cancels the step and waits for its teardown before its own cancellation goes on.
+It exists so a trainer's retry, after a lost answer or a manager restart, gets the samples it was
+already given instead of new ones. ``StepResults`` is a single-flight memo per id, kept for the
+``keep`` latest ids of each kind in memory and, with a folder, on disk; a step's record keeps the
+digest of the trainer's tasks, so the same id with other tasks is refused. Invariant: a result is
+handed out only once it is durable, and a step that failed or was cancelled leaves nothing behind.
+Ids, files, cancellation: docs/scheduler.md §1, "How steps are idempotent".
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """The least-privilege way from a sandboxed command to its episode's gateway: ``GatewayBridge``.
 
-A sandbox's commands run in a network namespace of their own (only a private loopback), so the
-gateway (Serve's proxy on the host's 127.0.0.1, or another node) is out of their reach, and it must
-stay so for everything else on the host. The bridge opens exactly one door:
+It exists because a sandbox's commands run in a network namespace of their own, where the gateway
+is out of reach, and it must stay so for everything else on the host. The bridge opens exactly one
+way out:
 
     command ──TCP──▶ 127.0.0.1:<free port> in the sandbox's namespace   (_bridge_inner.py, the sandbox user)
               ──bytes──▶ Unix socket in the sandbox's own folder           (owned by the sandbox user, 0600)
               ──HTTP──▶ forwarder here ──TCP──▶ the gateway's host:port    (this module, this process)
 
-The forwarder reads each HTTP request's head and passes it only when its target lies under the
-episode's own base path (``<prefix>/gateway/<episode>/v1/``) with a plain ``Content-Length`` body;
-anything else (another episode, the manager's admin routes, a chunked or ambiguous body that could
-hide a second request, a protocol upgrade) is answered 400/403/411 in OpenAI's error shape and the
-connection closed. The gateway's own check (the episode's key) stays behind it. The socket lives in a root-owned folder
-(0711) under the sandbox's base, which no other sandbox's root holds; the key is in a file beside
-it, read by the bridge, never on a command line.
-
-The sandbox's other guarantees hold: the command is still one process group in its namespaces under
-its rlimits; the bridge is its parent, so the wall clock, a cancellation or ``close`` end both.
-Where the sandbox has no network namespace the command could reach the host anyway; the bridge is
-used all the same, so the command finds the gateway the same way everywhere.
-
-Local sandboxes (here, or in their bundle's actor: ``exec_with_gateway``) and Docker sandboxes. A
-Docker sandbox keeps ``--network none``; its container has a host folder of its own mounted at the
-same path (``DockerSandbox.bridge_dir``, made at ``start``), where the bridge puts its folder, and the
-inner end runs with the image's ``python3`` (an image without one fails the command: exit 127, "not
-found"). The container's user is the image's, unknown here, so in that folder the socket and the key
-file are open to every user who can name them: the folder's name is 128 random bits under a folder
-that cannot be listed (0711), and the gateway still checks the key.
+Invariant: the forwarder passes only requests under the episode's own base path with a plain
+``Content-Length`` body; the gateway's key check stays behind it. Local and Docker sandboxes:
+docs/agents.md, "Bring an agent" (a program in a sandbox).
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """One batch's episodes (docs/scheduler.md §4): created per batch, runs its groups once, discarded.
 
-Invariants it keeps:
-- at most ``spec.resource.concurrency`` samples run at once, and no more than the batch has
-  tokens: that many workers take the samples in order;
-- each running sample holds exactly one token of the batch across run AND verify; a worker keeps
-  its token from one sample to the next while samples of the batch wait, so tokens are reused
-  inside the batch before any goes back;
-- early release (``release``: the pool's ``release_tokens``): a token goes back to the global pool
-  only once no sample of the batch waits for one (every sample started or finished) and the sample
-  that held it ended, or at once when it is one no sample can ever use (more tokens than the
-  concurrency ceiling); never while its sample runs, and each at most once. A release that fails,
-  or a cancelled worker, leaves the token to the batch's close. Without ``release`` every token is
-  back in the local pool when ``run`` returns (the spec's hold-until-the-batch-ends);
-- one EpisodeContext spans both phases: what the agent kept in it is closed when the episode ends,
-  cancellation included; its record is the sample's own ``Sample.episode`` in every outcome (a
-  cancelled sample stays PENDING with the record of the turns it did, and the agent's
-  ``ResumePoint`` when it kept one; a sample that ended keeps none);
-- a failing sample never fails the batch: it becomes an ABORTED 2-token dummy with
-  ``remove_sample=True`` and a classified reason, so the trainer's batch shape stays intact. That
-  holds for whatever agent code raises (its own ``CancelledError``, ``SystemExit``,
-  ``KeyboardInterrupt``) and for a result or reward that breaks its types; only the step's own
-  cancellation (``Task.cancelling()``) ends the episode as cancelled;
-- agent code written as plain functions runs in a worker thread, so a phase's time limit holds even
-  when it blocks;
-- ``run``'s ``done(k)`` is called once per group, as soon as group ``k`` is finished, and what it
-  returns, unless None, is awaited in a task of the batch; one that raises cancels the batch's
-  samples, and ``run`` ends only once they have all ended.
+It exists to run each sample's run and verify phases under the batch's tokens: at most
+``spec.resource.concurrency`` samples at once, each holding exactly one token across both phases,
+tokens reused inside the batch and, with early release, given back to the pool only once no sample
+of the batch waits for one (never while their sample runs, each at most once). Invariant: a failing
+sample never fails the batch; it becomes an ABORTED 2-token dummy with ``remove_sample=True`` and a
+classified reason, whatever the agent raised, so the trainer's batch shape stays intact; only the
+step's own cancellation ends an episode as cancelled. The contracts in full: docs/architecture.md,
+"Contracts kept between the parts".
 """
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
 """The cluster layout (docs/scheduler.md §3): ``--env-cluster-layout`` read into ``{node: NodeSpec}``.
 
-The layout is inline JSON, a file path, or an already-parsed dict. A string is inline JSON when its
-first non-blank character is ``{``, ``[`` or ``"`` (so ``"[1,2]"`` is a wrong layout, never a file
-name), and a file path otherwise. Each node is a GPU-id list
-(shorthand) or a full ``{"gpus", "cpu", "memory_gb"}`` object; a missing cpu / memory_gb falls back to
-``--env-num-cpus`` / ``--env-memory-gb``. No layout at all means no global pool: batches launch ungated.
-
-What this module guarantees:
-
-- ``parse_cluster_layout`` returns ``None`` (no layout) or a non-empty ``dict[str, NodeSpec]`` whose
-  GPU ids are distinct ints in 0 ... 2**16, given as a list, per node, whose cpu / memory_gb are floats
-  >= 0 small enough for the pool's integer units, and whose every node offers something (a GPU, a CPU
-  or memory).
-- Any other outcome is exactly one ``LayoutError`` and nothing else (no KeyError, UnicodeError,
-  RecursionError or msgspec error escapes). Nodes and defaults go through the one door
-  (``rayapp.core.convert``); the message names the source, where it went wrong and the value::
-
-      cluster layout "a.json": $.10.0.0.3.cpu: expected float, got "x"
-      cluster layout "<inline>": malformed JSON: invalid character (byte 5)
-      cluster layout "a.json": cannot read file: No such file or directory
-
-  Each part of a message is cut to about 200 characters (a 200 KB path or node name is not echoed).
-  The source is the path as given, ``<inline>`` for inline JSON or a dict, or ``source_name``. Node
-  names go into the JSON path after a dot as they are, even when they contain dots (node IPs do);
-  only a name with unprintable characters is JSON-quoted there.
-
-Pure Python: never imports ray, so the CLI can reject a bad layout before any cluster starts.
+It exists so the pool knows what it may hand out on each node, and so a bad layout is refused before
+any cluster starts. The layout is inline JSON (a string starting with ``{``, ``[`` or ``"``), a file
+path, or a parsed dict; each node a GPU-id list or a ``{"gpus", "cpu", "memory_gb"}`` object, a
+missing cpu / memory_gb taken from ``--env-num-cpus`` / ``--env-memory-gb``; no layout means no
+global pool. Invariant: ``parse_cluster_layout`` returns None or a valid non-empty layout, and
+anything else is exactly one ``LayoutError`` naming the source, the JSON path and the value (nodes go
+through ``rayapp.core.convert``, where outside input is checked). Forms and messages:
+docs/cluster.md, "The cluster layout". Pure Python: never imports ray.
 """
 
 from __future__ import annotations

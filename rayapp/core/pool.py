@@ -1,31 +1,13 @@
 """The placement pool (docs/scheduler.md §3): admission of batches of placement tokens, first come first served.
 
-``PlacementPool`` is the ``Ledger`` (``rayapp.core.ledger``: exact, all-or-nothing, best-fit
-placement, with its invariants) plus admission: ``acquire_batch`` waits for releases in FIFO order,
-has the granted tokens realised by an optional reservation hook (``Reservations``; the Ray shell
-makes a placement group), and tracks the batch and its owner until ``release_batch`` or
-``release_owner``.
-
-Invariants kept, on top of the ledger's (tests check them after every step):
-
-* A failed acquire (bad request, timeout, cancellation, an error) leaves the ledger as it was and
-  holds nothing; a failed release (not a whole batch) changes nothing.
-* A reservation the hook refuses (None), that raises or that is cancelled leaves the ledger as it
-  was and holds nothing: the pool takes the tokens back, and the hook removes whatever it made. A
-  refused batch keeps its place at the head of the queue and retries after ``retry_s`` or at the
-  next release, so a later batch never overtakes it.
-* Every token ``acquire_batch`` returns belongs to exactly one tracked batch until the batch is
-  released whole (``release_batch``, ``release_owner``); the ledger-level ``release`` refuses it.
-  Releasing every batch restores the initial ``snapshot()`` exactly.
-* A batch may give some of its tokens back before it closes (``release_tokens``, early release):
-  only tokens it still holds, each once; they are free at once and wake the head waiter. The
-  batch still closes with its whole grant (``release_batch``), which frees only what it still
-  holds, so every token goes back to the ledger exactly once, early or at the close, and a token
-  given back early can be granted to another batch while its first batch is still open.
-
-Everything runs on one event loop, and every wait uses that loop's clock only (``asyncio.timeout``),
-so a virtual-time loop drives the pool as it drives the scheduler. Pure Python + asyncio; never
-imports ray (the Ray shell supplies the hook and translates).
+``PlacementPool`` is the ``Ledger`` (exact, all-or-nothing, best-fit placement) plus admission:
+``acquire_batch`` waits for releases in FIFO order, has the granted tokens realised by an optional
+reservation hook (the Ray shell makes placement), and tracks each batch and its owner until
+``release_batch`` or ``release_owner``; ``release_tokens`` gives tokens back early. Invariants
+(checked by tests after every step): a failed acquire, release or reservation leaves the ledger as
+it was; every token goes back exactly once; releasing every batch restores the initial
+``snapshot()`` (docs/architecture.md, "Contracts kept between the parts"). One event loop and its
+clock only, so a virtual-time loop drives it; never imports ray.
 """
 
 from __future__ import annotations
@@ -171,7 +153,7 @@ class PlacementPool(Ledger):
                 while True:
                     if waiter.error is not None:
                         raise waiter.error
-                    # Clear before trying: a release that lands during the try sets it again.
+                    # Clear before trying: a release that arrives during the try sets it again.
                     waiter.event.clear()
                     backoff = None
                     if self._queue[0] is waiter:

@@ -2,25 +2,12 @@
 with bash/read_file/write_file tools in a sandbox holding the repository, and its DAgger variant
 (``ENV``, what recipes name ``swe``).
 
-Each repository is package data under ``datasets/swe_repos/<name>/``: its source, its ``unittest`` tests and
-a ``task.json`` (``id``, ``issue``, ``test_command``, ``failing_test``, ``gold_patch``). The agent
-gets the issue, reads and edits files and runs commands through its tools in a sandbox; the
-repository's own test suite is the verifier.
-
-Guarantees:
-
-- ``load_swe_tasks`` validates every ``task.json`` with msgspec before returning anything: a bad
-  file raises one ``DatasetError`` naming the repository, the file and the field as a JSON path
-  (``swe repo 'todo' (".../todo/task.json"): $.failing_test: expected str, got int``). Ids are
-  unique, ``failing_test`` names a test module the repository has, and ``gold_patch`` paths are
-  relative paths inside the repository that do not touch its tests or ``task.json``.
-- ``prepare_repo`` writes the repository's files into the sandbox: never ``task.json``, so the
-  agent cannot read the gold patch.
-- ``verify_swe`` first rewrites the shipped test files (removing whatever the agent left in their
-  folders), so an edited or deleted test cannot pass, then runs the test command with a bounded
-  wall clock. score is 1.0 only when the command exits 0 and unittest reports ``OK`` for at least
-  one test. A failing, crashing or timed-out run is score 0.0, never an exception; sandbox faults
-  (``SandboxError``) propagate so the evaluator classifies them as infrastructure.
+It exists as a small, offline, real coding task: the agent reads the issue, edits files and runs
+commands in a sandbox, and the repository's own test suite is the verifier. Invariants: every
+``task.json`` is validated before anything is returned (one ``DatasetError`` naming the file and
+field); the agent never sees ``task.json`` (the gold patch); the shipped tests are restored before
+verifying, so an edited test cannot pass; a failing run scores 0.0, never an exception.
+Details: docs/plugins.md, "The built-in environments and agents".
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Mid-rollout checkpoints, and resuming a rollout step from one (docs/scheduler.md §5).
 
-``RolloutCheckpoint`` keeps a rollout's progress on disk, one folder per rollout::
-
-    {dir}/rollout_{id:06d}/state.msgpack          data source state at begin() (written first), and
-                                                  the digest of the trainer's tasks when it chose them
-    {dir}/rollout_{id:06d}/group_{i:06d}.msgpack  one per finished group (i: its fetch index), each
-                                                  written atomically; pruned once two later
-                                                  rollouts began
-    {dir}/rollout_{id:06d}/FINISHED               finish() was called: never resumed; holds the
-                                                  source state after the fetch (next_source_state)
-                                                  and the groups a partial step carries on (carried)
-
-Each file is msgpack of one typed Struct whose tag (``format``) and ``version`` say what it is; it
-is decoded straight into that type (``core.convert.decode``), so a damaged or foreign file is one
-``InputError`` naming it and the path of what is wrong. Nothing on disk is unpickled.
-
-``ResumableRollouts`` wraps a TaskScheduler with one: before each step it sets the data source's
-state (the saved one when the step resumes, else where the previous finished step left the stream)
-and saves it; the step's ``StepLog`` hands back the groups finished before (checked against the
-re-fetched tasks) and records each group as it finishes; after the step, ``finish`` marks it done.
-A step whose tasks the trainer chose (``execute_rollout(digest=...)``) resumes only with the same tasks: other
-ones (or the data source's, or the reverse) are one ValueError naming the step, before anything runs.
-The scheduler itself knows nothing of checkpoints.
+It exists so a manager replica killed mid-rollout resumes the step without losing or repeating a
+group. ``RolloutCheckpoint`` keeps a rollout's progress on disk (the data source's state, each
+finished group, a FINISHED marker); ``ResumableRollouts`` wraps the scheduler, setting and saving
+the data source's state before each step and recording each group as it finishes, so the scheduler
+itself knows nothing of checkpoints. Invariants: every file is a typed msgpack record, never
+unpickled, and a damaged or foreign one is one ``InputError`` naming it; a step whose tasks the
+trainer chose resumes only with the same tasks. The files: docs/reliability.md, "A full disk".
 """
 
 from __future__ import annotations
@@ -248,7 +233,7 @@ class RolloutCheckpoint:
 async def in_thread(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a thread (blocking I/O with fsync), awaited to its end even when the caller is
     cancelled meanwhile (``core.landing``): a thread cannot be stopped, and a checkpoint write must
-    never land after the step that made it has returned."""
+    never be written after the step that made it has returned."""
     return await landed(asyncio.to_thread(fn, *args))
 
 

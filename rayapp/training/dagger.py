@@ -1,30 +1,13 @@
 """The DAgger schedule and the per-iteration state the scheduler publishes (docs/scheduler.md §5).
 
 ``DAggerSchedule`` maps a rollout index to the mixing weight β (the probability that the teacher,
-not the student, acts at a turn) and to t_max (the roll-in tail length). Guarantees:
-
-- β(t) is a pure function of (schedule, t): the same iteration always yields the same β, so a
-  resumed or replayed rollout sees the value the original saw.
-- β(t) lies in [beta_end, beta_start] and never increases with t, for every decay kind.
-- t_max(t) is an int that moves monotonically from t_max_start to t_max_end by t_max_step per
-  iteration and then stays at t_max_end; with t_max_step == 0 the ramp is off and t_max is
-  t_max_start for every t.
-- A schedule that exists is valid: bad values raise one ValueError naming the CLI flag.
-
-The decays, with t the iteration, T = decay_iters, d = beta_start - beta_end:
-
-    linear       β = max(beta_end, beta_start - d * min(t, T) / T)       (β = beta_end once t >= T)
-    cosine       β = beta_end + d * (1 + cos(π * min(t, T) / T)) / 2
-    exponential  β = max(beta_end, beta_start * gamma ** t)
-    step         β = max(beta_end, beta_start * step_gamma ** (t // step_size))
-
-T = 0 means the decay is already over: β = beta_end from iteration 0. ``decay_iters`` is read by
-linear and cosine only; ``gamma``/``step_gamma``/``step_size`` only by the kinds that name them.
-
-The scheduler alone knows the rollout index: ``DAggerIterations`` gives it the iteration's state as an
-``Iteration`` (agents read that typed value, ``EpisodeContext.iteration``) and tells its observers;
-the one that writes the spec's ``STACX_*`` environment variables is ``stacx_env.StacxEnv``. A recipe
-without DAgger has ``StepIterations``, so its steps are published too (``STACX_ROLLOUT_ID`` only).
+not the student, acts at a turn) and to t_max (the roll-in tail length); the decays and the ramp
+are in docs/scheduler.md, "DAgger". It exists because the scheduler alone knows the rollout index:
+``DAggerIterations`` gives it each iteration's state as an ``Iteration`` (agents read
+``EpisodeContext.iteration``) and tells its observers (``stacx_env.StacxEnv`` writes the spec's
+``STACX_*`` variables); a recipe without DAgger has ``StepIterations``. Invariants: β is a pure
+function of (schedule, t), never increasing, so a resumed or replayed rollout sees the same value;
+a schedule that exists is valid (bad values are one ValueError naming the flag).
 """
 
 from __future__ import annotations
@@ -150,7 +133,7 @@ class DAggerSchedule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.t_max_step == 0:
             return self.t_max_start
         span = self.t_max_end - self.t_max_start
-        moved = min(self.t_max_step * t, abs(span))  # integers: the ramp lands on t_max_end exactly
+        moved = min(self.t_max_step * t, abs(span))  # integers: the ramp reaches t_max_end exactly
         return self.t_max_start + (moved if span >= 0 else -moved)
 
     def state(self, iteration: int) -> Iteration:

@@ -1,28 +1,12 @@
 """Saved trajectories: the trainer's data (docs/scheduler.md §5; the reuse policy that chooses
 between fresh and saved is ``reuse.py``, mid-rollout checkpoints are ``checkpoint.py``).
 
-A trajectory file is ``torch.save`` of plain data, read with ``torch.load(weights_only=True)``::
-
-    {"format": "rayapp.trajectories", "version": 1, "rollout_id": int | None,
-     "groups": [[sample, ...], ...]}   # one dict per Sample, keyed by field name
-
-as the trainer gets a sample: its episode record is in its metadata, as the spec's keys
-(``converters.trainer_sample``), and comes back into ``Sample.episode`` when a file is loaded.
-
-``tokens`` and ``loss_mask`` are 1-D int tensors (the smallest of int8..int64 that holds them),
-``rollout_log_probs`` float64; other values are None, bool, int, float, str, list, tuple, dict or
-tensors (not bytes: weights_only refuses an empty one). Tensors, not lists, for load time:
-weights_only's unpickler is pure Python, and 2M tokens + 2M log-probs load in 0.4 s as tensors,
-6.8 s as lists, at about the same size. Values are copied; a subclass of str/int/float/list/tuple/
-dict (a StrEnum, a namedtuple) is stored as its base type; anything else is refused at save time
-with a TypeError naming it, so that a file written here always loads.
-
-Guarantees:
-- ``plain_to_samples(samples_to_plain(g)) == g`` for valid Samples, also through torch.save/load.
-- ``save_trajectories`` is atomic (``files.atomic_write``): a crash leaves the old file or the new
-  one, never half of one.
-- ``load_trajectories`` raises one ``TrajectoryError`` (a ValueError) naming the file and what is
-  wrong for a missing, truncated, corrupt or foreign file, never an error from deep inside.
+It exists so a step's samples can be saved and replayed as the trainer gets them: a file is
+``torch.save`` of plain data (token data as tensors, for load time), read with
+``torch.load(weights_only=True)``; the episode record travels as the spec's metadata keys and comes
+back into ``Sample.episode`` on load. Invariants: ``plain_to_samples(samples_to_plain(g)) == g``, also
+through save and load; a value that could not load is refused at save time; saving is atomic; a bad
+file is one ``TrajectoryError`` naming it. The file format: docs/scheduler.md, "Reuse".
 """
 
 from __future__ import annotations
@@ -128,8 +112,8 @@ def _array(v: Any, is_int: bool, where: str) -> torch.Tensor:
 
 
 def _sample_from_fields(d: dict, where: str) -> Sample:
-    """Type-check the non-array fields as Sample declares them, through the one door (it names the
-    bad field); a TypeError like every other refusal here."""
+    """Type-check the non-array fields as Sample declares them, where all outside input is checked
+    (it names the bad field); a TypeError like every other refusal here."""
     try:
         return convert({k: x for k, x in d.items() if k not in _ARRAYS}, Sample, where)
     except InputError as e:

@@ -1,28 +1,12 @@
 """A multi-turn tool-calling agent over a real inference engine.
 
-Token data it guarantees, whatever happens in the episode:
-- ``tokens`` = prompt + response; ``loss_mask`` and ``rollout_log_probs`` cover exactly the
-  response (``response_length`` entries each);
-- model tokens are the engine's own ids with its log-probs and mask 1; environment tokens (tool
-  results, the chat template's turn markers) have mask 0 and log-prob 0.0;
-- the episode stops by ``StoppingCriteria``: ``max_turns`` model turns, ``max_context_len`` tokens
-  in all (generation is capped to the room left, and an observation that does not fit is cut and
-  ends the episode), with the reason recorded and ``truncated`` set;
-- a model turn ends at its tool call: every request carries the tool-call stop strings (after the
-  sampling's own), so no token the model would write past a call is in the response.
-
-Resume (partial rollouts): after each complete turn (its observation included) the agent keeps a
-``ResumePoint`` in the episode record: the token data so far, the turn records, the sandbox tool
-calls made, and the DAgger labels asked so far (a roll-in's). A turn cut short mid-generation adds
-the tokens the engine had made to it (``ChatAgent.generate``). A sample handed one (its record's
-``start``) keeps those tokens, log-probs, mask, turns and labels as they are, rebuilds its
-sandbox by replaying the calls in a fresh one, and goes on with the turn that was cut short: from
-its kept tokens, or generated again when none were kept (a DAgger roll-in's turn always is: its
-label is the teacher's answer to the turn's whole state).
-
-Environment tokens come from the model's own chat template: the text the template adds for a tool
-message (plus the next generation prompt) after a closed assistant turn (``observation_tokens``, which
-the gym agent shares).
+It exists to run the built-in environments' tool loops with token data a trainer can use as it is.
+Invariants, whatever happens in the episode: ``tokens`` = prompt + response, with ``loss_mask`` and
+``rollout_log_probs`` covering exactly the response; model tokens are the engine's own ids with its
+log-probs and mask 1, environment tokens (tool results, the chat template's markers) mask 0 and
+log-prob 0.0; a turn ends at its tool call; the episode stops by ``StoppingCriteria`` with the
+reason recorded. For partial rollouts it keeps a ``ResumePoint`` after each complete turn and goes
+on from one. Token data, stopping and resume: docs/plugins.md, "The built-in environments and agents".
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # Hands a finished group on by its position (the Evaluator's) or index (the step's): what it returns is
 # awaited in a task of its own; None, nothing to wait for, starts no task. The step's ``run_all`` takes a
-# coroutine function (a step log, ``on_task_done``) or a plain function (nothing to hand on).
+# coroutine function (a step log, ``on_task_done``) or a plain function (nothing to pass on).
 GroupDone = Callable[[int], Awaitable[None] | None]
 ReleaseTokens = Callable[[list[Token]], Awaitable[None]]  # the pool's release_tokens
 

@@ -76,7 +76,8 @@ def test_a_stuck_import_is_called_stuck(tmp_path, monkeypatch):
 def test_validate_passes_an_import_that_takes_longer_than_the_old_five_seconds(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
-    (tmp_path / "heavymod_a.py").write_text("import time\ntime.sleep(7)\ndef rows(cfg):\n    return []\n")
+    (tmp_path / "heavymod_a.py").write_text("import time\nfrom rayapp.types import Task, TaskConfig\ntime.sleep(7)\n"
+                                            "def rows(cfg):\n    return [Task('t0', 'p', TaskConfig('arithmetic'))]\n")
     assert problems(_recipe_with_source(tmp_path, "heavymod_a:rows")) == []
 
 

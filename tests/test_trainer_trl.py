@@ -159,7 +159,7 @@ def test_the_first_rollout_runs_on_the_trainers_weights_not_the_earlier_runs(tra
     assert all(torch.equal(original[k], start[k]) for k in original)  # what the trainer started from
     for step, result in enumerate(results):
         versions = {t["weight_version"] for g in result.groups for s in g for t in s.metadata["_turn_placement"]}
-        assert versions == {str(2 + step)}, (step, versions)  # 1 was the earlier run's
+        assert versions == {2 + step}, (step, versions)  # 1 was the earlier run's
 
 
 def test_rollout_ids_follow_the_trainers_steps(trained):

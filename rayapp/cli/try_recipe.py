@@ -181,7 +181,7 @@ async def run_steps(recipe: Path, args: argparse.Namespace) -> dict[str, list[An
     with ``--eval``) for k in 0 .. rollouts-1. What a trainer would get, by kind."""
     from rayapp.envs.protocol import run_inline
     from rayapp.recipe import apply_env, build_step_runner, load_recipe
-    from rayapp.recipe.config import recipe_document
+    from rayapp.recipe.load import recipe_document
 
     _, cfg = load_recipe(recipe)
     cfg = apply_env(cfg, os.environ)

@@ -329,10 +329,27 @@ def test_validate_makes_a_source_plug_ins_rows_and_names_the_field_when_they_fai
         "failed: AttributeError: 'DatasetConfig' object has no attribute 'prompts'"]
 
 
+class RunningServe:
+    """A ``serve run`` process that has not exited."""
+
+    def poll(self):
+        return None
+
+
+def scripted_status(monkeypatch, answers):
+    """``wait_for_app``'s status probes answer ``answers`` in turn, and its pauses take no time."""
+    import json
+    import subprocess
+
+    import rayapp.cli.local as local
+
+    monkeypatch.setattr(local.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, json.dumps(next(answers)) + "\n", ""))
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+
+
 def test_waiting_for_the_app_says_each_change_of_its_deployments_states(tmp_path, monkeypatch, capsys):
     """A deploy takes about a minute here: each new state of its deployments is one line, a repeat none."""
-    import json as _json
-    import subprocess as sp
 
     import rayapp.cli.local as local
 
@@ -341,14 +358,8 @@ def test_waiting_for_the_app_says_each_change_of_its_deployments_states(tmp_path
                     ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}, 10.0],
                     ["RUNNING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}, 10.0]])
 
-    class Proc:
-        def poll(self):
-            return None
-
-    monkeypatch.setattr(local.subprocess, "run",
-                        lambda *a, **k: sp.CompletedProcess(a, 0, _json.dumps(next(answers)) + "\n", ""))
-    monkeypatch.setattr(local.time, "sleep", lambda s: None)
-    local.wait_for_app("127.0.0.1:1", "rayapp", 60, Proc(), tmp_path / "log")
+    scripted_status(monkeypatch, answers)
+    local.wait_for_app("127.0.0.1:1", "rayapp", 60, RunningServe(), tmp_path / "log")
     lines = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines()]
     assert lines == ["  serve: manager updating, pool updating", "  serve: manager updating, pool healthy"]
 
@@ -356,8 +367,6 @@ def test_waiting_for_the_app_says_each_change_of_its_deployments_states(tmp_path
 def test_waiting_for_the_app_judges_the_deployment_just_submitted_not_the_old_one(tmp_path, monkeypatch, capsys):
     """``rayapp run --address`` onto a cluster already running an app of that name: the old deployment's
     RUNNING (deployed at 10.0, before the submit) is not the new one's, whose import fails (deployed at 20.0)."""
-    import json as _json
-    import subprocess as sp
 
     import rayapp.cli.local as local
 
@@ -366,15 +375,9 @@ def test_waiting_for_the_app_judges_the_deployment_just_submitted_not_the_old_on
                     ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}, 20.0],
                     ["DEPLOY_FAILED", failed, {"pool": "HEALTHY", "manager": "HEALTHY"}, 20.0]])
 
-    class Proc:
-        def poll(self):
-            return None
-
-    monkeypatch.setattr(local.subprocess, "run",
-                        lambda *a, **k: sp.CompletedProcess(a, 0, _json.dumps(next(answers)) + "\n", ""))
-    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    scripted_status(monkeypatch, answers)
     with pytest.raises(RuntimeError) as e:
-        local.wait_for_app("127.0.0.1:1", "rayapp", 60, Proc(), tmp_path / "log", deployed_before=10.0)
+        local.wait_for_app("127.0.0.1:1", "rayapp", 60, RunningServe(), tmp_path / "log", deployed_before=10.0)
     assert str(e.value).startswith("application rayapp is DEPLOY_FAILED: ModuleNotFoundError: No module named "
                                    "'my_agents'"), e.value
     assert "(the deployment before this one): waiting for the new one" in capsys.readouterr().out

@@ -139,6 +139,8 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="after rollout k, ask for eval step k too")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds a step may take before the driver cancels it (default: 900)")
+    p.add_argument("--wait", type=float, default=300.0,
+                   help="seconds to wait for the app's manager to come up, right after serve run (default: 300)")
     p.add_argument("--tensorboard", metavar="DIR", help="also write each step's metrics to TensorBoard in DIR "
                    "(the tensorboard extra)")
     p.add_argument("--wandb", metavar="PROJECT", help="also log each step's metrics to this wandb project "
@@ -155,7 +157,8 @@ def main() -> None:
 
     from rayapp import connect
 
-    handle = connect(a.address, a.app, namespace="rayapp-driver", verbose=a.verbose, worker_logs=False)
+    handle = connect(a.address, a.app, namespace="rayapp-driver", verbose=a.verbose, worker_logs=False,
+                     timeout_s=a.wait)
     for rid in range(a.rollouts):
         t0 = time.monotonic()
         result = wait_with_progress(handle, handle.generate.remote(rid), f"rollout {rid}", a.timeout)

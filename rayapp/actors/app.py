@@ -27,6 +27,7 @@ from ray.serve import Application
 from rayapp.actors.engine import InferenceEngine
 from rayapp.actors.manager import SchedulerRolloutManager
 from rayapp.actors.pool import PlacementPoolService
+from rayapp.connection import MANAGER
 from rayapp.recipe import ARGS_SOURCE, check_live_gpus, load_recipe, parse_recipe
 from rayapp.recipe.config import EngineConfig
 
@@ -83,7 +84,7 @@ def build_app(args: dict[str, Any]) -> Application:
                                 max_ongoing_requests=POOL_MAX_ONGOING, health_check_period_s=CONTROL_HEALTH_CHECK_S,
                                 ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}}).bind(
             p.cluster_layout, p.num_cpus, p.memory_gb, p.pg_ready_timeout_s)
-    manager = serve.deployment(SchedulerRolloutManager, name="SchedulerRolloutManager", num_replicas=1,
+    manager = serve.deployment(SchedulerRolloutManager, name=MANAGER, num_replicas=1,
                                max_ongoing_requests=1_000, health_check_period_s=CONTROL_HEALTH_CHECK_S,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
     return manager.bind(args, engines, pool)

@@ -35,6 +35,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from rayapp.actors.remote import bounded, is_lost
+from rayapp.connection import UNAVAILABLE_PAUSES_S, next_pause
 from rayapp.core.termination import AgentTimeout, EngineConnectionError
 from rayapp.inference.backends import make_backend
 from rayapp.inference.client import GenerateOutput, GenerateRequest
@@ -138,8 +139,6 @@ def _replica_name() -> str:
 
 # observe(engine, method, seconds, error or None): each call's latency and outcome (metrics)
 Observe = Callable[[str, str, float, BaseException | None], None]
-# Pauses between asks while Serve has no replica of an engine (a replacement takes about half a minute).
-UNAVAILABLE_PAUSES_S = (0.5, 1.0, 2.0, 5.0)
 
 
 class EngineClient:
@@ -191,8 +190,8 @@ class EngineClient:
                     self.unavailable_since = time.monotonic()
                     log.warning("engine %s: Serve has no replica of it to route to (one is being replaced, or "
                                 "the app is starting): its calls wait for it", self.name)
-                pause = UNAVAILABLE_PAUSES_S[min(tries, len(UNAVAILABLE_PAUSES_S) - 1)]
-                if time.monotonic() + pause >= deadline:
+                pause = next_pause(tries, deadline - time.monotonic(), UNAVAILABLE_PAUSES_S)
+                if pause is None:
                     raise EngineConnectionError(
                         f"engine {self.name} unavailable for {time.monotonic() - self.unavailable_since:.0f}s: "
                         f"Serve has no running replica of it to route to (its deployment is still starting, "

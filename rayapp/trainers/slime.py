@@ -62,10 +62,11 @@ def source_of(args: Any) -> Any:
         return given
     app = setting(args, "rayapp_app")
     if app not in _SERVE:
-        from ray import serve  # only here: an in-process source needs no Ray
+        from rayapp.connection import manager_handle  # a Serve handle: an in-process source needs no Ray
 
-        _SERVE[app] = ServeSource(serve.get_app_handle(app), engine=setting(args, "rayapp_engine"),
-                                  timeout_s=float(setting(args, "rayapp_timeout_s")))
+        timeout_s = float(setting(args, "rayapp_timeout_s"))  # waiting for the manager to come up is such a call
+        _SERVE[app] = ServeSource(manager_handle(app, timeout_s), engine=setting(args, "rayapp_engine"),
+                                  timeout_s=timeout_s)
     return _SERVE[app]
 
 

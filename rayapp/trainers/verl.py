@@ -168,10 +168,10 @@ class RayappAgentLoopManager:
         rollout = config.actor_rollout_ref.rollout
         self.prompt_length, self.response_length = int(rollout.prompt_length), int(rollout.response_length)
         if source is None:
-            from ray import serve
+            from rayapp.connection import manager_handle  # waits for the manager, bounded like a call
 
-            source = ServeManager(serve.get_app_handle(self.settings.app), engine=self.settings.engine,
-                                  timeout_s=self.settings.timeout_s)
+            source = ServeManager(manager_handle(self.settings.app, self.settings.timeout_s),
+                                  engine=self.settings.engine, timeout_s=self.settings.timeout_s)
         self.source = source
         self.asked: list[tuple[int, int]] = []
         _ACTIVE[:] = [self]

@@ -23,6 +23,13 @@ from rayapp.record import CarriedRun, EpisodeRecord, TerminationReason
 FINITE = sys.float_info.max
 MAX_COUNT = 2**31 - 1  # the most of any count (turns, tokens, samples at once): more is a typo, not a plan
 MAX_GPU_ID = 2**16  # a node's GPU ids are small integers; a huge one is a typo (or an attack on the pool)
+# What a real run stays under, so that a recipe's 10^9 is refused rather than taken as "no limit" (unset is that):
+MAX_TOKENS = 10_000_000  # tokens of an episode or a turn (the longest model contexts), and of a vocabulary
+MAX_TURNS = 1_000_000  # model turns of one episode
+MAX_SECONDS = 7 * 24 * 3600  # any timeout: a week
+MAX_CONCURRENCY = 100_000  # samples or requests at once
+MAX_STEP_SAMPLES = 1_000_000  # samples one step runs: more takes more memory than a manager has
+MAX_STEPS = 1_000_000  # steps (iterations) of one training run
 
 
 class Status(enum.StrEnum):
@@ -46,7 +53,7 @@ class Resource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     gpu: Annotated[float, Meta(ge=0, le=FINITE, description="GPUs: 0 none, a share of one GPU in (0, 1], or a "
                                                             "whole number above 1 (all on one node)")] = 0.0
-    concurrency: Annotated[int, Meta(ge=0, le=MAX_COUNT, description="samples at once: a budget's cap, and what "
+    concurrency: Annotated[int, Meta(ge=0, le=MAX_CONCURRENCY, description="samples at once: a budget's cap, and what "
                                                                      "one sample counts against it")] = 1  # 0: none
     cpu: Annotated[float, Meta(ge=0, le=FINITE, description="CPU cores")] = 0.0
     memory_gb: Annotated[float, Meta(ge=0, le=FINITE, description="memory, GB")] = 0.0
@@ -65,12 +72,12 @@ class StoppingCriteria(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """When an episode stops. ``None`` means "not set at this level" in the cascade (docs/scheduler.md §2);
     after resolution a ``None`` left over means "no limit"."""
 
-    max_turns: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most model turns in one episode of a "
+    max_turns: Annotated[int, Meta(ge=1, le=MAX_TURNS, description="most model turns in one episode of a "
                                                                    "multi-turn agent (unset: 1)")] | None = None
-    max_context_len: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most tokens in an episode, prompt + "
-                                                                         "response; the agent stops there "
-                                                                         "(truncated)")] | None = None
-    timeout_s: Annotated[float, Meta(gt=0, le=FINITE, description="wall-clock limit of a sample's run phase, "
+    max_context_len: Annotated[int, Meta(ge=1, le=MAX_TOKENS, description="most tokens in an episode, prompt + "
+                                                                          "response; the agent stops there "
+                                                                          "(truncated)")] | None = None
+    timeout_s: Annotated[float, Meta(gt=0, le=MAX_SECONDS, description="wall-clock limit of a sample's run phase, "
                                                                   "seconds; past it the sample aborts")] | None = None
 
 
@@ -81,11 +88,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                                                     "(unset: 1.0)")] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1, description="nucleus sampling: the probability mass kept, "
                                                          "in (0, 1]")] | None = None
-    top_k: Annotated[int, Meta(ge=-1, le=MAX_COUNT, description="sample among the k likeliest tokens; "
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOKENS, description="sample among the k likeliest tokens; "
                                                                 "-1 = off")] | None = None
-    max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_COUNT, description="most tokens generated per model turn "
-                                                                        "(unset: 128, or what max_context_len "
-                                                                        "leaves)")] | None = None
+    max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS, description="most tokens generated per model turn "
+                                                                         "(unset: 128, or what max_context_len "
+                                                                         "leaves)")] | None = None
     stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(description="strings that end a "
                                                                                "generation")] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1, description="the request's sampling seed (unset: the engine picks "
@@ -101,7 +108,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class TaskConfig(msgspec.Struct, forbid_unknown_fields=True):
     task_type: str
     evaluator_id: str | None = None  # defaults to task_type
-    n_samples: Annotated[int, Meta(ge=1)] = 1  # samples in this task's group (GRPO-style)
+    n_samples: Annotated[int, Meta(ge=1, le=MAX_STEP_SAMPLES)] = 1  # samples in this task's group (GRPO-style)
     # expected episode length, read by longest_first_batching
     expected_len: Annotated[float, Meta(ge=0, le=FINITE)] | None = None
 

@@ -59,7 +59,7 @@ def test_a_bad_dataset_value_names_the_dataset_and_the_field():
                                            r'got "many"$'):
         resolve_stopping(G, StoppingCriteria(), sample({"max_turns": "many"}, name="gsm8k"))
     with pytest.raises(CascadeError, match=r"^dataset 'gsm8k': \$\.dataset_cfg\.max_turns: expected int >= 1 and "
-                                           r"<= 2147483647, got 0$"):
+                                           r"<= 1000000, got 0$"):
         resolve_stopping(G, StoppingCriteria(), sample({"max_turns": 0}, name="gsm8k"))
     with pytest.raises(CascadeError, match=r"\$\.dataset_cfg\.top_k: expected -1 \(off\) or int >= 1, got 0$"):
         build_sampling_params(GS, SamplingParams(), sample({"top_k": 0}))

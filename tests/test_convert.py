@@ -115,12 +115,12 @@ def test_check_puts_a_struct_built_in_code_through_its_bounds() -> None:
 
 @pytest.mark.parametrize(("type_", "value", "message"), [
     (Resource, {"gpu": -0.5}, "r: $.gpu: expected finite float >= 0, got -0.5"),
-    (Resource, {"concurrency": -1}, "r: $.concurrency: expected int >= 0 and <= 2147483647, got -1"),
-    (StoppingCriteria, {"max_turns": 0}, "r: $.max_turns: expected int >= 1 and <= 2147483647, got 0"),
-    (StoppingCriteria, {"timeout_s": 0}, "r: $.timeout_s: expected finite float > 0, got 0"),
+    (Resource, {"concurrency": -1}, "r: $.concurrency: expected int >= 0 and <= 100000, got -1"),
+    (StoppingCriteria, {"max_turns": 0}, "r: $.max_turns: expected int >= 1 and <= 1000000, got 0"),
+    (StoppingCriteria, {"timeout_s": 0}, "r: $.timeout_s: expected float > 0 and <= 604800, got 0"),
     (SamplingParams, {"top_k": 0}, "r: $.top_k: expected -1 (off) or int >= 1, got 0"),
     (SamplingParams, {"stop": ["ok", ""]}, 'r: $.stop[1]: expected str of length >= 1, got ""'),
-    (TaskConfig, {"task_type": "t", "n_samples": 0}, "r: $.n_samples: expected int >= 1, got 0"),
+    (TaskConfig, {"task_type": "t", "n_samples": 0}, "r: $.n_samples: expected int >= 1 and <= 1000000, got 0"),
 ])
 def test_the_shared_types_carry_their_bounds(type_: type, value: dict, message: str) -> None:
     with pytest.raises(InputError) as info:

@@ -16,8 +16,8 @@ from msgspec import Meta
 
 from rayapp.record import Iteration
 from rayapp.types import (
-    FINITE,
-    MAX_COUNT,
+    MAX_SECONDS,
+    MAX_STEP_SAMPLES,
     BatchRequest,
     Resource,
     Sample,
@@ -104,7 +104,7 @@ class IterationSource(Protocol):
     def eval_state(self, rollout_id: int) -> Iteration: ...
 
 
-_Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+_Count = Annotated[int, Meta(ge=1, le=MAX_STEP_SAMPLES)]
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -122,7 +122,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # No limit by default: a batch waits for the batches ahead of it, and agentic episodes run for
     # hours; it is never waiting for a grant that cannot come (``run_all`` refuses a batch larger
     # than the pool can ever admit), and each call to a remote pool is bounded by its client.
-    acquire_timeout_s: Annotated[Annotated[float, Meta(gt=0, le=FINITE)] | None, Meta(description=(
+    acquire_timeout_s: Annotated[Annotated[float, Meta(gt=0, le=MAX_SECONDS)] | None, Meta(description=(
         "seconds a batch may wait for the pool to admit it, then the step fails; unset: as long as the "
         "batches ahead of it run (a batch the pool can never admit fails at once)"))] = None
     progress: Annotated[bool, Meta(description="show a progress bar per step")] = True

@@ -43,13 +43,23 @@ from rayapp.recipe.runnable import check_runnable
 from rayapp.training.dagger import DAggerSchedule
 from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
 from rayapp.training.partial import PartialConfig
-from rayapp.types import FINITE, MAX_COUNT, Resource, SamplingParams, StoppingCriteria
+from rayapp.types import (
+    FINITE,
+    MAX_CONCURRENCY,
+    MAX_SECONDS,
+    MAX_STEP_SAMPLES,
+    Resource,
+    SamplingParams,
+    StoppingCriteria,
+)
 
-Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # what numpy and the engines take as a seed
 # Finite too: inf passes a lower bound and would reach Ray's options and timers.
 Amount = Annotated[float, Meta(ge=0, le=FINITE)]
-Seconds = Annotated[float, Meta(gt=0, le=FINITE)]
+Seconds = Annotated[float, Meta(gt=0, le=MAX_SECONDS)]
+Samples = Annotated[int, Meta(ge=1, le=MAX_STEP_SAMPLES)]  # samples or tasks of a step, or of a part of one
+# Relative, so any scale serves; a ratio past this never draws the lighter dataset, and huge sums overflow.
+Weight = Annotated[float, Meta(ge=0, le=1_000_000)]
 # Sizes past these are typos, not plans (rayapp.recipe.limits).
 Cpus = Annotated[float, Meta(ge=0, le=MAX_CPUS)]
 Gpus = Annotated[float, Meta(ge=0, le=MAX_GPUS)]
@@ -80,7 +90,8 @@ class EngineConfig(_Strict):
     num_replicas: Annotated[int, Meta(ge=1, le=MAX_REPLICAS, description="Serve replicas of this engine")] = 1
     num_cpus: Annotated[Cpus, Meta(description="CPUs Ray reserves for each replica")] = 1.0
     num_gpus: Annotated[Gpus, Meta(description="GPUs Ray reserves for each replica; a fraction shares one")] = 0.0
-    max_ongoing_requests: Annotated[Count, Meta(description="requests one replica serves at once (Serve)")] = 64
+    max_ongoing_requests: Annotated[int, Meta(ge=1, le=MAX_CONCURRENCY, description="requests one replica serves at "
+                                                                                   "once (Serve)")] = 64
     request_timeout_s: Annotated[Seconds, Meta(description="seconds an agent waits for one generate call; then the "
                                                          "call is cancelled and the sample aborts")] = 300.0
     options: Annotated[dict[str, Any], Meta(description="keyword arguments of the backend (model_path, ...)")] = {}
@@ -119,7 +130,8 @@ class SandboxConfig(_Strict):
         "local")
     image: Annotated[str | None, Meta(description="container image; docker only, and needed there")] = None
     wall_seconds: Annotated[Seconds, Meta(description="wall-clock limit of one sandbox command, seconds")] = 60.0
-    cpu_seconds: Annotated[Count, Meta(description="CPU-time limit of one sandbox command, seconds")] = 60
+    cpu_seconds: Annotated[int, Meta(ge=1, le=MAX_SECONDS, description="CPU-time limit of one sandbox command, "
+                                                                       "seconds")] = 60
     network: Annotated[bool, Meta(description="let sandbox commands reach the network")] = False
 
 
@@ -145,7 +157,7 @@ class EvaluatorConfig(_Strict):
                                                        "memory_gb also limit its sandbox")] = Resource()
     eval_resource: Annotated[Resource, Meta(description="what one sample holds in its verify phase (it holds the "
                                                         "larger of the two throughout)")] = Resource()
-    batch_size: Annotated[Count | None, Meta(description="most tasks in one batch; unset: a step's tasks of one "
+    batch_size: Annotated[Samples | None, Meta(description="most tasks in one batch; unset: a step's tasks of one "
                                                        "type form one batch")] = None
     default_stopping: Annotated[StoppingCriteria, Meta(
         description="stopping criteria of this evaluator: over scheduler.global_stopping, under a dataset's "
@@ -180,9 +192,9 @@ class DatasetConfig(_Strict):
     n_prompts: Annotated[int, Meta(ge=1, le=MAX_ROWS, description="generated envs: rows made; eval datasets: the "
                                                                   "first n prompts "
                                                "used")] = 64
-    n_samples_per_prompt: Annotated[Count | None, Meta(description="rollout datasets: samples per prompt (group "
+    n_samples_per_prompt: Annotated[Samples | None, Meta(description="rollout datasets: samples per prompt (group "
                                                                  "size); unset: the row's own n_samples")] = None
-    weight: Annotated[Amount, Meta(description="rollout datasets: mixing weight, tasks are drawn in proportion to "
+    weight: Annotated[Weight, Meta(description="rollout datasets: mixing weight, tasks are drawn in proportion to "
                                                "it")] = 1.0
     shuffle: Annotated[bool, Meta(description="rollout datasets: a fresh seeded row order each epoch; false: row "
                                               "order")] = True

@@ -21,7 +21,7 @@ from msgspec import Meta
 from rayapp.envs import watch
 from rayapp.envs.plugins import PluginError, load_gateway_agent
 from rayapp.envs.registry import get_env
-from rayapp.types import FINITE
+from rayapp.types import MAX_SECONDS
 
 SegmentPolicy = Literal["last", "each"]
 
@@ -35,7 +35,7 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         description="a program run in the sample's local sandbox (argv) with OPENAI_BASE_URL and OPENAI_API_KEY "
                     "set to the episode's: it reaches the gateway and nothing else; its exit code, output and the "
                     "collect files reach the verifier (rayapp/gateway/command.py). Set agent or command")] = None
-    command_timeout_s: Annotated[Annotated[float, Meta(gt=0, le=FINITE)] | None, Meta(
+    command_timeout_s: Annotated[Annotated[float, Meta(gt=0, le=MAX_SECONDS)] | None, Meta(
         description="the command's wall clock, seconds; unset: the sandbox's wall_seconds")] = None
     collect: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(
         description="files of the command's working folder read after it ends, for the verifier")] = []

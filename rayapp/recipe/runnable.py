@@ -9,7 +9,8 @@ finding is (JSON path, reason), first problem first, as ``check_recipe`` reports
 - Evaluator ids are unique (the scheduler would refuse the second at its start).
 - A step holds at most ``MAX_STEP_SAMPLES`` samples: a rollout step's groups (``rollout_batch_size``,
   more with partial rollouts) times the largest group, an eval step's prompts times
-  ``n_samples_per_eval_prompt``: more is a typo (10^9), not a plan.
+  ``n_samples_per_eval_prompt``: more is a typo, not a plan. (Each of these alone, and every other
+  size, count and timeout of a recipe, is bounded by its type: ``rayapp.types``' ``MAX_*``.)
 - ``scheduler.eval_details_tokens`` needs ``scheduler.save_eval_details``.
 - A source plug-in's rows are Tasks, at least one (``rows_problem``; ``recipe.wiring.check_builds``
   makes them).
@@ -34,10 +35,10 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.core.convert import InputError, convert
-from rayapp.types import MAX_COUNT, Task
+from rayapp.types import MAX_CONCURRENCY, MAX_STEP_SAMPLES, MAX_TOKENS, Task
 
-MAX_STEP_SAMPLES = 1_000_000  # samples one step runs: more takes more memory than a manager has
 MAX_THREADS = 4096
+MAX_PREFIX_CACHE = 100_000  # cached prompt prefixes, each one's KV cache held in memory
 # A torch device name: cpu, mps, or cuda/xpu with an optional index.
 _DEVICE = r"^(cpu|mps|(cuda|xpu)(:[0-9]{1,4})?)$"
 
@@ -48,13 +49,13 @@ class HFOptions(msgspec.Struct, frozen=True):
 
     model_path: str | None = None
     device: Annotated[str, Meta(pattern=_DEVICE)] = "cpu"
-    max_concurrency: Annotated[int, Meta(ge=1, le=MAX_COUNT)] = 4
+    max_concurrency: Annotated[int, Meta(ge=1, le=MAX_CONCURRENCY)] = 4
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int | None = None
     num_threads: Annotated[int, Meta(ge=1, le=MAX_THREADS)] | None = None
     cache_dir: str | None = None
-    steps_per_call: Annotated[int, Meta(ge=1, le=MAX_COUNT)] = 8
-    prefix_cache: Annotated[int, Meta(ge=0, le=MAX_COUNT)] = 64
+    steps_per_call: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 8
+    prefix_cache: Annotated[int, Meta(ge=0, le=MAX_PREFIX_CACHE)] = 64
 
 
 def check_runnable(recipe: Any) -> Iterator[tuple[str, str]]:
@@ -100,14 +101,9 @@ def _check_hf(name: str, e: Any) -> Iterator[tuple[str, str]]:
 
 def _check_step_sizes(recipe: Any) -> Iterator[tuple[str, str]]:
     s = recipe.scheduler
-    sizes = {name: d.n_samples_per_prompt or 1 for name, d in recipe.data.items()}
-    largest = max(sizes, key=sizes.__getitem__, default=None)
-    group = sizes[largest] if largest is not None else 1
+    group = max((d.n_samples_per_prompt or 1 for d in recipe.data.values()), default=1)
     groups = math.ceil(s.rollout_batch_size * (s.partial.over_provision if s.partial is not None else 1.0))
-    if group > MAX_STEP_SAMPLES:
-        yield f"$.data.{largest}.n_samples_per_prompt", (
-            f"a group of {group} samples is more than a step may hold ({MAX_STEP_SAMPLES}): a typo, not a plan")
-    elif groups * group > MAX_STEP_SAMPLES:
+    if groups * group > MAX_STEP_SAMPLES:  # a group alone is bounded by its type
         yield "$.scheduler.rollout_batch_size", (
             f"a rollout step of {groups} groups of up to {group} samples holds {groups * group} samples, more "
             f"than {MAX_STEP_SAMPLES}: a typo, not a plan")

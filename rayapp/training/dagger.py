@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol, get_args
 import msgspec
 
 from rayapp.record import Actor, Iteration
-from rayapp.types import StepKind
+from rayapp.types import MAX_STEPS, MAX_TURNS, StepKind
 
 BetaSchedule = Literal["linear", "cosine", "exponential", "step"]
 BETA_SCHEDULES: tuple[str, ...] = get_args(BetaSchedule)
@@ -97,11 +97,15 @@ class DAggerSchedule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise bad(field, "must be a number in [0, 1]")
         if self.beta_end > self.beta_start:
             raise bad("beta_end", f"must not exceed {FLAGS['beta_start']} ({self.beta_start!r}): β only decays")
-        for field in ("decay_iters", "t_max_start", "t_max_end", "t_max_step"):
-            if not _is_int(getattr(self, field)) or getattr(self, field) < 0:
-                raise bad(field, "must be an integer >= 0")
-        if not _is_int(self.step_size) or self.step_size < 1:
-            raise bad("step_size", "must be an integer >= 1")
+        # iterations and turns past a real run's: a typo (10^9), not a plan
+        for field, least, most in (("decay_iters", 0, MAX_STEPS), ("step_size", 1, MAX_STEPS),
+                                   ("t_max_start", 0, MAX_TURNS), ("t_max_end", 0, MAX_TURNS),
+                                   ("t_max_step", 0, MAX_TURNS)):
+            value = getattr(self, field)
+            if not _is_int(value) or value < least:
+                raise bad(field, f"must be an integer >= {least}")
+            if value > most:
+                raise bad(field, f"must be an integer <= {most}")
 
     # -- the schedule ------------------------------------------------------------------------
 

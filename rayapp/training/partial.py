@@ -30,7 +30,7 @@ from rayapp.core.metrics import outcome_metrics
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import CarriedRun, TurnRecord
 from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
-from rayapp.types import Sample, Status, StepKind, Task, TaskKey
+from rayapp.types import MAX_STEPS, Sample, Status, StepKind, Task, TaskKey
 
 PartialPolicy = Literal["restart", "resume"]
 
@@ -39,8 +39,9 @@ class PartialConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     over_provision: Annotated[float, Meta(ge=1, le=16, description=(
         "groups a step starts, as a multiple of rollout_batch_size (rounded up); the step returns once "
         "rollout_batch_size are complete"))] = 1.25
-    max_staleness: Annotated[int, Meta(ge=0, description="steps a carried group may go on from before it starts "
-                                                         "afresh, whatever the policy")] = 1
+    max_staleness: Annotated[int, Meta(ge=0, le=MAX_STEPS, description="steps a carried group may go on from "
+                                                                       "before it starts afresh, whatever the "
+                                                                       "policy")] = 1
     policy: Annotated[PartialPolicy, Meta(description=(
         "what an unfinished group does in the next step: resume (its samples that ended are kept, and each "
         "cut-short episode goes on from where it was cut: its last complete turn and the tokens its cut turn had "

@@ -85,6 +85,7 @@ bench: $(STAMP) $(VENV)/.bench
 	$(BIN)/python bench/kv_reuse.py
 	$(BIN)/python bench/gateway.py
 	$(BIN)/python bench/gateway_flood.py
+	$(BIN)/python bench/gateway_flood_serve.py
 	$(BIN)/python bench/sim.py --plot docs
 	$(BIN)/python bench/sim.py --nodes 8 --steps 5
 	$(BIN)/python bench/chaos.py

@@ -51,6 +51,8 @@ def serve_status(timeout_s: float = 60.0) -> Any:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayapp-serve-status")
     try:
         return pool.submit(serve.status).result(timeout=timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"Serve's controller did not answer serve.status() within {timeout_s:g}s") from None
     finally:
         pool.shutdown(wait=False)
 

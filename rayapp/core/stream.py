@@ -13,8 +13,8 @@ no Ray: under ``core.clock.run_virtual`` the same code runs a simulation.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Annotated, Protocol
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Annotated, Protocol, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -27,6 +27,7 @@ from rayapp.record import WeightVersion
 from rayapp.types import Sample, Task, TaskKey
 
 _GROUP_ID = TaskKey.GROUP_ID.value
+T = TypeVar("T")
 
 
 class StreamConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -148,8 +149,10 @@ class GroupStream:
                       "async def get_tasks(self, n: int) -> list[Task]")
         self.bound = StalenessBound(config.batch_size, config.max_staleness, version)
         if config.at_bound not in BUILT:
-            raise ValueError(f"StreamConfig.at_bound={config.at_bound.value!r} is designed but not built; "
-                             f"use {AtBound.FINISH.value!r} (docs/streaming.md)")
+            known = config.at_bound in AtBound.__members__.values()
+            raise ValueError(f"StreamConfig.at_bound={config.at_bound!r} " + (
+                "is designed but not built" if known else f"is none of {[a.value for a in AtBound]}") +
+                f"; use {AtBound.FINISH.value!r} (docs/streaming.md)")
         if type(config.cap()) is not int or config.cap() < config.batch_size:
             raise ValueError(f"StreamConfig.max_unacked={config.max_unacked!r} must be an int >= batch_size "
                              f"({config.batch_size}): the trainer waits for a whole batch")
@@ -224,6 +227,8 @@ class GroupStream:
         """The trainer is done with these delivered groups: never delivered again, and their room
         under ``max_unacked`` is free. An id not delivered-and-unacked is one error; nothing changes."""
         ids = list(group_ids)
+        if self._closed:
+            raise RuntimeError("ack: the stream is closed; its report names the groups left unacked")
         bad = [g for g in ids if g not in self._unacked]
         if bad:
             raise ValueError(f"ack: groups {bad[:5]} are not delivered and unacked (acked already, or never delivered)")
@@ -320,18 +325,23 @@ class GroupStream:
         again, self._again = self._again[:k], self._again[k:]
         self._fetching = k
         ask = k - len(again)
+        fetch = asyncio.ensure_future(self.source.get_tasks(ask)) if ask > 0 else None
         try:
-            fresh = await landed(self.source.get_tasks(ask)) if ask > 0 else []
+            fresh = await landed(fetch) if fetch is not None else []
             if not isinstance(fresh, list) or len(fresh) > ask or not all(isinstance(t, Task) for t in fresh):
                 raise ValueError(f"the stream's data source {self.source!r}: get_tasks({ask}) must return "
                                  f"a list of at most that many Tasks, got {type(fresh).__name__}")
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and fetch is not None and fetch.done() and not fetch.cancelled():
+                # closed while its fetch landed: what it fetched is reported, never started
+                again = again + [self._identified(t) for t in (fetch.result() if fetch.exception() is None else [])]
             self._again[:0] = again
             for d in deadlines:
                 self.bound.drop(d)
             raise
         finally:
             self._fetching = 0
+            self._notify()  # a source found exhausted may end the stream: a waiting trainer looks again
         self._exhausted = self._exhausted or (ask > 0 and not fresh)
         tasks = again + [self._identified(t) for t in fresh]
         for d in deadlines[len(tasks):]:  # fewer tasks than admitted
@@ -398,3 +408,19 @@ class GroupStream:
 
     async def _wait(self) -> None:
         await self._changed.wait()
+
+
+async def drive(scheduler: TaskScheduler, config: StreamConfig, trainer: Callable[[GroupStream], Awaitable[T]], *,
+                source: DataSource | None = None, version: WeightVersion = 0,
+                log: StreamLog | None = None) -> tuple[T, StreamReport]:
+    """Run ``trainer(stream)`` against a stream started for it, then close the stream (also when the
+    trainer raises): the trainer's result and how the stream ended. Under ``core.clock.run_virtual``
+    this is the virtual-time driver: any agent the scheduler's specs bind, any trainer coroutine
+    (which sleeps its train time on the loop's clock)."""
+    stream = GroupStream(scheduler, config, source=source, version=version, log=log)
+    await stream.start()
+    try:
+        result = await trainer(stream)
+    finally:
+        report = await stream.close()
+    return result, report

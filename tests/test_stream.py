@@ -304,3 +304,22 @@ def test_a_failing_step_reaches_the_trainer_and_close_still_tears_down():
     with pytest.raises(RuntimeError, match="stream failed: DeadlockError"):
         run_virtual(drive(sched, StreamConfig(batch_size=1), trainer))
     assert pool.snapshot() == before and agent.running == 0
+
+
+def test_steps_run_side_by_side_on_one_scheduler_each_count_their_own_batches():
+    """A stream runs its waves as concurrent steps of one scheduler: no step's batches land in
+    another step's status."""
+    sched, pool = make(Agent(7), Source())
+
+    async def main():
+        async def one(rid):
+            async def fetch():
+                return [Task(f"s{rid}", "p", TaskConfig("x", n_samples=1))]
+            await sched.execute_rollout(rid, fetch=fetch)
+
+        await asyncio.gather(one(0), one(1))
+        return sched.status()  # the step started last
+
+    st = run_virtual(main())
+    assert (st.batches, st.batches_done, st.batches_waiting, st.batches_running) == (1, 1, 0, 0)
+    assert st.tasks_done == 1 and pool.held == 0

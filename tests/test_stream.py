@@ -18,7 +18,8 @@ from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.core.stream import GroupStream, MemoryStreamLog, StreamConfig, drive
+from rayapp.core.stream import GroupStream, StreamConfig, drive
+from rayapp.core.stream_log import MemoryStreamLog
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
 
 H = 3600.0
@@ -269,6 +270,8 @@ def test_a_restart_delivers_again_what_was_not_acked_and_never_what_was():
 
 def test_bad_calls_are_one_clear_error_and_change_nothing():
     sched, _ = make(Agent(2), Source(limit=4, group=1))
+    with pytest.raises(RuntimeError, match="start the stream first"):
+        run_virtual(GroupStream(sched, StreamConfig(batch_size=2)).next_batch())
     with pytest.raises(ValueError, match="at_bound='restart' is designed but not built"):
         GroupStream(sched, StreamConfig(batch_size=2, at_bound="restart"))
     with pytest.raises(ValueError, match="max_unacked=1 must be an int >= batch_size"):

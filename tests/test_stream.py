@@ -326,3 +326,16 @@ def test_steps_run_side_by_side_on_one_scheduler_each_count_their_own_batches():
     st = run_virtual(main())
     assert (st.batches, st.batches_done, st.batches_waiting, st.batches_running) == (1, 1, 0, 0)
     assert st.tasks_done == 1 and pool.held == 0
+
+
+def test_the_simulator_streams_every_group_once_within_the_bound():
+    """bench/sim_stream.py drives this stream over the simulator's workloads: it stays runnable."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sim_stream, workloads = importlib.import_module("sim_stream"), importlib.import_module("sim_workloads")
+    traces = workloads.workload("multiturn", 8, 0)
+    r = sim_stream.run(traces, 2, 4, 1, 20.0)  # exits the process if a group was lost or repeated
+    assert r["samples"] == 8 * workloads.GROUP and max(r["ages"]) <= 1

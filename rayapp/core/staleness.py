@@ -18,6 +18,7 @@ hold at every step and no group is ever overdue.
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections import Counter
 
@@ -98,8 +99,8 @@ class StalenessBound:
 
     def plan(self) -> StalenessBound:
         """A copy to try hand-overs on without changing this one."""
-        other = StalenessBound(self.batch_size, self.max_staleness, self.version)
-        other.taken, other._deadlines = self.taken, self._deadlines.copy()
+        other = copy.copy(self)
+        other._deadlines = self._deadlines.copy()
         return other
 
     def take(self, deadline: int) -> None:

@@ -51,7 +51,7 @@ class StalenessBound:
         self._deadlines: Counter[int] = Counter()  # deadline -> groups not handed over
 
     @property
-    def waiting(self) -> int:
+    def outstanding(self) -> int:
         """Groups admitted and not handed over: running, or finished and waiting."""
         return self._deadlines.total()
 
@@ -61,8 +61,8 @@ class StalenessBound:
         return self.batch_size - self.taken
 
     def capacity(self) -> int:
-        """How many more groups may start now: (η + 1)·B - taken - waiting (never below 0)."""
-        return max(0, (self.max_staleness + 1) * self.batch_size - self.taken - self.waiting)
+        """How many more groups may start now: (η + 1)·B - taken - outstanding (never below 0)."""
+        return max(0, (self.max_staleness + 1) * self.batch_size - self.taken - self.outstanding)
 
     def admit(self) -> int:
         """Count one group starting now; its deadline. Only within ``capacity``."""

@@ -29,10 +29,12 @@ LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 64, "memory_gb": 256}}'  # 8 samples of
 class Source:
     """``limit`` tasks (None: endless), ``group`` samples each; counts what it handed out."""
 
-    def __init__(self, limit=None, group=2):
-        self.cursor, self.limit, self.group = 0, limit, group
+    def __init__(self, limit=None, group=2, delay=0.0):
+        self.cursor, self.limit, self.group, self.delay = 0, limit, group, delay
 
     async def get_tasks(self, n):
+        if self.delay:
+            await asyncio.sleep(self.delay)  # a remote dataset: a close may come while it answers
         n = n if self.limit is None else min(n, self.limit - self.cursor)
         out = [Task(f"t{self.cursor + i}", "p", TaskConfig("x", n_samples=self.group)) for i in range(n)]
         self.cursor += n
@@ -194,9 +196,10 @@ def test_a_trainer_holding_its_batch_unacked_past_the_cap_is_told_so():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), after_h=st.floats(0.0, 20.0), batch=st.integers(1, 3),
-       eta=st.sampled_from([0, 1, 2]), ack=st.booleans())
-def test_close_at_any_moment_leaves_nothing_running_and_every_group_accounted_for(seed, after_h, batch, eta, ack):
-    agent, source = Agent(seed), Source()
+       eta=st.sampled_from([0, 1, 2]), ack=st.booleans(), fetch_h=st.sampled_from([0.0, 0.5, 3.0]))
+def test_close_at_any_moment_leaves_nothing_running_and_every_group_accounted_for(seed, after_h, batch, eta, ack,
+                                                                                 fetch_h):
+    agent, source = Agent(seed), Source(delay=fetch_h * H)
     sched, pool = make(agent, source)
     before = pool.snapshot()
     delivered = []

@@ -176,6 +176,7 @@ class GroupStream:
         self._notify()
 
     def status(self) -> StreamStatus:
+        """The stream's counters now, for the trainer, a progress display and the tests."""
         return StreamStatus(self.version, self.bound.taken, len(self._running) + self._fetching, len(self._waiting),
                             len(self._unacked), self.bound.capacity(), self.admitted, self.delivered, self.acked,
                             self.peak, self._exhausted and not self._again, self._closed)

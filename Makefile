@@ -88,6 +88,7 @@ bench: $(STAMP) $(VENV)/.bench
 	$(BIN)/python bench/gateway_flood_serve.py
 	$(BIN)/python bench/sim.py --plot docs
 	$(BIN)/python bench/sim.py --nodes 8 --steps 5
+	$(BIN)/python bench/sim_stream.py --nodes 8 --steps 8
 	$(BIN)/python bench/chaos.py
 
 clean:

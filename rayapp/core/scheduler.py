@@ -338,7 +338,7 @@ class TaskScheduler:
                 for n, (b, indices) in enumerate(plan):
                     label = f"{kind.value}{rollout_id}/b{n}/{b.task_type}"
                     handing.batches.append(tg.create_task(self._run_batch(
-                        step, b, [groups[i] for i in indices], indices, handing.finished, label)))
+                        step, st, b, [groups[i] for i in indices], indices, handing.finished, label)))
         except asyncio.CancelledError:
             st.state = StepState.CANCELLED
             raise
@@ -350,10 +350,10 @@ class TaskScheduler:
         finally:
             bar.close()
 
-    async def _run_batch(self, step: StepContext, batch: Batch, groups: list[TaskRun], indices: list[int],
-                         finished: GroupDone, label: str) -> None:
+    async def _run_batch(self, step: StepContext, st: StepStatus, batch: Batch, groups: list[TaskRun],
+                         indices: list[int], finished: GroupDone, label: str) -> None:
+        """One batch of a step, counted in that step's status ``st`` (steps may run side by side: a stream's)."""
         spec = self._resolve_spec(batch)
-        st = self._status
         tokens: list[Token] | None = None
         queued = loop_time()
         if self.pool is not None:

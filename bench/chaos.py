@@ -65,8 +65,8 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.sandboxes import SandboxLimits
 from rayapp.inference.client import GenerateRequest
-from rayapp.training.step_results import StepResults
-from rayapp.training.weight_sync import WeightSync
+from rayapp.inference.weight_sync import WeightSync
+from rayapp.steps.results import StepResults
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, SamplingParams, Status, StepKind, Task, TaskConfig
 
 APP = "rayapp-chaos"

@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     import ray
     from ray import serve
 
+    from rayapp.envs.tiny_model_recipe import TRAINING
     from rayapp.inference.tiny_model import ensure_tiny_model
-    from rayapp.training.tiny_recipe import TRAINING
 
     weights = str(ensure_tiny_model(training=TRAINING))  # the served model's folder: inside its weight roots
     tmp = Path(tempfile.mkdtemp(prefix="rayapp-mem-"))

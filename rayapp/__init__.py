@@ -45,11 +45,11 @@ from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
 from rayapp.episode import EpisodeContext
 from rayapp.record import EpisodePhase, EpisodeRecord, Iteration, TerminationReason
-from rayapp.training.artifacts import read_jsonl
-from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
-from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
-from rayapp.training.partial import PartialConfig, PartialRollouts
-from rayapp.training.trainer_tasks import tasks_from_rows
+from rayapp.steps.artifacts import read_jsonl
+from rayapp.steps.dagger_schedule import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
+from rayapp.steps.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
+from rayapp.steps.partial import PartialConfig, PartialRollouts
+from rayapp.trainers.step_tasks import tasks_from_rows
 from rayapp.types import (
     AgentResult,
     Batch,

@@ -17,7 +17,7 @@ def test_importing_the_core_and_the_package_does_not_import_ray():
 
 
 def test_the_recipe_the_wiring_and_the_step_pipeline_import_neither_ray_nor_fastapi():
-    assert_imports_none_of("rayapp.recipe, rayapp.training.step, rayapp.training.checkpoint", ("ray", "fastapi"))
+    assert_imports_none_of("rayapp.recipe, rayapp.steps.runner, rayapp.steps.checkpoint", ("ray", "fastapi"))
 
 
 def test_no_core_module_mentions_an_import_of_ray():

@@ -16,8 +16,8 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import EpisodeRecord, ResumePoint, TurnRecord
-from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
-from rayapp.training.partial import PartialConfig, PartialRollouts, staleness, stamp_versions
+from rayapp.steps.checkpoint import CarriedGroup, RolloutCheckpoint
+from rayapp.steps.partial import PartialConfig, PartialRollouts, staleness, stamp_versions
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status, Task, TaskConfig
 
 H = 3600.0

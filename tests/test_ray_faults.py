@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rayapp.training.converters import trainer_metadata
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import EvaluatorSpec, Resource, Status, Task, TaskConfig
 
 LAYOUT = '{"127.0.0.1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 4}}'

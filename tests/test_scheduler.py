@@ -9,7 +9,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
-from rayapp.training.converters import trainer_metadata
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import AgentResult, Batch, EvaluatorSpec, Resource, Sample, Status, StoppingCriteria, Task, TaskConfig
 
 

@@ -83,7 +83,7 @@ class ResumableSource(DataSource, Protocol):
 
 class StepLog(Protocol):
     """Groups of a rollout step finished in an earlier attempt, and the record of each one finished
-    now (``training.checkpoint`` keeps them on disk so that a step cut short resumes)."""
+    now (``steps.checkpoint`` keeps them on disk so that a step cut short resumes)."""
 
     async def finished(self, tasks: list[Task]) -> Mapping[int, list[Sample]]:
         """Given the step's fetch, the groups already finished, by fetch index: not run again, and
@@ -141,7 +141,7 @@ class StepContext(msgspec.Struct, frozen=True):
 @runtime_checkable
 class Rollouts(Protocol):
     """Something that runs a rollout step: the TaskScheduler, and the wrappers that compose over
-    one (``training.checkpoint.ResumableRollouts``, ``training.partial.PartialRollouts``); each also
+    one (``steps.checkpoint.ResumableRollouts``, ``steps.partial.PartialRollouts``); each also
     takes, as keyword arguments, what the wrapper above it passes down. ``on_task_done`` fires once
     per group finished now, with the group as the caller should see it."""
 

@@ -40,9 +40,9 @@ from rayapp.recipe.limits import (
 from rayapp.recipe.plugins import check_dataset_env, check_evaluator_env
 from rayapp.recipe.removed import removed_keys
 from rayapp.recipe.runnable import check_runnable
-from rayapp.training.dagger import DAggerSchedule
-from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
-from rayapp.training.partial import PartialConfig
+from rayapp.steps.dagger_schedule import DAggerSchedule
+from rayapp.steps.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
+from rayapp.steps.partial import PartialConfig
 from rayapp.types import FINITE, MAX_COUNT, Resource, SamplingParams, StoppingCriteria
 
 Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]

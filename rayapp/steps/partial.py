@@ -29,7 +29,7 @@ from rayapp.core.contracts import (
 from rayapp.core.metrics import outcome_metrics
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import CarriedRun, TurnRecord
-from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
+from rayapp.steps.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
 from rayapp.types import Sample, Status, StepKind, Task, TaskKey
 
 PartialPolicy = Literal["restart", "resume"]

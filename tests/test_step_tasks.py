@@ -15,12 +15,12 @@ from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.envs.datasets.files import FieldMap
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.record import CarriedRun
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.filters import RejectionFilter
-from rayapp.training.partial import PartialConfig
-from rayapp.training.reuse import ReusePolicy
-from rayapp.training.step import StepRunner
-from rayapp.training.trainer_tasks import step_tasks, tasks_digest, tasks_from_rows
+from rayapp.steps.checkpoint import RolloutCheckpoint
+from rayapp.steps.filters import RejectionFilter
+from rayapp.steps.partial import PartialConfig
+from rayapp.steps.reuse import ReusePolicy
+from rayapp.steps.runner import StepRunner
+from rayapp.trainers.step_tasks import step_tasks, tasks_digest, tasks_from_rows
 from rayapp.types import AgentResult, Task, TaskConfig, TaskKey
 
 ONE_NODE = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'

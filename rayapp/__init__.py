@@ -18,9 +18,9 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import EvalResult, RolloutResult, SchedulerConfig, StepState, StepStatus
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.layout import LayoutError, parse_cluster_layout
-from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.pool import HeldBatch, PlacementPool, PoolError, Reservations, budget_tokens
 from rayapp.core.scheduler import DeadlockError, TaskScheduler, interleave
+from rayapp.core.step_metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.termination import (
     SOLVED_SCORE,
     AbortReason,
@@ -40,7 +40,7 @@ from rayapp.envs.agents.gym import GymAgent, skyrl_gym_env
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.datasets.files import FieldMap
-from rayapp.envs.plugins import PluginError, load_strategy
+from rayapp.envs.plugin_import import PluginError, load_strategy
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
 from rayapp.episode import EpisodeContext

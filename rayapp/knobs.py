@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 
 from rayapp import cli
-from rayapp.envs.plugins import IMPORT_TIMEOUT_S
-from rayapp.envs.plugins import TIMEOUT_ENV as PLUGIN_TIMEOUT_ENV
+from rayapp.envs.plugin_import import IMPORT_TIMEOUT_S
+from rayapp.envs.plugin_import import TIMEOUT_ENV as PLUGIN_TIMEOUT_ENV
 from rayapp.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
 from rayapp.recipe import RecipeConfig
 from rayapp.recipe.removed import REMOVED

@@ -7,7 +7,7 @@ from conftest import ended
 
 import rayapp.steps.artifacts as art
 from rayapp.core.contracts import EvalResult, RolloutResult
-from rayapp.core.metrics import failure_summary
+from rayapp.core.step_metrics import failure_summary
 from rayapp.record import (
     AbortReason,
     AbortRecord,

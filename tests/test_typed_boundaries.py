@@ -80,7 +80,7 @@ OTHER_MEANINGS = {
     ("cli/verify.py", "eval"): 3,  # the recipe's eval section
     ("recipe/config.py", "eval"): 2,  # the recipe's eval section
     ("recipe/paths.py", "eval"): 1,  # the recipe's eval section
-    ("recipe/plugins.py", "eval"): 1,  # the recipe's eval section
+    ("recipe/plugin_checks.py", "eval"): 1,  # the recipe's eval section
     ("recipe/runnable.py", "eval"): 1,  # the recipe's eval section
     ("recipe/wiring.py", "eval"): 2,  # the recipe's eval section
     ("envs/agents/tools.py", "eval"): 1,  # ast.parse(expr, mode="eval")

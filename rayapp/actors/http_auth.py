@@ -32,7 +32,7 @@ from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
-from rayapp.actors.http import error_response
+from rayapp.actors.http_errors import error_response
 
 TOKEN_ENV = "RAYAPP_HTTP_TOKEN"
 TOKEN_FILE_ENV = "RAYAPP_HTTP_TOKEN_FILE"

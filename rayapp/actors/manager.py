@@ -22,14 +22,21 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
-from rayapp.actors.gateway_routes import GatewayRoutes
-from rayapp.actors.gateway_routes import router as gateway_router
+from rayapp.actors.gateway_ingress import GatewayRoutes
+from rayapp.actors.gateway_ingress import router as gateway_router
 from rayapp.actors.heap import trim_soon
-from rayapp.actors.http import ERRORS, error_response, exception_response, gateway_base_url, parse_step_id, summary
 from rayapp.actors.http_auth import HttpGuard, load_token, ray_cluster_token
+from rayapp.actors.http_errors import (
+    ERRORS,
+    error_response,
+    exception_response,
+    gateway_base_url,
+    parse_step_id,
+    summary,
+)
 from rayapp.actors.logs import follow_serve_logging
-from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool_client import PoolClient
+from rayapp.actors.prometheus import RayappMetrics, poll
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.actors.work_hosts import WorkHosts
 from rayapp.core.contracts import EvalResult, RolloutResult

@@ -112,7 +112,7 @@ async def loopback_gateway(cfg: Any) -> AsyncIterator[Any]:
     import uvicorn
     from fastapi import FastAPI
 
-    from rayapp.gateway.http import gateway_router
+    from rayapp.gateway.routes import gateway_router
     from rayapp.gateway.service import Gateway
 
     app = FastAPI()

@@ -50,9 +50,9 @@ from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, GroupDone, TaskRun
 from rayapp.core.handing import Handing
 from rayapp.core.landing import landed
-from rayapp.core.metrics import eval_metrics, outcome_metrics
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
+from rayapp.core.step_metrics import eval_metrics, outcome_metrics
 from rayapp.record import Iteration
 from rayapp.types import (
     Batch,

@@ -20,7 +20,7 @@ from rayapp.core.convert import InputError
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs import watch
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource, eval_tasks
-from rayapp.envs.plugins import (
+from rayapp.envs.plugin_import import (
     PluginError,
     check_agent,
     load_agent_factory,

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import msgspec
 
 from rayapp.core.contracts import EvalResult, RolloutResult
-from rayapp.core.metrics import abort_digest, failure_summary
+from rayapp.core.step_metrics import abort_digest, failure_summary
 from rayapp.core.termination import classify_termination
 from rayapp.steps.atomic_files import atomic_write
 from rayapp.steps.timeline import write_timeline

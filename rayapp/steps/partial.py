@@ -26,8 +26,8 @@ from rayapp.core.contracts import (
     identified,
     require_async,
 )
-from rayapp.core.metrics import outcome_metrics
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.core.step_metrics import outcome_metrics
 from rayapp.record import CarriedRun, TurnRecord
 from rayapp.steps.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
 from rayapp.types import Sample, Status, StepKind, Task, TaskKey

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import msgspec
 
 from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult
-from rayapp.core.metrics import abort_digest
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.core.step_metrics import abort_digest
 from rayapp.steps.artifacts import EvalDetailsWriter
 from rayapp.steps.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.steps.dagger_schedule import roll_in_metrics

@@ -26,7 +26,7 @@ class Recorder:
     """Records as the manager replica does: the series at 0 at start, then one 33.2 s rollout step."""
 
     def __init__(self) -> None:
-        from rayapp.actors.metrics import RayappMetrics
+        from rayapp.actors.prometheus import RayappMetrics
 
         self.metrics = RayappMetrics()
         self.metrics.zero(DATASETS, ["policy"], EngineClient.METHODS)

@@ -1,4 +1,4 @@
-"""The scheduler's seams: what a step takes (the protocols of its data source, pool, step log and
+"""What the scheduler takes and gives: what a step takes (the protocols of its data source, pool, step log and
 iteration source; its settings) and what it gives (results, and the status of the step in flight).
 They live apart from ``core.scheduler`` so that a host, a wrapper or a test can speak of them
 without the scheduler itself.
@@ -230,7 +230,7 @@ def identified(rollout_id: int, tasks: list[Task]) -> list[Task]:
     return out
 
 
-def check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) -> None:
+def check_protocols(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) -> None:
     """What the scheduler is handed fits its protocols (``core.contracts``), checked here rather than
     failing mid-step: which object, which method, and what it must be."""
     if data_source is not None:

@@ -34,8 +34,8 @@ from rayapp.core.contracts import (
     require_async,
 )
 from rayapp.core.convert import InputError, decode
-from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.core.uncancellable import run_to_end
 from rayapp.steps.atomic_files import atomic_write, fsync_dir
 from rayapp.trainers.step_tasks import tasks_named
 from rayapp.types import Sample, Task
@@ -232,9 +232,9 @@ class RolloutCheckpoint:
 
 async def in_thread(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a thread (blocking I/O with fsync), awaited to its end even when the caller is
-    cancelled meanwhile (``core.landing``): a thread cannot be stopped, and a checkpoint write must
+    cancelled meanwhile (``core.uncancellable``): a thread cannot be stopped, and a checkpoint write must
     never be written after the step that made it has returned."""
-    return await landed(asyncio.to_thread(fn, *args))
+    return await run_to_end(asyncio.to_thread(fn, *args))
 
 
 class _Recorder:

@@ -49,7 +49,7 @@ from ray import serve
 from starlette.responses import JSONResponse, Response
 
 from rayapp.actors.engine import EngineClient, InferenceEngine
-from rayapp.cli.local import CLUSTER_ENV, free_port, process_auth_token, stop_cluster
+from rayapp.cli.local_cluster import CLUSTER_ENV, free_port, process_auth_token, stop_cluster
 from rayapp.episode import EpisodeContext
 from rayapp.gateway.routes import gateway_response
 from rayapp.gateway.service import EpisodeBinding, Gateway

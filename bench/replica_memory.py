@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml
 
-from rayapp.cli.local import LOCAL_ENV, ROOT, free_port, local_app, ray_processes
+from rayapp.cli.local_cluster import LOCAL_ENV, ROOT, free_port, local_app, ray_processes
 
 # Serve's proxy start check (5 s) fails on a loaded machine (2 shared cores), and `serve run` exits with it
 SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}

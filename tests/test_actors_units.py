@@ -29,7 +29,7 @@ def test_a_local_cluster_runs_with_two_malloc_arenas_and_no_deployment_replaces_
     inherits; a deployment's own runtime_env would replace the application's env_vars (the HTTP token
     among them: an unauthenticated POST then started a step), so none sets one."""
     from rayapp.actors.app import build_app
-    from rayapp.cli.local import LOCAL_ENV
+    from rayapp.cli.local_cluster import LOCAL_ENV
 
     assert LOCAL_ENV["MALLOC_ARENA_MAX"] == "2"
     manager = build_app(LOCAL)._bound_deployment
@@ -46,7 +46,7 @@ def _by_environment(folder):
     command line, only the environment ``start_head`` gave the cluster."""
     import os
 
-    from rayapp.cli.local import CLUSTER_ENV
+    from rayapp.cli.local_cluster import CLUSTER_ENV
 
     return [], {**os.environ, CLUSTER_ENV: str(folder)}
 
@@ -81,7 +81,7 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
     import asyncio
     import time
 
-    from rayapp.actors import pool, sandbox
+    from rayapp.actors import pool_service, sandbox
     from rayapp.core.termination import SandboxError
     from rayapp.types import Token
 
@@ -89,7 +89,7 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
         time.sleep(0.3)
         raise SandboxError("bundle gone")
 
-    monkeypatch.setattr(pool, "work_options", slow_gcs)
+    monkeypatch.setattr(pool_service, "work_options", slow_gcs)
     monkeypatch.setattr(sandbox, "bundle_strategy", slow_gcs)
     token = Token(1, "n0", (), 0.0, 1.0, 0.0, placement_group="rayapp-n0", bundle_index=0)
 
@@ -103,7 +103,7 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
                 ticks += 1
 
         ticker = asyncio.create_task(tick())
-        work = pool.run_in_bundle(token, sum, [1]) if call == "run_in_bundle" else sandbox.open_sandbox(token)
+        work = pool_service.run_in_bundle(token, sum, [1]) if call == "run_in_bundle" else sandbox.open_sandbox(token)
         with pytest.raises(SandboxError, match="bundle gone"):
             await work
         ticker.cancel()

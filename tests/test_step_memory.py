@@ -91,7 +91,7 @@ def test_two_hundred_steps_plateau(make_pool, tmp_path, monkeypatch):
 def test_two_hundred_steps_of_verifier_tasks_add_no_task_names():
     """Ray keeps nine ``ray_tasks{Name=...}`` series per task name for good, in the manager's core worker
     and the node's metrics agent: the work a manager starts for 200 steps of episodes goes by one name."""
-    from rayapp.actors.pool import work_name
+    from rayapp.actors.pool_service import work_name
     from rayapp.episode import EPISODE
 
     def verify():

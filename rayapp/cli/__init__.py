@@ -28,7 +28,7 @@ from importlib import metadata
 
 from rayapp.cli.check import schema, validate
 from rayapp.cli.launch import DRIVER, demo, init, resolve_recipe, run, shipped_recipes
-from rayapp.cli.local import (
+from rayapp.cli.local_cluster import (
     LOCAL_ENV,
     LOCAL_ENV_WHY,
     ROOT,

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from rayapp.cli.check import validate
-from rayapp.cli.local import LOCAL_ENV, ROOT, free_port, local_app
+from rayapp.cli.local_cluster import LOCAL_ENV, ROOT, free_port, local_app
 from rayapp.recipe.load import recipe_document
 
 HERE = Path(__file__).resolve().parent

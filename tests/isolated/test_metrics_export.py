@@ -13,7 +13,7 @@ os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray's own
 ray = pytest.importorskip("ray")
 
 from rayapp.actors.engine import EngineClient  # noqa: E402
-from rayapp.cli.local import auth_token  # noqa: E402
+from rayapp.cli.local_cluster import auth_token  # noqa: E402
 from rayapp.types import StepKind  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

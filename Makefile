@@ -67,10 +67,10 @@ $(VENV)/.trl: pyproject.toml | $(STAMP)
 # The tiny model ships built (rayapp/inference/tiny-llama-v1); these rebuild it (minutes): `tiny-model` in
 # place, after a change to its recipe; `check-tiny-model` aside, comparing it file by file with the shipped one.
 tiny-model: $(STAMP)
-	$(BIN)/python -m rayapp.training.tiny_model_ship write
+	$(BIN)/python -m rayapp.cli.tiny_model_ship write
 
 check-tiny-model: $(STAMP)
-	$(BIN)/python -m rayapp.training.tiny_model_ship check
+	$(BIN)/python -m rayapp.cli.tiny_model_ship check
 
 # the 'bench' extra (matplotlib, which the 'plot' extra of every install brings already).
 $(VENV)/.bench: pyproject.toml | $(STAMP)

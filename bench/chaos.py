@@ -57,16 +57,16 @@ from ray.cluster_utils import Cluster
 from rayapp.actors.app import HEAD, POOL_MAX_ONGOING, STICKY_ROUTER
 from rayapp.actors.engine import EngineClient
 from rayapp.actors.nodes import NODE_LABEL
-from rayapp.actors.pool import GROUP_PREFIX, PlacementPoolService, run_in_bundle
 from rayapp.actors.pool_client import PoolClient
+from rayapp.actors.pool_service import GROUP_PREFIX, PlacementPoolService, run_in_bundle
 from rayapp.actors.sandbox import open_sandbox
-from rayapp.cli.local import process_auth_token
+from rayapp.cli.local_cluster import process_auth_token
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.sandboxes import SandboxLimits
 from rayapp.inference.client import GenerateRequest
-from rayapp.training.step_results import StepResults
-from rayapp.training.weight_sync import WeightSync
+from rayapp.inference.weight_sync import WeightSync
+from rayapp.steps.results import StepResults
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, SamplingParams, Status, StepKind, Task, TaskConfig
 
 APP = "rayapp-chaos"

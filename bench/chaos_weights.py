@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
-from rayapp.training.weight_sync import Applied
+from rayapp.inference.weight_sync import Applied
 from rayapp.types import Status
 
 VERSION = re.compile(r" w(\d+)$")  # the weights a sample's turn came from, at the end of its response

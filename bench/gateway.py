@@ -2,7 +2,7 @@
 
 Three Serve applications on one HTTP proxy (127.0.0.1, Ray's token auth on), each one replica taking
 as many requests at once as the manager's (1,000; the engine as a recipe's, 64) with a FastAPI
-ingress whose route methods are the manager's (``rayapp.gateway.http.gateway_response``):
+ingress whose route methods are the manager's (``rayapp.gateway.routes.gateway_response``):
 
 - ``floor``: a do-nothing deployment that reads the body and answers a fixed chat-completion JSON;
 - ``gateway, instant``: a ``Gateway`` over an engine in its replica that answers fixed tokens at once
@@ -49,9 +49,9 @@ from ray import serve
 from starlette.responses import JSONResponse, Response
 
 from rayapp.actors.engine import EngineClient, InferenceEngine
-from rayapp.cli.local import CLUSTER_ENV, free_port, process_auth_token, stop_cluster
+from rayapp.cli.local_cluster import CLUSTER_ENV, free_port, process_auth_token, stop_cluster
 from rayapp.episode import EpisodeContext
-from rayapp.gateway.http import gateway_response
+from rayapp.gateway.routes import gateway_response
 from rayapp.gateway.service import EpisodeBinding, Gateway
 from rayapp.inference.client import FinishReason, GenerateOutput, GenerateRequest
 from rayapp.inference.tiny_model import ensure_tiny_model, load_tokenizer

@@ -92,7 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
     from fastapi import FastAPI
 
     from rayapp.episode import EpisodeContext
-    from rayapp.gateway.http import gateway_router
+    from rayapp.gateway.routes import gateway_router
     from rayapp.gateway.service import EpisodeBinding, Gateway
     from rayapp.inference.client import FinishReason, GenerateOutput
     from rayapp.inference.tiny_model import ensure_tiny_model, load_tokenizer

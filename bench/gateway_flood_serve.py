@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replica_memory import SLOW_MACHINE_ENV, read_memory, recipe_file
 
-from rayapp.cli.local import LOCAL_ENV, local_app, ray_processes
+from rayapp.cli.local_cluster import LOCAL_ENV, local_app, ray_processes
 
 STEP_TIMEOUT_S = 900.0
 BODY_MB = 30

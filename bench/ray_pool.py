@@ -37,10 +37,10 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayapp.actors.pool import NODE_ID_LABEL, PlacementPoolService, remove_leftovers, resolve_nodes
 from rayapp.actors.pool_client import PoolClient
+from rayapp.actors.pool_service import NODE_ID_LABEL, PlacementPoolService, remove_leftovers, resolve_nodes
 from rayapp.actors.remote import bounded
-from rayapp.cli.local import process_auth_token
+from rayapp.cli.local_cluster import process_auth_token
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.types import BatchRequest, Resource, Token

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml
 
-from rayapp.cli.local import LOCAL_ENV, ROOT, free_port, local_app, ray_processes
+from rayapp.cli.local_cluster import LOCAL_ENV, ROOT, free_port, local_app, ray_processes
 
 # Serve's proxy start check (5 s) fails on a loaded machine (2 shared cores), and `serve run` exits with it
 SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     import ray
     from ray import serve
 
+    from rayapp.envs.tiny_model_recipe import TRAINING
     from rayapp.inference.tiny_model import ensure_tiny_model
-    from rayapp.training.tiny_recipe import TRAINING
 
     weights = str(ensure_tiny_model(training=TRAINING))  # the served model's folder: inside its weight roots
     tmp = Path(tempfile.mkdtemp(prefix="rayapp-mem-"))

@@ -2,7 +2,7 @@
 virtual time, with agents that sleep their trace's turns and verify.
 
 A policy is a row of ``POLICIES``: the ``SchedulerConfig`` fields it sets, its batching strategy,
-and for partial rollouts the ``PartialConfig`` its steps run under (``training.partial``). A field
+and for partial rollouts the ``PartialConfig`` its steps run under (``steps.partial``). A field
 this scheduler does not have is dropped (so a policy that only restates today's default still
 runs), unless the policy ``needs`` it; then the policy is skipped and the table says so.
 
@@ -37,7 +37,7 @@ from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import ResumePoint, TurnRecord
-from rayapp.training.partial import PartialConfig, PartialRollouts
+from rayapp.steps.partial import PartialConfig, PartialRollouts
 from rayapp.types import AgentResult, BatchRequest, EvaluatorSpec, Resource, Status, Task, TaskConfig, Token
 
 

@@ -1,7 +1,7 @@
 """What running a verifier in the sample's bundle costs, next to the same verifier inline.
 
 In a rollout the agents' verifiers run where the sample's token is reserved: ``run_in_bundle``, a Ray
-task in the token's placement-group bundle asking for the token's share (``rayapp/actors/pool.py``).
+task in the token's placement-group bundle asking for the token's share (``rayapp/actors/pool_service.py``).
 In an eval step without a pool, or with ``executor`` inline, the same function runs in a worker
 thread of the manager (``run_inline``). This times both on one local Ray, in one run: a real
 placement group with a CPU/memory bundle and a (logical) GPU bundle, as the pool's; the worker pool
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rayapp.actors.pool import GROUP_PREFIX, run_in_bundle
+from rayapp.actors.pool_service import GROUP_PREFIX, run_in_bundle
 from rayapp.actors.work_hosts import WorkHosts
-from rayapp.cli.local import process_auth_token
+from rayapp.cli.local_cluster import process_auth_token
 from rayapp.envs.math import verify as math_verify
 from rayapp.envs.protocol import run_inline
 from rayapp.types import AgentResult, Sample, Token

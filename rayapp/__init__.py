@@ -18,9 +18,9 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import EvalResult, RolloutResult, SchedulerConfig, StepState, StepStatus
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.core.layout import LayoutError, parse_cluster_layout
-from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.pool import HeldBatch, PlacementPool, PoolError, Reservations, budget_tokens
 from rayapp.core.scheduler import DeadlockError, TaskScheduler, interleave
+from rayapp.core.step_metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.core.termination import (
     SOLVED_SCORE,
     AbortReason,
@@ -40,16 +40,16 @@ from rayapp.envs.agents.gym import GymAgent, skyrl_gym_env
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.datasets import DatasetError, DatasetSpec, MultiDataSource
 from rayapp.envs.datasets.files import FieldMap
-from rayapp.envs.plugins import PluginError, load_strategy
+from rayapp.envs.plugin_import import PluginError, load_strategy
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.envs.sandboxes import DockerSandbox, LocalProcessSandbox, SandboxLimits, make_sandbox
 from rayapp.episode import EpisodeContext
 from rayapp.record import EpisodePhase, EpisodeRecord, Iteration, TerminationReason
-from rayapp.training.artifacts import read_jsonl
-from rayapp.training.dagger import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
-from rayapp.training.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
-from rayapp.training.partial import PartialConfig, PartialRollouts
-from rayapp.training.trainer_tasks import tasks_from_rows
+from rayapp.steps.artifacts import read_jsonl
+from rayapp.steps.dagger_schedule import DAggerIterations, DAggerSchedule, add_dagger_args, roll_in_metrics
+from rayapp.steps.filters import AbortCap, FinishOnlyFilter, RejectionFilter, apply_filters
+from rayapp.steps.partial import PartialConfig, PartialRollouts
+from rayapp.trainers.step_tasks import tasks_from_rows
 from rayapp.types import (
     AgentResult,
     Batch,

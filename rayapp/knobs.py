@@ -16,12 +16,12 @@ from typing import Any
 import msgspec
 
 from rayapp import cli
-from rayapp.envs.plugins import IMPORT_TIMEOUT_S
-from rayapp.envs.plugins import TIMEOUT_ENV as PLUGIN_TIMEOUT_ENV
+from rayapp.envs.plugin_import import IMPORT_TIMEOUT_S
+from rayapp.envs.plugin_import import TIMEOUT_ENV as PLUGIN_TIMEOUT_ENV
 from rayapp.recipe import ENV_KNOBS as RECIPE_ENV_KNOBS
 from rayapp.recipe import RecipeConfig
 from rayapp.recipe.removed import REMOVED
-from rayapp.training import dagger, reuse
+from rayapp.steps import dagger_schedule, reuse
 
 # Environment variables read outside the two tables above.
 OTHER_ENV: dict[str, tuple[str, str]] = {
@@ -59,7 +59,7 @@ def _cell(value: Any) -> str:
 
 def _dagger_actions() -> list[argparse.Action]:
     parser = argparse.ArgumentParser(add_help=False)
-    dagger.add_dagger_args(parser)
+    dagger_schedule.add_dagger_args(parser)
     return parser._actions  # argparse keeps no public list; this is the parser's own record
 
 
@@ -84,7 +84,7 @@ def demo_flag_rows() -> list[str]:
 
 def env_rows() -> list[str]:
     rows = []
-    for name, meaning in sorted(dagger.ENV_VARS.items()):
+    for name, meaning in sorted(dagger_schedule.ENV_VARS.items()):
         rows.append(f"| `{name}` | — | {_cell(meaning)} |")
     for name, (default, meaning) in sorted({**reuse.ENV_KNOBS, **RECIPE_ENV_KNOBS, **OTHER_ENV}.items()):
         rows.append(f"| `{name}` | `{default or '(unset)'}` | {_cell(meaning)} |")
@@ -129,15 +129,15 @@ def _walk(info: Any, prefix: str) -> list[tuple[str, str, str, str]]:
 
 
 def _dagger_help() -> dict[str, str]:
-    """``dagger.<field>`` -> its --dagger-* flag's help, so the meaning is written once, in dagger.py."""
-    flags = {flag: field for field, flag in dagger.FLAGS.items()}
+    """``dagger.<field>`` -> its --dagger-* flag's help, so the meaning is written once, in dagger_schedule.py."""
+    flags = {flag: field for field, flag in dagger_schedule.FLAGS.items()}
     return {f"dagger.{flags[a.option_strings[0]]}": re.sub(r"\s*\(default: %\(default\)s\)$", "", a.help or "")
             for a in _dagger_actions() if a.option_strings and a.option_strings[0] in flags}
 
 
 def recipe_rows() -> list[str]:
     rows = []
-    flags = SPEC_FLAGS | {f"dagger.{field}": flag for field, flag in dagger.FLAGS.items()}
+    flags = SPEC_FLAGS | {f"dagger.{field}": flag for field, flag in dagger_schedule.FLAGS.items()}
     dagger_help = _dagger_help()
     for path, kind, default, meaning in _walk(msgspec.inspect.type_info(RecipeConfig), ""):
         flag = flags.get(path, "")

@@ -1,6 +1,6 @@
 """The episode's typed record (docs/architecture.md "The episode record"): what one episode did, kept as
 Structs on the sample (``Sample.episode``) from the agent to the trainer's door, where
-``rayapp.training.converters`` writes it as the spec's metadata keys; the enums it is made of; what a
+``rayapp.trainers.converters`` writes it as the spec's metadata keys; the enums it is made of; what a
 partial rollout hands a carried group's task (``CarriedRun``); and the iteration's state every agent
 gets (``Iteration``). Nothing here imports another module of the project: ``rayapp.types`` builds on it.
 """
@@ -51,7 +51,7 @@ class AbortReason(enum.StrEnum):
 
 class EpisodePhase(enum.StrEnum):
     """The evaluator's two phases of one episode: the agent's run, then the verifier's. The trainer's
-    ``_abort`` record names the verify phase "eval", as the spec does (``training.converters``)."""
+    ``_abort`` record names the verify phase "eval", as the spec does (``trainers.converters``)."""
 
     RUN = "run"
     VERIFY = "verify"

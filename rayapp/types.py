@@ -156,7 +156,7 @@ class Sample(msgspec.Struct):
     reward: dict[str, float] = {}
     metadata: dict[str, Any] = {}
     remove_sample: bool = False
-    # what the episode did, typed; the trainer gets it as the spec's metadata keys (training.converters)
+    # what the episode did, typed; the trainer gets it as the spec's metadata keys (trainers.converters)
     episode: EpisodeRecord = msgspec.field(default_factory=EpisodeRecord)
 
 

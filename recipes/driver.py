@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true", help="Ray's and Serve's lines of this process on the "
                    "terminal (Ray's banner, Serve's router); the replicas' are in serve run's output")
     a = p.parse_args()
-    from rayapp.training.sinks import open_sink
+    from rayapp.trainers.metric_sinks import open_sink
 
     sinks = [open_sink(kind, target) for kind, target in (("tensorboard", a.tensorboard), ("wandb", a.wandb))
              if target]

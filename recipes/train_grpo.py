@@ -5,7 +5,7 @@
     python recipes/train_grpo.py --agent gateway      # the example OpenAI agent through the gateway
 
 Each step: ``generate(k)`` through the manager's handle (16 prompts x 8 samples of the math env's
-calculator agent), a GRPO update on the tiny model (``rayapp.training.grpo``), the new weights saved
+calculator agent), a GRPO update on the tiny model (``rayapp.trainers.grpo``), the new weights saved
 as safetensors and loaded by every engine replica (``update_weights_from_disk`` through the manager),
 then, every few steps, ``evaluate(k)`` on held-out problems. It prints, per step, the mean reward, the
 largest difference between the recomputed and the rollout log-probs before the update (~1e-6: tokens
@@ -92,7 +92,7 @@ def train(handle, args: argparse.Namespace) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from rayapp.inference.tiny_model import ensure_tiny_model, quiet_progress
-    from rayapp.training.grpo import GRPOTrainer
+    from rayapp.trainers.grpo import GRPOTrainer
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)

@@ -48,7 +48,7 @@ def ray_session():
     """One local Ray per test session (init + shutdown cost seconds): 8 logical CPUs, 4 logical GPUs,
     127.0.0.1 only, with Ray's token authentication on (a throwaway token, never ~/.ray's)."""
     ray = pytest.importorskip("ray")
-    from rayapp.cli.local import auth_token
+    from rayapp.cli.local_cluster import auth_token
 
     with auth_token():
         ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, namespace="rayapp-test",

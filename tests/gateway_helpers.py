@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from rayapp.episode import EpisodeContext
-from rayapp.gateway.http import gateway_router
+from rayapp.gateway.routes import gateway_router
 from rayapp.gateway.service import EpisodeBinding, Gateway
 from rayapp.inference.client import FinishReason, GenerateOutput
 from rayapp.types import SamplingParams, StoppingCriteria

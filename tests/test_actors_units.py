@@ -29,7 +29,7 @@ def test_a_local_cluster_runs_with_two_malloc_arenas_and_no_deployment_replaces_
     inherits; a deployment's own runtime_env would replace the application's env_vars (the HTTP token
     among them: an unauthenticated POST then started a step), so none sets one."""
     from rayapp.actors.app import build_app
-    from rayapp.cli.local import LOCAL_ENV
+    from rayapp.cli.local_cluster import LOCAL_ENV
 
     assert LOCAL_ENV["MALLOC_ARENA_MAX"] == "2"
     manager = build_app(LOCAL)._bound_deployment
@@ -46,7 +46,7 @@ def _by_environment(folder):
     command line, only the environment ``start_head`` gave the cluster."""
     import os
 
-    from rayapp.cli.local import CLUSTER_ENV
+    from rayapp.cli.local_cluster import CLUSTER_ENV
 
     return [], {**os.environ, CLUSTER_ENV: str(folder)}
 
@@ -81,7 +81,7 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
     import asyncio
     import time
 
-    from rayapp.actors import pool, sandbox
+    from rayapp.actors import pool_service, sandbox
     from rayapp.core.termination import SandboxError
     from rayapp.types import Token
 
@@ -89,7 +89,7 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
         time.sleep(0.3)
         raise SandboxError("bundle gone")
 
-    monkeypatch.setattr(pool, "work_options", slow_gcs)
+    monkeypatch.setattr(pool_service, "work_options", slow_gcs)
     monkeypatch.setattr(sandbox, "bundle_strategy", slow_gcs)
     token = Token(1, "n0", (), 0.0, 1.0, 0.0, placement_group="rayapp-n0", bundle_index=0)
 
@@ -103,7 +103,7 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
                 ticks += 1
 
         ticker = asyncio.create_task(tick())
-        work = pool.run_in_bundle(token, sum, [1]) if call == "run_in_bundle" else sandbox.open_sandbox(token)
+        work = pool_service.run_in_bundle(token, sum, [1]) if call == "run_in_bundle" else sandbox.open_sandbox(token)
         with pytest.raises(SandboxError, match="bundle gone"):
             await work
         ticker.cancel()
@@ -113,7 +113,7 @@ def test_finding_a_samples_bundle_does_not_block_the_managers_event_loop(monkeyp
 
 
 def test_the_gateway_url_is_the_proxy_s_loopback_address_under_the_app_s_prefix():
-    from rayapp.actors.http import gateway_base_url
+    from rayapp.actors.http_errors import gateway_base_url
 
     assert gateway_base_url("127.0.0.1", 8000, "/rayapp") == "http://127.0.0.1:8000/rayapp/gateway"
     assert gateway_base_url("0.0.0.0", 8123, "/rayapp/") == "http://127.0.0.1:8123/rayapp/gateway"  # every interface
@@ -127,10 +127,10 @@ def test_the_gateway_url_is_the_proxy_s_loopback_address_under_the_app_s_prefix(
 
 
 def test_the_manager_serves_the_gateway_routes_from_their_own_module_each_bound_to_its_replica():
-    """Issue 31 point 5: the agent gateway's routes live in ``actors/gateway_routes.py`` and the manager's
+    """Issue 31 point 5: the agent gateway's routes live in ``actors/gateway_ingress.py`` and the manager's
     ingress includes them; the app still answers every route it did, each with its own parameters only
     (a ``self`` left as a query parameter would mean Serve did not bind the method to the replica)."""
-    from rayapp.actors import gateway_routes
+    from rayapp.actors import gateway_ingress
     from rayapp.actors.manager import SchedulerRolloutManager, api
 
     paths = {path: sorted(ops) for path, ops in api.openapi()["paths"].items()}
@@ -141,6 +141,6 @@ def test_the_manager_serves_the_gateway_routes_from_their_own_module_each_bound_
     for path, ops in api.openapi()["paths"].items():
         for op in ops.values():
             assert "self" not in {p["name"] for p in op.get("parameters", [])}, path
-    assert issubclass(SchedulerRolloutManager, gateway_routes.GatewayRoutes)
+    assert issubclass(SchedulerRolloutManager, gateway_ingress.GatewayRoutes)
     own = {name for name, v in vars(SchedulerRolloutManager).items() if callable(v)}
-    assert not {n for n in own if n.startswith("gateway_")}, "the gateway's routes belong to gateway_routes.py"
+    assert not {n for n in own if n.startswith("gateway_")}, "the gateway's routes belong to gateway_ingress.py"

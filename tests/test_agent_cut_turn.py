@@ -15,7 +15,7 @@ from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.arithmetic import verify
 from rayapp.episode import EpisodeContext
 from rayapp.inference.client import FinishReason, GenerateRequest, GenerationCut, generate_abortable
-from rayapp.training.converters import trainer_metadata
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import SamplingParams, StoppingCriteria
 
 
@@ -160,7 +160,7 @@ def test_partial_steps_on_the_real_engine_return_what_an_uncut_run_would(backend
     # is exactly the uncut episode of its prompt, and a resumed turn names both steps' weights.
     from rayapp.core.contracts import SchedulerConfig
     from rayapp.core.scheduler import TaskScheduler
-    from rayapp.training.partial import PartialConfig, PartialRollouts
+    from rayapp.steps.partial import PartialConfig, PartialRollouts
     from rayapp.types import EvaluatorSpec, Resource, Task, TaskConfig
 
     class Prompts:

@@ -15,7 +15,7 @@ from rayapp.envs.sandboxes import make_sandbox
 from rayapp.envs.swe import DAggerSweAgent, SweAgent, load_repos, load_swe_tasks
 from rayapp.episode import EpisodeContext
 from rayapp.record import Iteration
-from rayapp.training.converters import episode_metadata
+from rayapp.trainers.converters import episode_metadata
 from rayapp.types import Sample, SamplingParams, StepKind, StoppingCriteria
 
 DONE = "I fixed the bug."

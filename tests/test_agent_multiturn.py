@@ -18,7 +18,7 @@ from rayapp.envs.arithmetic import verify
 from rayapp.episode import EpisodeContext
 from rayapp.inference.client import FinishReason, GenerateOutput
 from rayapp.record import Iteration
-from rayapp.training.converters import episode_metadata
+from rayapp.trainers.converters import episode_metadata
 from rayapp.types import AgentResult, SamplingParams, StoppingCriteria, Token
 
 TURNS = st.sampled_from([CALL, "<tool_call>{not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>',

@@ -13,7 +13,7 @@ from rayapp.envs.agents.chat import ChatAgent
 from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.arithmetic import verify
 from rayapp.record import Iteration, ResumePoint
-from rayapp.training.converters import episode_metadata
+from rayapp.trainers.converters import episode_metadata
 
 
 class ExecSandbox:

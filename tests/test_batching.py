@@ -5,7 +5,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.batching import budget_batching, fifo_batching, longest_first_batching
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import verify
-from rayapp.envs.plugins import PluginError, load_strategy
+from rayapp.envs.plugin_import import PluginError, load_strategy
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Task, TaskConfig
 
 

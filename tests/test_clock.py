@@ -13,8 +13,8 @@ from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import SchedulerConfig, StepState, TaskScheduler
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
-from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
-from rayapp.training.converters import trainer_metadata
+from rayapp.steps.checkpoint import ResumableRollouts, RolloutCheckpoint
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, StoppingCriteria, Task, TaskConfig
 
 HOUR = 3600.0

@@ -27,7 +27,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*/rollout.yaml"))
 SWE = ROOT / "recipes" / "swe_dagger" / "rollout.yaml"
 LAUNCHER = ROOT / "cluster" / "ray-cluster.yaml"
 KUBERAY = ROOT / "cluster" / "kuberay-rayservice.yaml"
-NODE_LABEL = "rayapp.io/node"  # rayapp.actors.pool.NODE_LABEL, without importing ray
+NODE_LABEL = "rayapp.io/node"  # rayapp.actors.pool_service.NODE_LABEL, without importing ray
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from rayapp.record import (
     ToolReplay,
     TurnRecord,
 )
-from rayapp.training.converters import (
+from rayapp.trainers.converters import (
     EpisodeKey,
     for_trainer,
     stored_sample,
@@ -172,7 +172,7 @@ def test_the_real_verl_dataproto_takes_the_batch_and_grpo_groups_it():
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
     from verl.utils.model import compute_position_id_with_mask
 
-    from rayapp.training.converters import to_verl
+    from rayapp.trainers.converters import to_verl
 
     data = to_verl(two_groups())
     assert isinstance(data, verl.DataProto) and len(data) == 4

@@ -17,7 +17,7 @@ def test_importing_the_core_and_the_package_does_not_import_ray():
 
 
 def test_the_recipe_the_wiring_and_the_step_pipeline_import_neither_ray_nor_fastapi():
-    assert_imports_none_of("rayapp.recipe, rayapp.training.step, rayapp.training.checkpoint", ("ray", "fastapi"))
+    assert_imports_none_of("rayapp.recipe, rayapp.steps.runner, rayapp.steps.checkpoint", ("ray", "fastapi"))
 
 
 def test_no_core_module_mentions_an_import_of_ray():
@@ -81,3 +81,50 @@ def test_the_recipe_package_has_no_import_cycle_even_through_imports_inside_func
     cycles = [c for m in sorted(graph) if (c := cycle_from(m, (m,))) is not None]
     assert not cycles, f"import cycle in rayapp/recipe: {' -> '.join(cycles[0])}"
     assert graph["load"] >= {"config", "wiring"} and "load" not in graph["config"] | graph["wiring"]
+
+
+# rayapp's folders (and top-level modules) from the bottom up, as docs/architecture.md lists them:
+# each imports only those before it. ``rayapp/__init__.py`` re-exports the public API and is left out.
+LAYERS = ("record", "types", "episode", "connection", "core", "verify", "inference", "envs", "gateway",
+          "trainers", "steps", "recipe", "actors", "demo", "cli", "knobs")
+
+
+def _imported_layers(path) -> set[str]:
+    """The top-level parts of rayapp a module imports, inside functions too (``from rayapp import cli``
+    names ``cli``)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "rayapp" else [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found |= {n.split(".")[1] for n in names if n.startswith("rayapp.")}
+    return found
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+    """Issue 31 point 3: no import runs back up (so there is no cycle between folders either)."""
+    from pathlib import Path
+
+    import rayapp
+
+    root = Path(rayapp.__file__).parent
+    upward = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel == Path("__init__.py") or "swe_repos" in rel.parts:
+            continue
+        layer = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        assert layer in LAYERS, f"{rel}: a new folder or module of rayapp goes into LAYERS"
+        upward += [f"{rel} imports rayapp.{d}" for d in _imported_layers(path)
+                   if d != layer and LAYERS.index(d) > LAYERS.index(layer)]
+    assert not upward, upward
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from rayapp.steps.runner import StepRunner\n    from rayapp import cli\n")
+    assert _imported_layers(module) == {"steps", "cli"}

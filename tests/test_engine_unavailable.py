@@ -17,7 +17,7 @@ import rayapp.actors.engine as engine_module
 from rayapp.actors.engine import EngineClient
 from rayapp.core.termination import EngineConnectionError, classify_abort
 from rayapp.inference.client import GenerateOutput, GenerateRequest
-from rayapp.training.weight_sync import Applied, WeightSync
+from rayapp.inference.weight_sync import Applied, WeightSync
 
 UNAVAILABLE = DeploymentUnavailableError(DeploymentID(name="engine-student", app_name="rayapp"))
 

@@ -222,7 +222,7 @@ def test_a_data_source_plug_in_gives_the_rows_and_its_non_tasks_are_named(plug, 
 
 
 def test_import_paths_take_either_separator_and_builtins_need_none():
-    from rayapp.envs.plugins import import_object, load_tool
+    from rayapp.envs.plugin_import import import_object, load_tool
 
     assert import_object("rayapp.envs.math:ENV", "env") is ENVS["math"]
     assert import_object("rayapp.envs.math.ENV", "env") is ENVS["math"]

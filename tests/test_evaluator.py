@@ -8,7 +8,7 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.record import TerminationReason
-from rayapp.training.converters import trainer_metadata
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import (
     AgentResult,
     EvaluatorSpec,

@@ -11,7 +11,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import StepContext
 from rayapp.core.evaluator import Evaluator
-from rayapp.training.converters import trainer_metadata
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import AgentResult, Status, StoppingCriteria
 
 # ---- an agent's own BaseExceptions, blocking agents ----------------------------------------------

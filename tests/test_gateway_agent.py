@@ -17,7 +17,7 @@ from gateway_helpers import HangingEngine, served
 from rayapp.core.contracts import RolloutResult, StepContext
 from rayapp.core.evaluator import Evaluator, TaskRun
 from rayapp.gateway.agents import OpenAIAgent
-from rayapp.training.converters import expand_segments, to_slime, trainer_sample, verl_tensors
+from rayapp.trainers.converters import expand_segments, to_slime, trainer_sample, verl_tensors
 from rayapp.types import EvaluatorSpec, Resource, Sample, SamplingParams, Status, StoppingCriteria, Task, TaskConfig
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "openai_agent"

@@ -88,7 +88,7 @@ def test_an_open_episode_costs_little_memory(tok):
 
 
 def test_errors_come_in_openais_shape_with_their_status(tok, model_dir, monkeypatch):
-    monkeypatch.setattr("rayapp.gateway.http.MAX_BODY_BYTES", 4096)
+    monkeypatch.setattr("rayapp.gateway.routes.MAX_BODY_BYTES", 4096)
 
     async def main():
         async with served() as gw:

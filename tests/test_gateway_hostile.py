@@ -15,7 +15,7 @@ from conftest import run
 from gateway_helpers import EchoEngine, episode_ctx, open_episode, served
 from starlette.requests import Request
 
-from rayapp.gateway.http import gateway_response
+from rayapp.gateway.routes import gateway_response
 from rayapp.gateway.service import EpisodeBinding, Gateway
 from rayapp.inference.client import validate_request
 from rayapp.record import TerminationReason

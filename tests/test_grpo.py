@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayapp.inference.client import GenerateRequest
-from rayapp.training.grpo import GRPOTrainer, clipped_loss, group_advantages, make_batch, token_logprobs
+from rayapp.trainers.grpo import GRPOTrainer, clipped_loss, group_advantages, make_batch, token_logprobs
 from rayapp.types import Sample, SamplingParams
 
 rewards = st.lists(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=1, max_size=6), min_size=1, max_size=4)

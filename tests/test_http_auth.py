@@ -1,4 +1,4 @@
-"""The manager's HTTP access rule and step-id parsing (rayapp.actors.http_auth, rayapp.actors.http):
+"""The manager's HTTP access rule and step-id parsing (rayapp.actors.http_auth, rayapp.actors.http_errors):
 the decisions themselves; tests/isolated/test_auth_serve.py checks them through Serve's proxy."""
 
 import json
@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from rayapp.actors.http import parse_step_id
 from rayapp.actors.http_auth import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
@@ -16,6 +15,7 @@ from rayapp.actors.http_auth import (
     load_token,
     ray_cluster_token,
 )
+from rayapp.actors.http_errors import parse_step_id
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 RAY_TOKEN = "fedcba9876543210fedcba9876543210"

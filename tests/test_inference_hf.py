@@ -23,6 +23,7 @@ from conftest import refuse_network
 from safetensors.torch import load_file, save_file
 
 from rayapp.core.convert import convert
+from rayapp.envs.tiny_model_recipe import corpus_lines
 from rayapp.inference import FinishReason, GenerateRequest, InferenceBackend, make_backend
 from rayapp.inference.hf import HFBackend
 from rayapp.inference.sampling import sample_next
@@ -34,7 +35,6 @@ from rayapp.inference.tiny_model import (
     is_complete,
     load_tokenizer,
 )
-from rayapp.training.tiny_recipe import corpus_lines
 from rayapp.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
@@ -375,7 +375,7 @@ def refuse(*a, **k): raise OSError("network access attempted")
 socket.socket.connect = refuse
 socket.create_connection = refuse
 from rayapp.inference import GenerateRequest, make_backend
-from rayapp.training.tiny_recipe import corpus_lines
+from rayapp.envs.tiny_model_recipe import corpus_lines
 from rayapp.types import SamplingParams
 b = make_backend("hf", cache_dir={str(cache_dir)!r})
 ids = b.tokenizer.apply_chat_template([{{"role": "user", "content": "What is 2 + 2?"}}],

@@ -96,8 +96,8 @@ def test_the_manager_and_the_cli_import_without_torch(tmp_path, model_dir):
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
-        import rayapp.actors.app, rayapp.actors.manager, rayapp.actors.engine, rayapp.actors.pool
-        import rayapp.actors.sandbox, rayapp.cli, rayapp.recipe, rayapp.training.reuse
+        import rayapp.actors.app, rayapp.actors.manager, rayapp.actors.engine, rayapp.actors.pool_service
+        import rayapp.actors.sandbox, rayapp.cli, rayapp.recipe, rayapp.steps.reuse
         from rayapp.inference.tiny_model import load_tokenizer
         tok = load_tokenizer(sys.argv[1])
         ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,

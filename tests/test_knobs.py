@@ -52,7 +52,7 @@ def test_recipe_key_types_defaults_and_dagger_meanings_come_from_the_code():
     assert rows["pool.cluster_layout"][1:3] == ["union", "`None`"]
     assert rows["filters.rejection"][2] == "`None`" and rows["filters.abort_cap"][2] == "`{}`"
     assert rows["evaluators[].evaluator_id"][2] == "`(required)`"
-    # dagger.* meanings are the --dagger-* flags' help, written once in dagger.py
+    # dagger.* meanings are the --dagger-* flags' help, written once in dagger_schedule.py
     assert rows["dagger.beta_start"][3].startswith("β at iteration 0") and "(default:" not in rows["dagger.gamma"][3]
     assert rows["dagger.beta_start"][4] == "`--dagger-beta-start`"
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_grafana_dashboard_queries_what_rayapp_exports():
     pytest.importorskip("ray")
-    from rayapp.actors.metrics import RayappMetrics
+    from rayapp.actors.prometheus import RayappMetrics
 
     m = RayappMetrics()
     seconds = [*m.histograms.values(), m.step_seconds, m.engine_seconds]

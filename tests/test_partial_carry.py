@@ -17,9 +17,9 @@ from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.pool import PlacementPool
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import EpisodeRecord, ResumePoint, TurnRecord
-from rayapp.training import checkpoint as checkpoint_module
-from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
-from rayapp.training.partial import PartialConfig, PartialRollouts
+from rayapp.steps import checkpoint as checkpoint_module
+from rayapp.steps.checkpoint import CarriedGroup, RolloutCheckpoint
+from rayapp.steps.partial import PartialConfig, PartialRollouts
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status
 
 

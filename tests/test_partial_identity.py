@@ -17,10 +17,10 @@ from rayapp.core.contracts import SchedulerConfig
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.record import EpisodeRecord, TurnRecord
-from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
-from rayapp.training.filters import Verdict
-from rayapp.training.partial import PartialConfig, PartialRollouts
-from rayapp.training.step import StepRunner
+from rayapp.steps.checkpoint import CarriedGroup, RolloutCheckpoint
+from rayapp.steps.filters import Verdict
+from rayapp.steps.partial import PartialConfig, PartialRollouts
+from rayapp.steps.runner import StepRunner
 from rayapp.types import EvaluatorSpec, Resource, Sample, Status, Task, TaskConfig, TaskKey
 
 GID = TaskKey.GROUP_ID.value
@@ -216,7 +216,7 @@ def test_the_scheduler_and_both_wrappers_are_one_rollouts_protocol_with_extras_b
     import inspect
 
     from rayapp.core.contracts import Rollouts
-    from rayapp.training.checkpoint import ResumableRollouts
+    from rayapp.steps.checkpoint import ResumableRollouts
 
     sched, _ = make(make_pool, LongTail())
     stack = [sched, ResumableRollouts.over(sched, RolloutCheckpoint(tmp_path)),

@@ -1,4 +1,4 @@
-"""Partial rollouts: the scheduler's ``complete_after`` seam, and ``PartialRollouts`` over it (carried
+"""Partial rollouts: the scheduler's ``complete_after`` hook, and ``PartialRollouts`` over it (carried
 groups, restart, staleness, metrics, the checkpoint). Everything runs in virtual time
 (``core.clock.run_virtual``): episodes last hours and the loop's times are exact."""
 
@@ -16,8 +16,8 @@ from rayapp.core.clock import run_virtual
 from rayapp.core.contracts import SchedulerConfig, StepState
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.record import EpisodeRecord, ResumePoint, TurnRecord
-from rayapp.training.checkpoint import CarriedGroup, RolloutCheckpoint
-from rayapp.training.partial import PartialConfig, PartialRollouts, staleness, stamp_versions
+from rayapp.steps.checkpoint import CarriedGroup, RolloutCheckpoint
+from rayapp.steps.partial import PartialConfig, PartialRollouts, staleness, stamp_versions
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample, Status, Task, TaskConfig
 
 H = 3600.0
@@ -79,7 +79,7 @@ def ids(groups):
     return [g[0].task_id for g in groups]
 
 
-# ---- the scheduler's seam -------------------------------------------------------------------------
+# ---- the scheduler's hook -------------------------------------------------------------------------
 
 def test_complete_after_returns_n_groups_and_hands_back_the_rest_with_their_turns(make_pool):
     agent = LongTail(seed=1)

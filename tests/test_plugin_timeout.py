@@ -15,7 +15,7 @@ import yaml
 
 from rayapp.cli import LOCAL_ENV, ROOT
 from rayapp.cli.check import problems
-from rayapp.envs.plugins import IMPORT_TIMEOUT_S, TIMEOUT_ENV, PluginError, import_object, plugin_timeout_s
+from rayapp.envs.plugin_import import IMPORT_TIMEOUT_S, TIMEOUT_ENV, PluginError, import_object, plugin_timeout_s
 
 GOOD = ROOT / "recipes" / "local" / "rollout.yaml"
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rayapp.training.converters import trainer_metadata
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import EvaluatorSpec, Resource, Status, Task, TaskConfig
 
 LAYOUT = '{"127.0.0.1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 4}}'
@@ -15,8 +15,8 @@ LAYOUT = '{"127.0.0.1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 4}}'
 
 @pytest.fixture
 def pool(ray_session):
-    from rayapp.actors.pool import PlacementPoolService
     from rayapp.actors.pool_client import PoolClient
+    from rayapp.actors.pool_service import PlacementPoolService
 
     ray = ray_session
     actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=5.0)
@@ -104,8 +104,8 @@ def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):
     """A group Ray no longer holds (its node died; here: removed under the pool) fails the work sent
     there at once, as infra_sandbox, instead of leaving it waiting for a bundle that never returns."""
     ray = ray_session
-    from rayapp.actors.pool import PlacementPoolService, run_in_bundle
     from rayapp.actors.pool_client import PoolClient
+    from rayapp.actors.pool_service import PlacementPoolService, run_in_bundle
     from rayapp.actors.sandbox import open_sandbox
     from rayapp.core.termination import AbortReason, SandboxError, classify_abort
     from rayapp.types import BatchRequest
@@ -215,7 +215,7 @@ def test_work_still_waiting_for_its_bundle_when_the_group_is_lost_aborts_and_lea
     import time
 
     from rayapp.actors import bundle_watch
-    from rayapp.actors.pool import run_in_bundle
+    from rayapp.actors.pool_service import run_in_bundle
     from rayapp.core.termination import SandboxError
     from rayapp.types import BatchRequest
 

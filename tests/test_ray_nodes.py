@@ -31,7 +31,7 @@ def test_node_resolution_and_layout_from_cluster_are_pure():
 
 def test_a_node_group_read_off_the_live_cluster_never_asks_for_more_than_the_node_has():
     from rayapp.actors.nodes import layout_from_cluster
-    from rayapp.actors.pool import node_bundles
+    from rayapp.actors.pool_service import node_bundles
 
     # Ray detects odd amounts (bytes of memory free at start, CPU in steps of 1e-4): rounding them to
     # the ledger's units must go down, or Ray can never make the node's group and the pool cannot start.
@@ -46,7 +46,7 @@ def test_a_node_group_read_off_the_live_cluster_never_asks_for_more_than_the_nod
 def test_a_layout_read_off_the_live_cluster_counts_only_what_the_engines_leave_free(ray_session):
     ray = ray_session
     from rayapp.actors.nodes import layout_from_cluster
-    from rayapp.actors.pool import PlacementPoolService, remove_leftovers
+    from rayapp.actors.pool_service import PlacementPoolService, remove_leftovers
 
     node = {"Alive": True, "NodeID": "aa", "NodeManagerAddress": "10.0.0.1", "Labels": {},
             "Resources": {"CPU": 16.0, "GPU": 4.0, "memory": 64 * 2**30}}

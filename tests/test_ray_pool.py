@@ -13,7 +13,7 @@ QUARTER = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
 
 @pytest.fixture
 def pool(ray_session):
-    from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_service import PlacementPoolService
 
     ray = ray_session
     actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=2.0)
@@ -69,7 +69,7 @@ def test_the_node_group_is_reserved_at_start_and_tokens_map_to_their_bundles(ray
 
 def test_sample_work_runs_inside_its_bundle_and_quarters_share_the_gpu_as_the_ledger_says(ray_session, pool):
     ray = ray_session
-    from rayapp.actors.pool import run_in_bundle, work_options
+    from rayapp.actors.pool_service import run_in_bundle, work_options
 
     def where():
         pg = ray.util.get_current_placement_group()
@@ -153,7 +153,7 @@ def test_an_oversubscribed_batch_waits_and_is_admitted_when_another_releases(ray
 
 def test_a_layout_ray_cannot_hold_fails_at_start_with_nothing_left(ray_session):
     ray = ray_session
-    from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_service import PlacementPoolService
 
     # the layout claims 100 TB of memory; Ray has far less, so the node's group never becomes ready
     layout = '{"127.0.0.1": {"gpus": [0], "cpu": 8, "memory_gb": 100000}}'
@@ -165,7 +165,7 @@ def test_a_layout_ray_cannot_hold_fails_at_start_with_nothing_left(ray_session):
 
 def test_a_restarted_service_removes_what_its_dead_predecessor_left_and_makes_its_own(ray_session):
     ray = ray_session
-    from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_service import PlacementPoolService
 
     service = ray.remote(PlacementPoolService).options(num_cpus=0)
     old = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
@@ -184,7 +184,7 @@ def test_a_restarted_service_removes_what_its_dead_predecessor_left_and_makes_it
         assert new_id != old_id and live_groups(ray) == {new_id: (GROUP, "CREATED")}
         assert {t.placement_group for t in tokens} != {old_name}  # the new service's own group
         # the old service's samples cannot run in the new group unaccounted: a lost bundle, infra_sandbox
-        from rayapp.actors.pool import run_in_bundle
+        from rayapp.actors.pool_service import run_in_bundle
         from rayapp.core.termination import SandboxError, classify_abort
 
         with pytest.raises(SandboxError, match="is gone") as info:
@@ -201,7 +201,7 @@ def test_a_second_service_refuses_to_start_beside_a_live_one_and_leaves_its_grou
     """Two applications on one cluster: the second pool service names the first and starts nothing;
     the first's groups stay, and its next batch runs in its bundle."""
     ray = ray_session
-    from rayapp.actors.pool import PlacementPoolService, run_in_bundle
+    from rayapp.actors.pool_service import PlacementPoolService, run_in_bundle
 
     service = ray.remote(PlacementPoolService)
     first = service.options(num_cpus=0, name="first-pool").remote(LAYOUT, pg_ready_timeout_s=10.0)
@@ -274,7 +274,7 @@ def test_acquire_cancelled_while_waiting_holds_nothing(ray_session, pool):
 def test_every_set_of_tokens_the_ledger_holds_fits_the_node_bundles_ray_reserves():
     import random
 
-    from rayapp.actors.pool import NodeGroups, node_bundles, token_share
+    from rayapp.actors.pool_service import NodeGroups, node_bundles, token_share
     from rayapp.core.ledger import Ledger
     from rayapp.types import NodeSpec
 
@@ -307,7 +307,7 @@ def test_every_set_of_tokens_the_ledger_holds_fits_the_node_bundles_ray_reserves
 
 def test_a_service_stopped_in_order_removes_its_groups(ray_session):
     ray = ray_session
-    from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_service import PlacementPoolService
 
     service = PlacementPoolService(LAYOUT, pg_ready_timeout_s=10.0)  # in this process, as Serve's replica holds it
     assert [name for name, state in live_groups(ray).values() if state == "CREATED"] == [GROUP]
@@ -343,8 +343,8 @@ def test_an_acquire_whose_caller_gave_up_is_withdrawn_or_its_grant_freed(ray_ses
 
 def test_an_owner_that_stops_renewing_has_its_batches_freed_after_the_lease(ray_session):
     ray = ray_session
-    from rayapp.actors.pool import PlacementPoolService
     from rayapp.actors.pool_client import PoolClient
+    from rayapp.actors.pool_service import PlacementPoolService
 
     actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=10.0,
                                                                         state_poll_s=0.2, lease_s=2.0)
@@ -374,7 +374,7 @@ def test_a_sandbox_host_carries_its_episode_and_a_task_only_its_functions_name(r
     # actor list; a task is named after its function alone: Ray keeps nine ray_tasks series per task name
     # for good, and one name per episode grew the manager with every step (issue 19 point 8)
     ray = ray_session
-    from rayapp.actors.pool import run_in_bundle
+    from rayapp.actors.pool_service import run_in_bundle
     from rayapp.actors.sandbox import open_sandbox
     from rayapp.episode import EPISODE
 

@@ -15,7 +15,7 @@ QUARTER = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
 @pytest.fixture
 def pool(ray_session):
     """A service on the whole layout that must end with nothing held."""
-    from rayapp.actors.pool import PlacementPoolService
+    from rayapp.actors.pool_service import PlacementPoolService
 
     actor = ray_session.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=30.0)
     initial = ray_session.get(actor.snapshot.remote(), timeout=30)
@@ -27,7 +27,7 @@ def pool(ray_session):
 def test_the_service_reads_its_groups_states_once_per_period_however_often_it_admits(monkeypatch):
     """The background watcher reads every ``state_poll_s``; admissions in between use its reading
     (one GCS read per period, not one more at each period's edge). Virtual time, Ray's groups faked."""
-    from rayapp.actors import pool as pool_mod
+    from rayapp.actors import pool_service as pool_mod
     from rayapp.core.clock import run_virtual
 
     reads: list = []

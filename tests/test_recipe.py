@@ -265,7 +265,7 @@ def test_a_layout_file_is_read_by_load_recipe_only(tmp_path, monkeypatch):
 def test_no_module_but_the_writer_touches_the_process_environment_where_stacx_variables_are_named():
     """The user-set STACX_* variables are read by ``recipe/environment.py`` from the mapping it is handed
     (the wiring hands it ``os.environ`` once, at the build); the code-set ones are written by
-    ``training/stacx_env.py`` alone. No other module reads the process's environment for them."""
+    ``steps/stacx_env.py`` alone. No other module reads the process's environment for them."""
     from pathlib import Path
 
     import rayapp
@@ -273,4 +273,4 @@ def test_no_module_but_the_writer_touches_the_process_environment_where_stacx_va
     names = re.compile(r"STACX_|ENV_T_MAX|ENV_EVAL_BETA|ENV_KNOBS|ENV_CONCURRENCY")
     touching = {str(p.relative_to(Path(rayapp.__file__).parent)) for p in Path(rayapp.__file__).parent.rglob("*.py")
                 if re.search(r"os\.environ|getenv", (text := p.read_text())) and names.search(text)}
-    assert touching == {"training/stacx_env.py"}
+    assert touching == {"steps/stacx_env.py"}

@@ -259,7 +259,7 @@ def test_a_cluster_that_does_not_come_up_is_one_line_not_a_traceback(tmp_path, m
 def test_ray_start_s_output_goes_to_the_run_s_log_and_to_the_terminal_only_when_verbose(tmp_path, monkeypatch,
                                                                                         capfd):
     """``ray start`` stands in for itself: a script printing a banner (and failing, the second time)."""
-    import rayapp.cli.local as local
+    import rayapp.cli.local_cluster as local
 
     fake = tmp_path / "ray"
     fake.write_text("#!/bin/sh\necho 'Ray runtime started.'\necho 'a warning' >&2\nexit ${FAKE_RC:-0}\n")
@@ -303,7 +303,7 @@ def test_validate_builds_each_agent_factory_and_names_the_field_of_one_that_fail
 
 
 def test_a_failed_deployment_is_told_by_its_exceptions_own_line():
-    from rayapp.cli.local import deploy_error
+    from rayapp.cli.local_cluster import deploy_error
 
     message = ("Deploying app 'rayapp' failed with exception:\nTraceback (most recent call last):\n"
                '  File "wiring.py", line 48, in _evaluator_spec\n    raise RecipeError(...)\n'
@@ -341,7 +341,7 @@ def scripted_status(monkeypatch, answers):
     import json
     import subprocess
 
-    import rayapp.cli.local as local
+    import rayapp.cli.local_cluster as local
 
     monkeypatch.setattr(local.subprocess, "run",
                         lambda *a, **k: subprocess.CompletedProcess(a, 0, json.dumps(next(answers)) + "\n", ""))
@@ -351,7 +351,7 @@ def scripted_status(monkeypatch, answers):
 def test_waiting_for_the_app_says_each_change_of_its_deployments_states(tmp_path, monkeypatch, capsys):
     """A deploy takes about a minute here: each new state of its deployments is one line, a repeat none."""
 
-    import rayapp.cli.local as local
+    import rayapp.cli.local_cluster as local
 
     answers = iter([["DEPLOYING", "", {"pool": "UPDATING", "manager": "UPDATING"}, 10.0],
                     ["DEPLOYING", "", {"pool": "HEALTHY", "manager": "UPDATING"}, 10.0],
@@ -368,7 +368,7 @@ def test_waiting_for_the_app_judges_the_deployment_just_submitted_not_the_old_on
     """``rayapp run --address`` onto a cluster already running an app of that name: the old deployment's
     RUNNING (deployed at 10.0, before the submit) is not the new one's, whose import fails (deployed at 20.0)."""
 
-    import rayapp.cli.local as local
+    import rayapp.cli.local_cluster as local
 
     failed = "Traceback (most recent call last):\n  ...\nModuleNotFoundError: No module named 'my_agents'"
     answers = iter([["RUNNING", "", {"pool": "HEALTHY", "manager": "HEALTHY"}, 10.0],

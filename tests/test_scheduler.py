@@ -9,7 +9,7 @@ from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.scheduler import DeadlockError, SchedulerConfig, StepState, TaskScheduler, interleave
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec, verify
-from rayapp.training.converters import trainer_metadata
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import AgentResult, Batch, EvaluatorSpec, Resource, Sample, Status, StoppingCriteria, Task, TaskConfig
 
 
@@ -424,7 +424,7 @@ def plain_callback(task, samples):
     ({"iteration": AsyncIteration()}, r"^iteration AsyncIteration\.rollout_state: not a plain function; it must be "
                                       r"def rollout_state\(self, rollout_id: int\) -> Iteration"),
 ])
-def test_a_seam_of_the_wrong_kind_is_one_error_at_construction_naming_object_method_and_protocol(kwargs, message):
+def test_an_object_of_the_wrong_kind_is_one_error_at_construction_naming_object_method_and_protocol(kwargs, message):
     with pytest.raises(TypeError, match=message):
         TaskScheduler([arithmetic_spec()], **kwargs)
 

@@ -9,8 +9,8 @@ from conftest import run
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
-from rayapp.training.artifacts import EvalDetailsWriter
-from rayapp.training.step import StepRunner
+from rayapp.steps.artifacts import EvalDetailsWriter
+from rayapp.steps.runner import StepRunner
 from rayapp.types import AgentResult
 
 ONE_NODE = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'
@@ -33,11 +33,11 @@ def _runner(make_pool, tmp_path):
 
 def test_every_sample_aborting_logs_the_first_error_once_per_step(make_pool, tmp_path, caplog):
     runner = _runner(make_pool, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="rayapp.training.step"):
+    with caplog.at_level(logging.WARNING, logger="rayapp.steps.runner"):
         result = run(runner.rollout(0))
         run(runner.evaluate(0))
     assert sum(len(g) for g in result.groups) == 4
-    lines = [r.getMessage() for r in caplog.records if r.name == "rayapp.training.step"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "rayapp.steps.runner"]
     assert len(lines) == 2, lines  # once for the rollout step, once for the eval step
     assert lines[0].startswith("rollout 0: 4 of 4 samples aborted (infra_other 4); the first, task ")
     assert "in its verify phase: AgentOutputError: handler.evaluate returned 1.0, not a dict with a 'score'" in lines[0]
@@ -49,7 +49,7 @@ def test_every_sample_aborting_logs_the_first_error_once_per_step(make_pool, tmp
 
 
 def test_eval_details_carry_the_token_data_when_asked(make_pool, tmp_path):
-    from rayapp.training.artifacts import read_jsonl
+    from rayapp.steps.artifacts import read_jsonl
 
     def run_fn(sample, ctx):
         return AgentResult(tokens=[5, 6, 7], response_length=2, response=str(sample.label),

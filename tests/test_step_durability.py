@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 from conftest import run
-from test_training_step import _counting, _samples
+from test_step_runner import _counting, _samples
 
-from rayapp.training import checkpoint as checkpoint_module
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.files import WriteError, atomic_write
-from rayapp.training.step import StepRunner
+from rayapp.steps import checkpoint as checkpoint_module
+from rayapp.steps.atomic_files import WriteError, atomic_write
+from rayapp.steps.checkpoint import RolloutCheckpoint
+from rayapp.steps.runner import StepRunner
 
 WRITES_PER_STEP = 7  # checkpoint state, 4 group files, FINISHED, the stored result
 

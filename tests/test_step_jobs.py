@@ -1,4 +1,4 @@
-"""Steps over HTTP (``training.step_jobs``, ``actors.http``): a POST starts or joins a step, a GET
+"""Steps over HTTP (``steps.jobs``, ``actors.http_errors``): a POST starts or joins a step, a GET
 says how it stands; a second step of the same kind while one runs is a conflict; errors map to
 one JSON shape with a status that says what went wrong."""
 
@@ -9,7 +9,7 @@ import pytest
 from conftest import run
 
 from rayapp.core.termination import EngineConnectionError
-from rayapp.training.step_jobs import StepConflict, StepJobs
+from rayapp.steps.jobs import StepConflict, StepJobs
 
 
 def test_a_job_runs_once_is_joined_and_reports_its_state():
@@ -55,7 +55,7 @@ def test_a_job_runs_once_is_joined_and_reports_its_state():
     (RuntimeError("x" * 5000), 500)])
 def test_errors_are_json_with_a_status_that_says_what_went_wrong(error, status):
     pytest.importorskip("fastapi")
-    from rayapp.actors.http import exception_response
+    from rayapp.actors.http_errors import exception_response
 
     answer = exception_response(error)
     body = json.loads(answer.body)

@@ -11,14 +11,14 @@ import os
 import pathlib
 import tracemalloc
 
-from test_training_step import _counting
+from test_step_runner import _counting
 
 from rayapp.core.clock import run_virtual
-from rayapp.training import timeline
-from rayapp.training.artifacts import EvalDetailsWriter
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.step import StepRunner
-from rayapp.training.step_jobs import StepJobs
+from rayapp.steps import timeline
+from rayapp.steps.artifacts import EvalDetailsWriter
+from rayapp.steps.checkpoint import RolloutCheckpoint
+from rayapp.steps.jobs import StepJobs
+from rayapp.steps.runner import StepRunner
 
 STEPS, MEASURED_FROM = 200, 50
 GROWTH_BOUND = 64 * 1024  # bytes over 150 steps: well under one step's samples kept per step
@@ -91,7 +91,7 @@ def test_two_hundred_steps_plateau(make_pool, tmp_path, monkeypatch):
 def test_two_hundred_steps_of_verifier_tasks_add_no_task_names():
     """Ray keeps nine ``ray_tasks{Name=...}`` series per task name for good, in the manager's core worker
     and the node's metrics agent: the work a manager starts for 200 steps of episodes goes by one name."""
-    from rayapp.actors.pool import work_name
+    from rayapp.actors.pool_service import work_name
     from rayapp.episode import EPISODE
 
     def verify():

@@ -12,10 +12,10 @@ import pytest
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.clock import run_virtual
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
-from rayapp.training import timeline as timeline_module
-from rayapp.training.artifacts import EvalDetailsWriter
-from rayapp.training.converters import trainer_metadata
-from rayapp.training.timeline import PLOT_MISSING, QUEUE, chrome_trace, plot_timeline, timeline_figure, timeline_rows
+from rayapp.steps import timeline as timeline_module
+from rayapp.steps.artifacts import EvalDetailsWriter
+from rayapp.steps.timeline import PLOT_MISSING, QUEUE, chrome_trace, plot_timeline, timeline_figure, timeline_rows
+from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Status, Task, TaskConfig
 
 TWO_NODES = '{"n0": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}, "n1": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'

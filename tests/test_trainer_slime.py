@@ -48,9 +48,9 @@ from rayapp.envs.math import tool_result_rows
 from rayapp.inference.hf import HFBackend
 from rayapp.inference.tiny_model import SHIPPED
 from rayapp.recipe import build_step_runner, load_recipe
+from rayapp.trainers.converters import to_slime
 from rayapp.trainers.slime import generate_rollout
 from rayapp.trainers.sync import call as sync_call
-from rayapp.training.converters import to_slime
 from rayapp.types import Sample, Status
 
 GROUPS, N = 2, 2

@@ -1,6 +1,6 @@
 """Facts a reviewer checks with grep, kept true: inside the project an episode's record is read as
 attributes (``Sample.episode``); the spec's metadata key strings appear only in the trainer's door
-(``rayapp/training/converters.py``); and in ``rayapp/training`` only the one observer
+(``rayapp/trainers/converters.py``); and in ``rayapp/steps`` only the one observer
 (``stacx_env.py``) writes the process environment. Read from the source's syntax tree, so that a
 comment or docstring naming a key is no hit, and any spelling of a write is."""
 
@@ -8,11 +8,11 @@ import ast
 from pathlib import Path
 
 import rayapp
-from rayapp.training.converters import EpisodeKey
+from rayapp.trainers.converters import EpisodeKey
 
 ROOT = Path(rayapp.__file__).parent
-DOOR = ROOT / "training" / "converters.py"
-ENV_WRITER = ROOT / "training" / "stacx_env.py"
+DOOR = ROOT / "trainers" / "converters.py"
+ENV_WRITER = ROOT / "steps" / "stacx_env.py"
 # the timing record's fields, read by name before it was typed
 RECORD_STRINGS = {k.value for k in EpisodeKey} | {"started", "queued"}
 ENV_NAMES = {"env", "environ"}
@@ -54,8 +54,8 @@ def test_episode_record_strings_are_read_and_written_only_at_the_trainers_door()
     assert {"_timing", "_termination_reason", "_placement"} <= _strings(ast.parse(DOOR.read_text()))
 
 
-def test_only_the_one_observer_writes_the_environment_in_training():
-    found = {str(p.relative_to(ROOT)): _env_writes(t) for p, t in _trees(ROOT / "training") if p != ENV_WRITER}
+def test_only_the_one_observer_writes_the_environment_in_the_step_pipeline():
+    found = {str(p.relative_to(ROOT)): _env_writes(t) for p, t in _trees(ROOT / "steps") if p != ENV_WRITER}
     assert {p: lines for p, lines in found.items() if lines} == {}
     assert _env_writes(ast.parse(ENV_WRITER.read_text()))  # the check sees the writes that are there
 
@@ -80,12 +80,12 @@ OTHER_MEANINGS = {
     ("cli/verify.py", "eval"): 3,  # the recipe's eval section
     ("recipe/config.py", "eval"): 2,  # the recipe's eval section
     ("recipe/paths.py", "eval"): 1,  # the recipe's eval section
-    ("recipe/plugins.py", "eval"): 1,  # the recipe's eval section
+    ("recipe/plugin_checks.py", "eval"): 1,  # the recipe's eval section
     ("recipe/runnable.py", "eval"): 1,  # the recipe's eval section
     ("recipe/wiring.py", "eval"): 2,  # the recipe's eval section
     ("envs/agents/tools.py", "eval"): 1,  # ast.parse(expr, mode="eval")
     ("trainers/trl.py", "rollout"): 1,  # getattr(source, "rollout"): the source's method
-    ("training/converters.py", "eval"): 1,  # the spec's name of the verify phase in ``_abort``
+    ("trainers/converters.py", "eval"): 1,  # the spec's name of the verify phase in ``_abort``
 }
 PARSERS = {"isdigit", "isdecimal", "isnumeric"}
 

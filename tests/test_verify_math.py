@@ -15,8 +15,8 @@ import time
 import pytest
 
 from rayapp.types import AgentResult, Sample
-from rayapp.verify import math as vmath
-from rayapp.verify.math import MathVerifier
+from rayapp.verify import math_answers as vmath
+from rayapp.verify.math_answers import MathVerifier
 
 TOWER = r"The answer is \boxed{2^{2^{2^{2^{2^{2}}}}}}"  # sympy evaluates this for ever
 
@@ -146,7 +146,7 @@ def test_a_worker_dies_with_its_parent(tmp_path):
     """A parent killed by SIGKILL runs no cleanup: the worker must still go (Linux parent-death signal)."""
     script = (
         "import sys, threading\n"
-        "from rayapp.verify.math import MathVerifier\n"
+        "from rayapp.verify.math_answers import MathVerifier\n"
         "v = MathVerifier(max_workers=1)\n"
         "assert v.verify('1', '1')\n"
         "print(v.worker_pids()[0], flush=True)\n"

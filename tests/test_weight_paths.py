@@ -14,7 +14,7 @@ import pytest
 from rayapp.actors.engine import InferenceEngine
 from rayapp.inference.client import GenerateRequest
 from rayapp.inference.weight_paths import checkpoint_files, default_weight_roots
-from rayapp.training.weight_sync import Applied
+from rayapp.inference.weight_sync import Applied
 from rayapp.types import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The manager's weight record (rayapp.training.weight_sync) against fake replicas: a replacement
+"""The manager's weight record (rayapp.inference.weight_sync) against fake replicas: a replacement
 replica (back at the model it started from) is brought onto the applied weights by the next
 restore, replicas already on them load nothing, a refused update moves no record, and a new
 manager takes the record up from the replicas."""
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rayapp.training.weight_sync import Applied, WeightSync
+from rayapp.inference.weight_sync import Applied, WeightSync
 
 
 class Replicas:

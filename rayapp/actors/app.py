@@ -26,7 +26,7 @@ from ray.serve import Application
 
 from rayapp.actors.engine import InferenceEngine
 from rayapp.actors.manager import SchedulerRolloutManager
-from rayapp.actors.pool import PlacementPoolService
+from rayapp.actors.pool_service import PlacementPoolService
 from rayapp.connection import MANAGER
 from rayapp.recipe import ARGS_SOURCE, check_live_gpus, load_recipe, parse_recipe
 from rayapp.recipe.config import EngineConfig

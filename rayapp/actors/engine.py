@@ -14,7 +14,7 @@ A weight update is checked here, for every backend, before the backend sees the 
 inside the engine's ``weight_roots`` and name only regular files (``rayapp.inference.weight_paths``).
 Each replica remembers the path and version it last loaded; asked for them again it loads nothing,
 so the manager can send its record to every replica before each step and only a replacement loads
-(``rayapp.training.weight_sync``). A model turn on other weights than that record makes the client
+(``rayapp.inference.weight_sync``). A model turn on other weights than that record makes the client
 restore the engine and ask once more.
 """
 
@@ -42,8 +42,8 @@ from rayapp.inference.client import GenerateOutput, GenerateRequest
 from rayapp.inference.tiny_model import default_cache_dir
 from rayapp.inference.tokenizer_files import cache_tokenizer_files, read_tokenizer_files
 from rayapp.inference.weight_paths import checkpoint_files, default_weight_roots
+from rayapp.inference.weight_sync import Applied, StaleWeights, WeightSync
 from rayapp.record import WeightVersion
-from rayapp.training.weight_sync import Applied, StaleWeights, WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
-from rayapp.actors.http import error_response
+from rayapp.actors.http_errors import error_response
 
 TOKEN_ENV = "RAYAPP_HTTP_TOKEN"
 TOKEN_FILE_ENV = "RAYAPP_HTTP_TOKEN_FILE"
-# Where Ray's token auth reads the cluster's token from (Ray's names; rayapp.cli.local sets them for a
+# Where Ray's token auth reads the cluster's token from (Ray's names; rayapp.cli.local_cluster sets them for a
 # head of its own).
 RAY_TOKEN_ENV, RAY_TOKEN_PATH_ENV, RAY_TOKEN_FILE = "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", Path(".ray/auth_token")
 MIN_TOKEN_CHARS = 16

@@ -3,7 +3,7 @@
 The trainer calls ``generate(rollout_id[, tasks])`` / ``evaluate(rollout_id)`` through a handle; the same
 replica answers a small HTTP control surface under the app's route. This file only translates:
 the recipe is parsed and wired by ``rayapp.recipe``, and each step runs through the pure
-``StepRunner`` (``rayapp.training.step``: one step at a time, its order and artifacts); here the
+``StepRunner`` (``rayapp.steps.runner``: one step at a time, its order and artifacts); here the
 Ray handles become clients with bounded calls, and results become HTTP answers. It also serves the
 agent gateway's routes (``/gateway/<episode>/v1/...``, ``rayapp.gateway``): an agent written against
 the OpenAI API reaches its episode here, in the replica that records it.
@@ -22,21 +22,28 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from rayapp.actors.engine import EngineClient
-from rayapp.actors.gateway_routes import GatewayRoutes
-from rayapp.actors.gateway_routes import router as gateway_router
+from rayapp.actors.gateway_ingress import GatewayRoutes
+from rayapp.actors.gateway_ingress import router as gateway_router
 from rayapp.actors.heap import trim_soon
-from rayapp.actors.http import ERRORS, error_response, exception_response, gateway_base_url, parse_step_id, summary
 from rayapp.actors.http_auth import HttpGuard, load_token, ray_cluster_token
+from rayapp.actors.http_errors import (
+    ERRORS,
+    error_response,
+    exception_response,
+    gateway_base_url,
+    parse_step_id,
+    summary,
+)
 from rayapp.actors.logs import follow_serve_logging
-from rayapp.actors.metrics import RayappMetrics, poll
 from rayapp.actors.pool_client import PoolClient
+from rayapp.actors.prometheus import RayappMetrics, poll
 from rayapp.actors.sandbox import open_sandbox
 from rayapp.actors.work_hosts import WorkHosts
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.gateway.service import Gateway
+from rayapp.inference.weight_sync import WeightSync
 from rayapp.recipe import apply_env, build_step_runner, parse_recipe
-from rayapp.training.step_jobs import StepConflict, StepJobs
-from rayapp.training.weight_sync import WeightSync
+from rayapp.steps.jobs import StepConflict, StepJobs
 from rayapp.types import StepKind
 
 # A step id in the path, read as text: FastAPI's int would take "+5", " 1" and "1.0" (parse_step_id
@@ -100,7 +107,7 @@ class SchedulerRolloutManager(GatewayRoutes):
 
     async def generate(self, rollout_id: int, tasks: list[Any] | None = None) -> RolloutResult:
         """Rollout step ``rollout_id``: run once; a repeated or concurrent call gets the same result
-        (``rayapp.training.step_results``). ``tasks`` (Tasks, or dicts of a Task's fields): the
+        (``rayapp.steps.results``). ``tasks`` (Tasks, or dicts of a Task's fields): the
         trainer's, run as the step's groups instead of the data source's (``StepRunner.rollout``)."""
         self._watch()
         try:

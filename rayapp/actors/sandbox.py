@@ -1,7 +1,7 @@
 """Sandboxes placed in the sample's placement-group bundle.
 
 A sample's sandbox lives in a small Ray actor scheduled into the bundle its token names (its GPU's
-bundle, or its node's CPU/memory bundle: see ``rayapp.actors.pool``), so the sandbox's processes run
+bundle, or its node's CPU/memory bundle: see ``rayapp.actors.pool_service``), so the sandbox's processes run
 on the node, and under the reservation, that the ledger granted. The host asks for nothing itself:
 the token's share is asked for by the sample's function calls (``run_in_bundle``), and a sandbox that
 asked too would make an agent that keeps its sandbox open while it calls one wait on itself. The
@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import ActorUnschedulableError
 
 from rayapp.actors.bundle_watch import watched
-from rayapp.actors.pool import bundle_strategy
+from rayapp.actors.pool_service import bundle_strategy
 from rayapp.actors.remote import bounded
 from rayapp.core.termination import SandboxError
 from rayapp.envs.sandboxes import DEFAULT_LIMITS, ExecResult, Sandbox, SandboxLimits, make_sandbox

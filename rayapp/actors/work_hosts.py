@@ -36,7 +36,7 @@ import ray
 from ray import exceptions as rex
 
 from rayapp.actors.bundle_watch import watched
-from rayapp.actors.pool import bundle_strategy
+from rayapp.actors.pool_service import bundle_strategy
 from rayapp.actors.remote import bounded
 from rayapp.core.termination import AgentTimeout, SandboxError
 from rayapp.types import Token

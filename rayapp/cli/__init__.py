@@ -28,7 +28,7 @@ from importlib import metadata
 
 from rayapp.cli.check import schema, validate
 from rayapp.cli.launch import DRIVER, demo, init, resolve_recipe, run, shipped_recipes
-from rayapp.cli.local import (
+from rayapp.cli.local_cluster import (
     LOCAL_ENV,
     LOCAL_ENV_WHY,
     ROOT,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.plugin_timeout is not None:
             if not 0 < args.plugin_timeout < float("inf"):
                 build_parser().error(f"--plugin-timeout {args.plugin_timeout:g}: expected a positive number of seconds")
-            from rayapp.envs.plugins import TIMEOUT_ENV
+            from rayapp.envs.plugin_import import TIMEOUT_ENV
 
             os.environ[TIMEOUT_ENV] = str(args.plugin_timeout)  # read by the checks' child process too
         sys.exit(validate(resolve_recipe(args.recipe)))

@@ -54,7 +54,7 @@ def serve_schema_problems(doc: Any) -> list[tuple[str, str]]:
 
 
 # Seconds the watched child is given past a call's own limit before the parent stops it: an import's
-# own bound (``rayapp.envs.plugins``) fires first and says whether it was slow or stuck.
+# own bound (``rayapp.envs.plugin_import``) fires first and says whether it was slow or stuck.
 WATCH_GRACE_S = 2.0
 
 
@@ -127,7 +127,7 @@ def findings(path: str | os.PathLike) -> tuple[list[str], list[str]]:
     the recipe's plug-ins run, each call into them given ``plugin_timeout_s()``), then Serve's, then
     its ports', then the HTTP token's; empty when all accept the file. Warnings: what the app would
     run, but not as the recipe likely meant."""
-    from rayapp.envs.plugins import PluginError, plugin_timeout_s
+    from rayapp.envs.plugin_import import PluginError, plugin_timeout_s
     from rayapp.recipe import RecipeError
     from rayapp.recipe.load import read_recipe_file
 

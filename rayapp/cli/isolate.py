@@ -122,7 +122,7 @@ def _cpu_s(pid: int) -> float | None:
 def _still_running(seconds: float, cpu: float | None, cpu_at_start: float | None) -> str:
     """A call still running after ``seconds``: busy on a CPU most of that time (slow, or endless) or not (it
     blocks or waits), where /proc tells; and how to allow more time."""
-    from rayapp.envs.plugins import TIMEOUT_ENV
+    from rayapp.envs.plugin_import import TIMEOUT_ENV
 
     more = f"if it is only slow, allow more with {TIMEOUT_ENV}=<seconds> (rayapp validate --plugin-timeout)"
     if cpu is None or cpu_at_start is None:

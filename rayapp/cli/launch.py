@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from rayapp.cli.check import validate
-from rayapp.cli.local import LOCAL_ENV, ROOT, free_port, local_app
+from rayapp.cli.local_cluster import LOCAL_ENV, ROOT, free_port, local_app
 from rayapp.recipe.load import recipe_document
 
 HERE = Path(__file__).resolve().parent
@@ -107,8 +107,8 @@ def demo(args: argparse.Namespace) -> int:
     if validate(recipe) != 0:  # a broken recipe stops here, before a cluster starts (serve run would wait)
         return 2
     os.environ.update(LOCAL_ENV)
+    from rayapp.envs.tiny_model_recipe import TRAINING
     from rayapp.inference.tiny_model import ensure_tiny_model
-    from rayapp.training.tiny_recipe import TRAINING
 
     t0 = time.monotonic()
     print(f"tiny model ready at {ensure_tiny_model(training=TRAINING)} ({time.monotonic() - t0:.1f}s)", flush=True)

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from rayapp.core.termination import AgentTimeout
-from rayapp.training.converters import EpisodeKey
+from rayapp.trainers.converters import EpisodeKey
 from rayapp.types import Sample
 
 HF_ONLY = ("rayapp try runs hf engines only, in its own process; an sglang engine needs GPUs and its "
@@ -112,7 +112,7 @@ async def loopback_gateway(cfg: Any) -> AsyncIterator[Any]:
     import uvicorn
     from fastapi import FastAPI
 
-    from rayapp.gateway.http import gateway_router
+    from rayapp.gateway.routes import gateway_router
     from rayapp.gateway.service import Gateway
 
     app = FastAPI()

@@ -114,7 +114,7 @@ def reference(task: Task) -> str:
 
 def _verifier_of(cfg: Any, task_type: str) -> tuple[Any, str, Callable | None]:
     """The evaluator that runs ``task_type``'s rows, and the verifier it will use (None: in its sandbox)."""
-    from rayapp.envs.plugins import load_verifier
+    from rayapp.envs.plugin_import import load_verifier
     from rayapp.envs.registry import get_env
 
     ev = next((e for e in cfg.evaluators if e.evaluator_id == task_type), None)

@@ -1,4 +1,4 @@
-"""The scheduler's seams: what a step takes (the protocols of its data source, pool, step log and
+"""What the scheduler takes and gives: what a step takes (the protocols of its data source, pool, step log and
 iteration source; its settings) and what it gives (results, and the status of the step in flight).
 They live apart from ``core.scheduler`` so that a host, a wrapper or a test can speak of them
 without the scheduler itself.
@@ -83,7 +83,7 @@ class ResumableSource(DataSource, Protocol):
 
 class StepLog(Protocol):
     """Groups of a rollout step finished in an earlier attempt, and the record of each one finished
-    now (``training.checkpoint`` keeps them on disk so that a step cut short resumes)."""
+    now (``steps.checkpoint`` keeps them on disk so that a step cut short resumes)."""
 
     async def finished(self, tasks: list[Task]) -> Mapping[int, list[Sample]]:
         """Given the step's fetch, the groups already finished, by fetch index: not run again, and
@@ -141,7 +141,7 @@ class StepContext(msgspec.Struct, frozen=True):
 @runtime_checkable
 class Rollouts(Protocol):
     """Something that runs a rollout step: the TaskScheduler, and the wrappers that compose over
-    one (``training.checkpoint.ResumableRollouts``, ``training.partial.PartialRollouts``); each also
+    one (``steps.checkpoint.ResumableRollouts``, ``steps.partial.PartialRollouts``); each also
     takes, as keyword arguments, what the wrapper above it passes down. ``on_task_done`` fires once
     per group finished now, with the group as the caller should see it."""
 
@@ -230,7 +230,7 @@ def identified(rollout_id: int, tasks: list[Task]) -> list[Task]:
     return out
 
 
-def check_seams(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) -> None:
+def check_protocols(data_source: Any, pool: Any, on_task_done: Any, iteration: Any) -> None:
     """What the scheduler is handed fits its protocols (``core.contracts``), checked here rather than
     failing mid-step: which object, which method, and what it must be."""
     if data_source is not None:

@@ -42,17 +42,17 @@ from rayapp.core.contracts import (
     StepState,
     StepStatus,
     UnfinishedGroup,
-    check_seams,
+    check_protocols,
     identified,
     require_async,
 )
 from rayapp.core.convert import clip
 from rayapp.core.evaluator import Evaluator, GroupDone, TaskRun
-from rayapp.core.handing import Handing
-from rayapp.core.landing import landed
-from rayapp.core.metrics import eval_metrics, outcome_metrics
+from rayapp.core.group_delivery import GroupDelivery
 from rayapp.core.pool import budget_tokens
 from rayapp.core.stats import sample_statistics, step_times
+from rayapp.core.step_metrics import eval_metrics, outcome_metrics
+from rayapp.core.uncancellable import run_to_end
 from rayapp.record import Iteration
 from rayapp.types import (
     Batch,
@@ -103,7 +103,7 @@ class TaskScheduler:
         config = config or SchedulerConfig()
         if config.rollout_batch_size < 1 or config.n_samples_per_eval_prompt < 1:
             raise ValueError("rollout_batch_size and n_samples_per_eval_prompt must be >= 1")
-        check_seams(data_source, pool, on_task_done, iteration)
+        check_protocols(data_source, pool, on_task_done, iteration)
         self.data_source, self.pool, self.config = data_source, pool, config
         self.batching_strategy = batching_strategy or fifo_batching
         self.eval_datasets = dict(eval_datasets or {})
@@ -322,7 +322,7 @@ class TaskScheduler:
         group ``i`` finished, and what it returns awaited (None: handed on at once). One failing batch
         or callback cancels the rest and fails the step.
         ``step.complete_after=n``: once ``n`` groups were handed on, the batches still running are
-        cancelled (the step is done); a group finishing after the n-th began its hand-on is not
+        cancelled (the step is done); a group finishing after the n-th began its delivery is not
         handed on, so none is in flight when they are."""
         if self.pool is not None:
             await self._check_deadlock([b for b, _ in plan])
@@ -332,13 +332,13 @@ class TaskScheduler:
                                        batches_waiting=len(plan), tasks=n_tasks, started_at=loop_time())
         bar = tqdm(total=n_tasks, desc=f"{kind.value} {rollout_id}", unit="task", disable=not self.config.progress)
 
-        handing = Handing(group_done, groups, st, bar, complete_after)
+        delivery = GroupDelivery(group_done, groups, st, bar, complete_after)
         try:
             async with asyncio.TaskGroup() as tg:  # one failing batch cancels the rest
                 for n, (b, indices) in enumerate(plan):
                     label = f"{kind.value}{rollout_id}/b{n}/{b.task_type}"
-                    handing.batches.append(tg.create_task(self._run_batch(
-                        step, st, b, [groups[i] for i in indices], indices, handing.finished, label)))
+                    delivery.batches.append(tg.create_task(self._run_batch(
+                        step, st, b, [groups[i] for i in indices], indices, delivery.finished, label)))
         except asyncio.CancelledError:
             st.state = StepState.CANCELLED
             raise
@@ -381,7 +381,7 @@ class TaskScheduler:
             st.batches_running -= 1
             st.batches_done += 1
             if tokens is not None:  # lands even when the batch is cancelled meanwhile (complete_after, a sibling)
-                await landed(self.pool.release_batch(tokens))
+                await run_to_end(self.pool.release_batch(tokens))
 
     def status(self) -> StepStatus:
         """The step in flight (or the last one), for progress displays and the manager: a copy."""

@@ -20,10 +20,10 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.core.contracts import DataSource, require_async
-from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.core.staleness import BUILT, AtBound, StalenessBound
 from rayapp.core.stream_log import StreamGroup, StreamLog
+from rayapp.core.uncancellable import run_to_end
 from rayapp.record import WeightVersion
 from rayapp.types import Sample, Task, TaskKey
 
@@ -191,7 +191,7 @@ class GroupStream:
         work = [t for t in [self._admitter, *self._waves] if t is not None]
         for t in work:
             t.cancel()
-        await landed(asyncio.gather(*work, return_exceptions=True))
+        await run_to_end(asyncio.gather(*work, return_exceptions=True))
         cancelled = [task for task, _, _ in self._running.values()] + self._again
         self._running.clear()
         self._report = StreamReport(self.delivered, self.acked, list(self._unacked.values()),
@@ -264,13 +264,13 @@ class GroupStream:
         ask = k - len(again)
         fetch = asyncio.ensure_future(self.source.get_tasks(ask)) if ask > 0 else None
         try:
-            fresh = await landed(fetch) if fetch is not None else []
+            fresh = await run_to_end(fetch) if fetch is not None else []
             if not isinstance(fresh, list) or len(fresh) > ask or not all(isinstance(t, Task) for t in fresh):
                 raise ValueError(f"the stream's data source {self.source!r}: get_tasks({ask}) must return "
                                  f"a list of at most that many Tasks, got {type(fresh).__name__}")
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError) and fetch is not None and fetch.done() and not fetch.cancelled():
-                # closed while its fetch landed: what it fetched is reported, never started
+                # closed while its fetch ran to its end: what it fetched is reported, never started
                 again = again + [self._identified(t) for t in (fetch.result() if fetch.exception() is None else [])]
             self._again[:0] = again
             for d in deadlines:
@@ -289,7 +289,7 @@ class GroupStream:
             self._running[t.metadata[_GROUP_ID]] = (t, version, d)
         self.admitted += len(tasks)
         if self.log is not None:
-            await landed(self.log.admitted(tasks, self._seq))
+            await run_to_end(self.log.admitted(tasks, self._seq))
         wave = asyncio.create_task(self._run_wave(version, tasks), name=f"stream-v{version}")
         self._waves.add(wave)
 
@@ -325,7 +325,7 @@ class GroupStream:
         group = StreamGroup(gid, task, samples, version, deadline)
         try:
             if self.log is not None:
-                await landed(self.log.finished(group))
+                await run_to_end(self.log.finished(group))
         except asyncio.CancelledError:  # recorded meanwhile: it finished
             self._land(group)
             raise

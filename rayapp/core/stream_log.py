@@ -50,7 +50,7 @@ class StreamState(msgspec.Struct):
 
 
 class StreamLog(Protocol):
-    """Where a stream records what must survive a restart. Each call has landed before the stream
+    """Where a stream records what must survive a restart. Each call has run to its end before the stream
     goes on (a group is delivered only once its finish is recorded; an ack counts once recorded)."""
 
     async def load(self) -> StreamState: ...

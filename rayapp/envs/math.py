@@ -11,7 +11,7 @@ Guarantees:
   It returns the answer normalised (thousands commas, ``$``, trailing period and zeros after the
   decimal point removed, ``-0`` is ``0``) or None when there is none.
 - ``verify`` scores 1.0 exactly when math-verify finds the response's answer equal to the label
-  (``rayapp.verify.math``, so ``\\frac{1}{2}`` is 0.5); it never raises on a malformed response (no
+  (``rayapp.verify.math_answers``, so ``\\frac{1}{2}`` is 0.5); it never raises on a malformed response (no
   answer, or one it cannot check in time, is a wrong answer). ``extract_answer`` stays for callers
   that want the answer as a string.
 """
@@ -28,7 +28,7 @@ from rayapp.envs.agents.multiturn import ToolAgent
 from rayapp.envs.agents.tools import calculator, describe, tool_result_message
 from rayapp.envs.protocol import AgentDeps, Env
 from rayapp.types import AgentResult, Sample, Task, TaskConfig
-from rayapp.verify.math import verify_math
+from rayapp.verify.math_answers import verify_math
 
 INSTRUCTION = "Solve the problem. End your reply with 'The answer is N.' where N is the final number."
 
@@ -168,7 +168,7 @@ def extract_answer(text: str | None) -> str | None:
 
 def verify(sample: Sample, result: AgentResult) -> dict[str, float]:
     """The response's answer against the label (the reference answer, str or number) by math-verify
-    (``rayapp.verify.math``: ``\\frac{1}{2}`` equals 0.5, ``\\sqrt{2}``, tuples, choices), in a
+    (``rayapp.verify.math_answers``: ``\\frac{1}{2}`` equals 0.5, ``\\sqrt{2}``, tuples, choices), in a
     killable child process: an answer it cannot check in time scores 0."""
     return {"score": 1.0 if verify_math(result.response or "", str(sample.label)) else 0.0}
 

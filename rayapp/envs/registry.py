@@ -1,5 +1,5 @@
 """Environments by name, as recipes refer to them: a built-in one by its name, a user's own by
-import path (``my_pkg.my_env:ENV``, an ``Env``; see ``rayapp.envs.plugins``). Each built-in is one
+import path (``my_pkg.my_env:ENV``, an ``Env``; see ``rayapp.envs.plugin_import``). Each built-in is one
 module holding its rows, verifier, agent and DAgger agent:
 
 - ``arithmetic``: the built-in ``a op b`` task, a single-turn chat agent, exact match;
@@ -26,7 +26,7 @@ import msgspec
 from rayapp.envs import arithmetic, humaneval, math, swe, watch
 from rayapp.envs.datasets.files import load_file
 from rayapp.envs.datasets.source import DatasetSpec
-from rayapp.envs.plugins import PluginError, is_import_path, load_env, load_rows
+from rayapp.envs.plugin_import import PluginError, is_import_path, load_env, load_rows
 from rayapp.envs.protocol import Env
 from rayapp.types import Task
 

@@ -3,7 +3,7 @@
 It exists so tests, demos and CPU-only machines have a real model that needs no download and that
 GRPO can visibly improve within minutes (docs/training.md, "What it learns, and why it can").
 ``ensure_tiny_model()`` returns the build shipped with the package (``SHIPPED``), else builds one into
-the cache from the caller's ``TrainingData`` (the recipe's is ``rayapp.training.tiny_recipe``, so
+the cache from the caller's ``TrainingData`` (the recipe's is ``rayapp.envs.tiny_model_recipe``, so
 nothing here imports an environment). Invariants: the build touches no network, is deterministic,
 and is atomic and idempotent (a temporary sibling folder moved into place under an ``flock``; a
 folder is used only once its manifest is in place); the shipped build's manifest matches the code.
@@ -118,7 +118,7 @@ def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, training: Trai
     dest = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "models" / MODEL_NAME
     if training is None and not is_complete(dest):
         raise FileNotFoundError(f"the tiny model is neither shipped ({SHIPPED}) nor built ({dest}): run "
-                                "`make tiny-model`, or pass rayapp.training.tiny_recipe.TRAINING to build it")
+                                "`make tiny-model`, or pass rayapp.envs.tiny_model_recipe.TRAINING to build it")
     return ensure_built(dest, lambda folder: build_tiny_model(folder, training))
 
 
@@ -210,7 +210,7 @@ def load_tokenizer(path: str | os.PathLike):
 
 def pretrain(model, tokenizer, batches: list[list[Example]], lr: float = 1e-2) -> list[float]:
     """A short, seeded run of next-token training on the assistant replies of arithmetic chats, one
-    step per batch (``tiny_recipe.pretrain_batches``).
+    step per batch (``tiny_model_recipe.pretrain_batches``).
 
     Loss covers the reply and its eos only: the question's numbers are unpredictable, and the reply's
     format is what rollouts need. Returns the loss curve (recorded in the manifest)."""

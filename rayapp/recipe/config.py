@@ -24,7 +24,7 @@ from rayapp.core.convert import InputError, convert, show
 from rayapp.core.layout import LayoutError, is_inline, parse_cluster_layout
 from rayapp.envs import watch
 from rayapp.envs.datasets.files import FieldMap
-from rayapp.envs.plugins import load_strategy
+from rayapp.envs.plugin_import import load_strategy
 from rayapp.inference.client import Backend
 from rayapp.recipe.gateway_config import GatewayConfig, check_gateways
 from rayapp.recipe.limits import (
@@ -37,12 +37,12 @@ from rayapp.recipe.limits import (
     check_limits,
     layout_of,
 )
-from rayapp.recipe.plugins import check_dataset_env, check_evaluator_env
+from rayapp.recipe.plugin_checks import check_dataset_env, check_evaluator_env
 from rayapp.recipe.removed import removed_keys
 from rayapp.recipe.runnable import check_runnable
-from rayapp.training.dagger import DAggerSchedule
-from rayapp.training.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
-from rayapp.training.partial import PartialConfig
+from rayapp.steps.dagger_schedule import DAggerSchedule
+from rayapp.steps.filters import AbortCap, Filter, FinishOnlyFilter, RejectionFilter
+from rayapp.steps.partial import PartialConfig
 from rayapp.types import (
     FINITE,
     MAX_CONCURRENCY,
@@ -296,7 +296,7 @@ def parse_recipe(args: dict[str, Any], source: str | os.PathLike = ARGS_SOURCE) 
 def check_recipe(recipe: RecipeConfig) -> Iterator[tuple[str, str]]:
     """The rules that span fields, as (JSON path, reason), first problem first: engines, evaluators
     and datasets exist, names point at engines that exist, envs and plug-ins resolve and fit
-    (``recipe/plugins.py``), a DAgger evaluator has a DAgger agent, a docker sandbox names an image,
+    (``recipe/plugin_checks.py``), a DAgger evaluator has a DAgger agent, a docker sandbox names an image,
     dataset_cfg keys name cascade fields, a gateway agent fits (``recipe/gateway_config.py``), an inline
     layout reads, and the batching strategy resolves."""
     for key, what in (("engines", "engine"), ("evaluators", "evaluator"), ("data", "dataset")):

@@ -1,7 +1,7 @@
 """The user-set environment variables that configure a run, read once, when the recipe is built, into
 one typed value (``RunEnvironment``; the variables: docs/knobs.md): nothing else in rayapp reads them.
 The variables the scheduler sets per iteration (``STACX_ROLLOUT_ID``, ``STACX_DAGGER_BETA``, ...) are
-written by ``training/stacx_env.py`` alone. A bad value is one ``VariableError`` naming the variable."""
+written by ``steps/stacx_env.py`` alone. A bad value is one ``VariableError`` naming the variable."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import msgspec
 
 from rayapp.core.convert import InputError
 from rayapp.recipe.config import RecipeConfig, RecipeError
-from rayapp.training.dagger import ENV_EVAL_BETA, ENV_T_MAX
-from rayapp.training.reuse import ENV_KNOBS as REUSE_KNOBS
-from rayapp.training.reuse import ReusePolicy
+from rayapp.steps.dagger_schedule import ENV_EVAL_BETA, ENV_T_MAX
+from rayapp.steps.reuse import ENV_KNOBS as REUSE_KNOBS
+from rayapp.steps.reuse import ReusePolicy
 
 # Launch-time environment variables the spec's recipes read (name -> (default, meaning)).
 ENV_CONCURRENCY = "STACX_DAGGER_ENV_CONCURRENCY"

@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from rayapp.envs import watch
-from rayapp.envs.plugins import PluginError, load_gateway_agent
+from rayapp.envs.plugin_import import PluginError, load_gateway_agent
 from rayapp.envs.registry import get_env
 from rayapp.types import MAX_SECONDS
 

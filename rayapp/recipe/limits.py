@@ -36,8 +36,8 @@ import msgspec
 from rayapp.core.convert import InputError
 from rayapp.core.layout import parse_cluster_layout
 from rayapp.core.units import budget_tokens
-from rayapp.training.dagger import FLAGS as DAGGER_FLAGS
-from rayapp.training.dagger import DAggerSchedule
+from rayapp.steps.dagger_schedule import FLAGS as DAGGER_FLAGS
+from rayapp.steps.dagger_schedule import DAggerSchedule
 from rayapp.types import NodeSpec, Resource
 
 MAX_GPUS = 1024.0  # per replica, sample or budget

@@ -13,7 +13,7 @@ from rayapp.core.layout import is_inline
 from rayapp.recipe.config import RecipeConfig, RecipeError, check_layout, parse_recipe
 from rayapp.recipe.limits import check_limits, layout_of
 from rayapp.recipe.paths import with_paths_from
-from rayapp.recipe.plugins import check_dataset_files
+from rayapp.recipe.plugin_checks import check_dataset_files
 from rayapp.recipe.wiring import check_builds
 from rayapp.recipe.yaml_doc import YamlError, read_yaml
 

@@ -182,7 +182,7 @@ def verifier_problems(recipe: Any, datasets: list[tuple[str, str, list[Task]]]) 
     ``routed_rows(recipe)``); one that raises is left to ``rayapp verify``, which shows every row."""
     from rayapp.core.evaluator import checked_reward
     from rayapp.envs import watch
-    from rayapp.envs.plugins import load_verifier
+    from rayapp.envs.plugin_import import load_verifier
     from rayapp.types import AgentResult, Sample
 
     found = []

@@ -20,7 +20,7 @@ from rayapp.core.convert import InputError
 from rayapp.core.scheduler import TaskScheduler
 from rayapp.envs import watch
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource, eval_tasks
-from rayapp.envs.plugins import (
+from rayapp.envs.plugin_import import (
     PluginError,
     check_agent,
     load_agent_factory,
@@ -34,11 +34,11 @@ from rayapp.envs.sandboxes import limits_from_resource
 from rayapp.recipe.config import ARGS_SOURCE, DatasetConfig, EvaluatorConfig, RecipeConfig, RecipeError
 from rayapp.recipe.environment import RunEnvironment, read_environment
 from rayapp.recipe.runnable import rows_problem
-from rayapp.training.artifacts import EvalDetailsWriter
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.dagger import DAggerIterations, StepIterations
-from rayapp.training.stacx_env import StacxEnv
-from rayapp.training.step import StepRunner
+from rayapp.steps.artifacts import EvalDetailsWriter
+from rayapp.steps.checkpoint import RolloutCheckpoint
+from rayapp.steps.dagger_schedule import DAggerIterations, StepIterations
+from rayapp.steps.runner import StepRunner
+from rayapp.steps.stacx_env import StacxEnv
 from rayapp.types import EvaluatorSpec, Task
 
 SandboxOpener = Callable[..., Awaitable[Any]]

@@ -19,8 +19,8 @@ from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.utils.types import Sample as SlimeSample
 
 from rayapp.core.contracts import EvalResult, RolloutResult
+from rayapp.trainers.converters import to_slime
 from rayapp.trainers.sync import ServeManager, wait
-from rayapp.training.converters import to_slime
 from rayapp.types import Status
 
 # The adapter's settings, read from slime's args (``--custom-config-path`` YAML), with their defaults.

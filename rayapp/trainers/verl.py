@@ -25,9 +25,9 @@ from verl import DataProto
 from rayapp.core.contracts import RolloutResult
 from rayapp.core.convert import convert
 from rayapp.envs.datasets.files import FieldMap
+from rayapp.trainers.converters import EpisodeKey, verl_tensors
+from rayapp.trainers.step_tasks import tasks_from_rows
 from rayapp.trainers.sync import ServeManager, call
-from rayapp.training.converters import EpisodeKey, verl_tensors
-from rayapp.training.trainer_tasks import tasks_from_rows
 from rayapp.types import Sample, Status, Task, TaskKey
 
 

@@ -1,4 +1,4 @@
-"""The child process behind ``rayapp.verify.math``: reads one JSON request a line on stdin, answers
+"""The child process behind ``rayapp.verify.math_answers``: reads one JSON request a line on stdin, answers
 ``1`` or ``0`` a line on stdout. It runs math-verify with its signal-based timeouts off (the parent
 kills this process instead, which also stops a hang inside C code, where no signal handler runs)."""
 

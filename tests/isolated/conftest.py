@@ -11,7 +11,7 @@ import pytest
 from shared_head import USER_CODE, Head
 
 from rayapp.cli import LOCAL_ENV, ROOT, free_port
-from rayapp.cli.local import auth_token, start_head, stop_cluster
+from rayapp.cli.local_cluster import auth_token, start_head, stop_cluster
 
 EXIT_STATUS = pytest.StashKey[int]()
 

@@ -32,7 +32,7 @@ def app(head, tmp_path_factory):
 
 
 def test_the_driver_runs_three_dagger_iterations(app):
-    from rayapp.training.trajectories import load_trajectories
+    from rayapp.steps.trajectories import load_trajectories
 
     out = subprocess.run([sys.executable, str(ROOT / "recipes" / "driver.py"), f"--address={app['address']}",
                           "--rollouts", "3", "--eval"], capture_output=True, text=True, timeout=900)
@@ -91,8 +91,8 @@ def test_a_killed_manager_replica_resumes_its_rollout_without_loss_or_duplicates
     from ray import serve
 
     from rayapp.recipe import build_data_source, parse_recipe
-    from rayapp.training.checkpoint import RolloutCheckpoint
-    from rayapp.training.trajectories import load_trajectories
+    from rayapp.steps.checkpoint import RolloutCheckpoint
+    from rayapp.steps.trajectories import load_trajectories
 
     ray.init(address=app["address"], namespace="rayapp-resume", logging_level="error", log_to_driver=False)
     try:

@@ -209,7 +209,7 @@ def test_http_control_surface(app):
 TASKS_DRIVER = r"""
 import json, sys, ray
 from ray import serve
-from rayapp.training.trainer_tasks import tasks_from_rows
+from rayapp.trainers.step_tasks import tasks_from_rows
 ray.init(address=sys.argv[1], namespace="rayapp-e2e", logging_level="error", log_to_driver=False)
 h = serve.get_app_handle("rayapp")
 tasks = tasks_from_rows([{"prompt": "What is 2 + 3?", "label": "5"}], task_type="arithmetic", n_samples=2)

@@ -20,7 +20,7 @@ import yaml
 from shared_head import serve_app, start_serve
 
 from rayapp.cli import ROOT
-from rayapp.cli.local import app_status
+from rayapp.cli.local_cluster import app_status
 
 EXAMPLE = ROOT / "examples" / "openai_agent"
 HTTP_TOKEN = "rayapp-test-" + os.urandom(16).hex()

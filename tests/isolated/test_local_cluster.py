@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from rayapp.cli import LOCAL_ENV, ROOT, _bin, free_port, ray_processes, start_head, stop_cluster, wait_for_app
-from rayapp.cli.local import _started, app_status, auth_token
+from rayapp.cli.local_cluster import _started, app_status, auth_token
 
 GOOD = "from ray import serve\n\n@serve.deployment(num_replicas=1, ray_actor_options={'num_cpus': 0})\n" \
        "class Hello:\n    def __call__(self, request):\n        return 'hello'\n\napp = Hello.bind()\n"

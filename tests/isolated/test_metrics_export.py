@@ -13,7 +13,7 @@ os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray's own
 ray = pytest.importorskip("ray")
 
 from rayapp.actors.engine import EngineClient  # noqa: E402
-from rayapp.cli.local import auth_token  # noqa: E402
+from rayapp.cli.local_cluster import auth_token  # noqa: E402
 from rayapp.types import StepKind  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -26,7 +26,7 @@ class Recorder:
     """Records as the manager replica does: the series at 0 at start, then one 33.2 s rollout step."""
 
     def __init__(self) -> None:
-        from rayapp.actors.metrics import RayappMetrics
+        from rayapp.actors.prometheus import RayappMetrics
 
         self.metrics = RayappMetrics()
         self.metrics.zero(DATASETS, ["policy"], EngineClient.METHODS)

@@ -16,9 +16,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from rayapp.actors.app import HEAD  # noqa: E402
-from rayapp.actors.pool import PlacementPoolService, run_in_bundle  # noqa: E402
 from rayapp.actors.pool_client import PoolClient  # noqa: E402
-from rayapp.cli.local import auth_token  # noqa: E402
+from rayapp.actors.pool_service import PlacementPoolService, run_in_bundle  # noqa: E402
+from rayapp.cli.local_cluster import auth_token  # noqa: E402
 from rayapp.core.agent import FunctionAgent  # noqa: E402
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler  # noqa: E402
 from rayapp.envs.arithmetic import ArithmeticSource  # noqa: E402

@@ -15,8 +15,8 @@ trl = pytest.importorskip("trl", reason="TRL is an optional extra: pip install '
 from shared_head import serve_app  # noqa: E402
 
 from rayapp.cli import ROOT  # noqa: E402
+from rayapp.trainers.grpo import make_batch, token_logprobs  # noqa: E402
 from rayapp.trainers.trl import RayappRolloutFunc, ServeManager, WeightSyncCallback, rayapp_reward  # noqa: E402
-from rayapp.training.grpo import make_batch, token_logprobs  # noqa: E402
 from rayapp.types import Status  # noqa: E402
 
 GROUPS, G, STEPS = 3, 2, 3  # 3 prompts x 2 samples a step

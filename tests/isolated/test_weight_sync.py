@@ -10,7 +10,7 @@ import yaml
 from shared_head import serve_app
 
 from rayapp.cli import ROOT
-from rayapp.training.grpo import GRPOTrainer, make_batch, token_logprobs
+from rayapp.trainers.grpo import GRPOTrainer, make_batch, token_logprobs
 
 
 @pytest.fixture(scope="module")

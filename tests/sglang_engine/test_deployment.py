@@ -19,7 +19,7 @@ from rayapp.actors.engine import InferenceEngine
 from rayapp.inference import GenerateRequest
 from rayapp.inference.tiny_model import ensure_tiny_model
 from rayapp.inference.weight_paths import WeightPathError
-from rayapp.training.weight_sync import Applied
+from rayapp.inference.weight_sync import Applied
 from rayapp.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)

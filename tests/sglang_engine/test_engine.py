@@ -33,7 +33,7 @@ from rayapp.inference.client import FinishReason, GenerationCut, generate_aborta
 from rayapp.inference.sglang import SGLangBackend
 from rayapp.inference.tiny_model import ensure_tiny_model
 from rayapp.record import EpisodeRecord, TerminationReason, TurnRecord
-from rayapp.training.partial import staleness
+from rayapp.steps.partial import staleness
 from rayapp.types import Sample, SamplingParams, StoppingCriteria
 
 PROMPT = [1, 4, 302, 271]

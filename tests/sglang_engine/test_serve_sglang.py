@@ -189,7 +189,7 @@ def perturbed_checkpoint(folder: Path) -> Path:
 def test_a_weight_update_between_steps_reaches_every_replica_and_the_next_step(app):
     from transformers import AutoModelForCausalLM
 
-    from rayapp.training.grpo import make_batch, token_logprobs
+    from rayapp.trainers.grpo import make_batch, token_logprobs
 
     folder = perturbed_checkpoint(app["roots"] / "step-1")
     replies = app["manager"].update_weights_from_disk.remote("student", str(folder)).result(timeout_s=STEP_S)
@@ -221,7 +221,7 @@ def test_a_partial_rollout_cuts_a_turn_and_the_next_step_resumes_it(app, tmp_pat
     import shutil
 
     from rayapp.actors.manager import SchedulerRolloutManager
-    from rayapp.training.checkpoint import RolloutCheckpoint
+    from rayapp.steps.checkpoint import RolloutCheckpoint
 
     serve = app["serve"]
     args = yaml.safe_load(PARTIAL.read_text())

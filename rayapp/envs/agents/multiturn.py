@@ -47,7 +47,7 @@ class ToolAgent(ChatAgent):
                  tools: list[str] | Mapping[str, ToolFn] | None = None, executor: Executor = run_inline,
                  sandbox_factory: SandboxFactory | None = None, system_prompt: str | None = None,
                  keep_sandbox: bool = False):
-        # built-in tools by name, or a mapping of name -> tool (plug-ins: rayapp.envs.plugins)
+        # built-in tools by name, or a mapping of name -> tool (plug-ins: rayapp.envs.plugin_import)
         if tools is None or not isinstance(tools, Mapping):
             names = list(tools or ["calculator"])
             unknown = sorted(set(names) - set(TOOLS))

@@ -12,7 +12,7 @@ from rayapp.core.convert import InputError
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, verify
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
-from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
+from rayapp.steps.checkpoint import ResumableRollouts, RolloutCheckpoint
 from rayapp.types import AgentResult, EvaluatorSpec, Resource, Sample
 
 LAYOUT = '{"n0": {"gpus": [0, 1], "cpu": 16, "memory_gb": 64}}'

@@ -22,7 +22,7 @@ from rayapp.actors.remote import is_lost
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.convert import clip
 from rayapp.core.termination import EngineConnectionError
-from rayapp.training.step_results import MAX_STEP_ID
+from rayapp.steps.results import MAX_STEP_ID
 
 # One spelling per id: no sign, no spaces, no leading zeros, no fraction (int() would take "+5", " 1").
 _STEP_ID = re.compile(r"0|[1-9][0-9]{0,9}")

@@ -15,12 +15,12 @@ from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.envs.datasets.files import FieldMap
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.record import CarriedRun
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.filters import RejectionFilter
-from rayapp.training.partial import PartialConfig
-from rayapp.training.reuse import ReusePolicy
-from rayapp.training.step import StepRunner
-from rayapp.training.trainer_tasks import step_tasks, tasks_digest, tasks_from_rows
+from rayapp.steps.checkpoint import RolloutCheckpoint
+from rayapp.steps.filters import RejectionFilter
+from rayapp.steps.partial import PartialConfig
+from rayapp.steps.reuse import ReusePolicy
+from rayapp.steps.runner import StepRunner
+from rayapp.trainers.step_tasks import step_tasks, tasks_digest, tasks_from_rows
 from rayapp.types import AgentResult, Task, TaskConfig, TaskKey
 
 ONE_NODE = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'
@@ -93,7 +93,7 @@ def test_dicts_go_through_the_door_and_a_bad_task_is_one_error_naming_its_index_
     bad = [
         ([as_dicts[0], {"task_id": "t", "prompt": "p"}], r"rollout 1: tasks\[1\]: \$\.config: missing required field"),
         ([{**as_dicts[0], "config": {"task_type": "arithmetic", "n_samples": 0}}],
-         r"rollout 1: tasks\[0\]: \$\.config\.n_samples: expected int >= 1, got 0"),
+         r"rollout 1: tasks\[0\]: \$\.config\.n_samples: expected int >= 1 and <= 1000000, got 0"),
         ([{**as_dicts[0], "label": object()}], r"rollout 1: tasks\[0\]: \$\.label: not plain data"),
         ([as_dicts[0], "What is 2+2?"], r"rollout 1: tasks\[1\]: \$: expected a Task or a dict of its fields, got str"),
         ([msgspec.structs.replace(mine("x")[0], carried=CarriedRun([0]))], r"tasks\[0\]: \$\.carried: set by partial"),

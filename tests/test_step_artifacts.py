@@ -5,9 +5,9 @@ import logging
 import pytest
 from conftest import ended
 
-import rayapp.training.artifacts as art
+import rayapp.steps.artifacts as art
 from rayapp.core.contracts import EvalResult, RolloutResult
-from rayapp.core.metrics import failure_summary
+from rayapp.core.step_metrics import failure_summary
 from rayapp.record import (
     AbortReason,
     AbortRecord,
@@ -17,8 +17,8 @@ from rayapp.record import (
     TerminationReason,
     TurnRecord,
 )
-from rayapp.training.artifacts import EvalDetailsWriter, JsonlAppender, read_jsonl
-from rayapp.training.converters import episode_metadata, stored_sample, trainer_metadata
+from rayapp.steps.artifacts import EvalDetailsWriter, JsonlAppender, read_jsonl
+from rayapp.trainers.converters import episode_metadata, stored_sample, trainer_metadata
 from rayapp.types import Sample, Status, Task, TaskConfig
 
 

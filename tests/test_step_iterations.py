@@ -13,8 +13,8 @@ from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.arithmetic import ArithmeticSource, verify
 from rayapp.recipe.environment import read_environment
 from rayapp.record import Iteration
-from rayapp.training.dagger import DAggerIterations, DAggerSchedule
-from rayapp.training.stacx_env import StacxEnv
+from rayapp.steps.dagger_schedule import DAggerIterations, DAggerSchedule
+from rayapp.steps.stacx_env import StacxEnv
 from rayapp.types import AgentResult, EvaluatorSpec
 
 

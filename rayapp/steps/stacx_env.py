@@ -1,4 +1,4 @@
-"""The one writer of the process environment in ``rayapp.training``: the spec's ``STACX_*`` variables
+"""The one writer of the process environment in ``rayapp.steps``: the spec's ``STACX_*`` variables
 of the iteration in flight (docs/knobs.md), for code written against them (a trainer's hook, a
 script an agent shells out to).
 
@@ -22,7 +22,7 @@ import os
 from collections.abc import MutableMapping
 
 from rayapp.record import Iteration
-from rayapp.training.dagger import ENV_BETA, ENV_EVAL_BETA, ENV_ROLLOUT_ID, ENV_T_MAX
+from rayapp.steps.dagger_schedule import ENV_BETA, ENV_EVAL_BETA, ENV_ROLLOUT_ID, ENV_T_MAX
 from rayapp.types import StepKind
 
 

@@ -21,10 +21,10 @@ from typing import Any, BinaryIO
 import msgspec
 
 from rayapp.core.contracts import EvalResult, RolloutResult
-from rayapp.core.metrics import abort_digest, failure_summary
+from rayapp.core.step_metrics import abort_digest, failure_summary
 from rayapp.core.termination import classify_termination
-from rayapp.training.files import atomic_write
-from rayapp.training.timeline import write_timeline
+from rayapp.steps.atomic_files import atomic_write
+from rayapp.steps.timeline import write_timeline
 from rayapp.types import Sample, StepKind, Task, TaskKey
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ class EvalDetailsWriter:
                             _json(rollout_summary(rollout_id, result, filters)), what="train summary")
 
     def write_timeline(self, kind: str, rollout_id: int, samples: list[Sample]) -> dict[str, Path]:
-        """The step's placement timeline (``training.timeline``): ``timeline/{kind}_{id}.trace.json``
+        """The step's placement timeline (``steps.timeline``): ``timeline/{kind}_{id}.trace.json``
         beside ``eval_details/``, and its PNG when matplotlib is there."""
         self.paths(rollout_id)  # validates the id
         return write_timeline(samples, self.dir.parent / "timeline", f"{kind}_{rollout_id}")

@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import rayapp.training.trajectories as tr
+import rayapp.steps.trajectories as tr
 from rayapp.recipe.environment import read_environment
 from rayapp.record import EpisodeRecord, TurnRecord
-from rayapp.training.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy, SaveKind
-from rayapp.training.trajectories import (
+from rayapp.steps.reuse import ENV_KNOBS, MAIN_FILE, Decision, ReusePolicy, SaveKind
+from rayapp.steps.trajectories import (
     TrajectoryError,
     load_trajectories,
     plain_to_samples,
@@ -249,7 +249,7 @@ def test_bad_rollout_id_and_os_environ(monkeypatch, tmp_path):
 
 
 def test_env_knobs_lists_every_variable_the_module_reads():
-    import rayapp.training.reuse as reuse_module
+    import rayapp.steps.reuse as reuse_module
 
     source = Path(reuse_module.__file__).read_text()
     assert set(re.findall(r"STACX_[A-Z_]+[A-Z]", source)) == set(ENV_KNOBS)
@@ -259,7 +259,7 @@ def test_env_knobs_lists_every_variable_the_module_reads():
 def test_rollout_or_reuse_saves_fresh_iterations_and_reloads_them(tmp_path):
     import asyncio
 
-    from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
+    from rayapp.steps.reuse import ReusePolicy, rollout_or_reuse
     from rayapp.types import Sample
 
     calls = []

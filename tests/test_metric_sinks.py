@@ -3,7 +3,7 @@ without its extra); a missing library or an unknown sink is one clear error."""
 
 import pytest
 
-from rayapp.training.sinks import open_sink
+from rayapp.trainers.metric_sinks import open_sink
 
 METRICS = {"rollout/math/reward_mean": 0.25, "rollout/samples_per_s": 3.5, "eval/math/accuracy": 0.5,
            "rollout/odd": float("nan")}

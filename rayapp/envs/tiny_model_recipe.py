@@ -4,8 +4,8 @@ description and results), so that a change to a prompt the model was taught show
 ``TRAINING`` is the recipe's ``TrainingData``; ``training_digest()`` the digest of what it makes now,
 which the shipped build's manifest must match (``tests/test_tiny_model_shipped.py``).
 
-It lives above both the environments and the inference engines it joins: the inference package
-imports no environment.
+It lives with the environments whose texts it teaches, above the inference engines: the inference
+package imports no environment.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ It exists so the manager only translates calls: a rollout step is a fresh schedu
 data source's tasks, or exactly the trainer's own, ``rollout(id, tasks)``) or reused trajectories,
 then the roll-in metrics, the survivorship filters and the artifacts; an eval step streams its
 groups into ``eval_details/``. Invariants: one step runs at a time (weight loads wait their turn
-through ``between_steps``); steps are idempotent by id (``step_results.py``); every result leaves
+through ``between_steps``); steps are idempotent by id (``results.py``); every result leaves
 through ``converters.for_trainer``, where outside code first sees it, while observers, filters and
 artifacts see the typed record before it. Nothing here imports Ray.
 """
@@ -21,17 +21,17 @@ from typing import Any, Protocol
 import msgspec
 
 from rayapp.core.contracts import EvalResult, OnTaskDone, RolloutResult
-from rayapp.core.metrics import abort_digest
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.training.artifacts import EvalDetailsWriter
-from rayapp.training.checkpoint import ResumableRollouts, RolloutCheckpoint
-from rayapp.training.converters import for_trainer
-from rayapp.training.dagger import roll_in_metrics
-from rayapp.training.filters import AbortCap, Filter, FilterReport, apply_filters
-from rayapp.training.partial import PartialConfig, PartialRollouts
-from rayapp.training.reuse import ReusePolicy, rollout_or_reuse
-from rayapp.training.step_results import StepResults, check_step_id
-from rayapp.training.trainer_tasks import step_tasks, tasks_digest
+from rayapp.core.step_metrics import abort_digest
+from rayapp.steps.artifacts import EvalDetailsWriter
+from rayapp.steps.checkpoint import ResumableRollouts, RolloutCheckpoint
+from rayapp.steps.dagger_schedule import roll_in_metrics
+from rayapp.steps.filters import AbortCap, Filter, FilterReport, apply_filters
+from rayapp.steps.partial import PartialConfig, PartialRollouts
+from rayapp.steps.results import StepResults, check_step_id
+from rayapp.steps.reuse import ReusePolicy, rollout_or_reuse
+from rayapp.trainers.converters import for_trainer
+from rayapp.trainers.step_tasks import step_tasks, tasks_digest
 from rayapp.types import Sample, Status, StepKind, Task
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class StepRunner:
         self.trajectory_dir, self.checkpoint, self.details = trajectory_dir, checkpoint, details
         self.release_previous, self.reuse = release_previous, reuse
         # With a checkpoint folder, a rollout cut short resumes where it stopped; with ``partial``,
-        # steps are partial rollouts (training.partial), their carried groups in that folder too.
+        # steps are partial rollouts (steps.partial), their carried groups in that folder too.
         self._rollouts: TaskScheduler | PartialRollouts | ResumableRollouts = scheduler
         if partial is not None:
             self._rollouts = PartialRollouts.over(scheduler, partial, checkpoint)

@@ -10,7 +10,7 @@ from conftest import ended
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rayapp.training.filters import (
+from rayapp.steps.filters import (
     AbortCap,
     DropReason,
     FilterReport,
@@ -156,7 +156,7 @@ def test_nothing_is_lost_silently(spec, filters):
 def test_abort_cap_warns_once_and_drops_nothing(caplog):
     groups = [group("a", ("abort", 0), ("abort", 0), ("ok", 1)), group("b", ("abort", 0), ("ok", 0))]
     groups[1][0].episode = ended("agent_timeout")
-    with caplog.at_level(logging.WARNING, logger="rayapp.training.filters"):
+    with caplog.at_level(logging.WARNING, logger="rayapp.steps.filters"):
         report = apply_filters(groups, [], abort_cap=AbortCap(max_aborted_share=0.5), rollout_id=7)
     assert report.abort_share_exceeded and report.aborted == 3 and report.abort_share == 0.6
     assert ids(report.groups) == ids(groups)  # measured and reported, nothing dropped
@@ -169,7 +169,7 @@ def test_abort_cap_warns_once_and_drops_nothing(caplog):
 
 def test_abort_cap_measures_the_step_before_filters(caplog):
     groups = [group("a", ("abort", 0), ("ok", 1)), group("b", ("ok", 1), ("ok", 0))]
-    with caplog.at_level(logging.WARNING, logger="rayapp.training.filters"):
+    with caplog.at_level(logging.WARNING, logger="rayapp.steps.filters"):
         at_cap = apply_filters(groups, SPEC_ORDER, abort_cap=AbortCap(0.25))
         no_cap = apply_filters(groups, SPEC_ORDER)
     assert at_cap.abort_share == 0.25 and not at_cap.abort_share_exceeded  # equal to the cap is within it

@@ -26,10 +26,10 @@ from rayapp.core.contracts import (
     identified,
     require_async,
 )
-from rayapp.core.metrics import outcome_metrics
 from rayapp.core.scheduler import TaskScheduler
+from rayapp.core.step_metrics import outcome_metrics
 from rayapp.record import CarriedRun, TurnRecord
-from rayapp.training.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
+from rayapp.steps.checkpoint import CarriedGroup, ResumableRollouts, RolloutCheckpoint, in_thread
 from rayapp.types import MAX_STEPS, Sample, Status, StepKind, Task, TaskKey
 
 PartialPolicy = Literal["restart", "resume"]

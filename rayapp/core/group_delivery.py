@@ -17,7 +17,7 @@ from rayapp.core.contracts import StepStatus
 from rayapp.core.evaluator import GroupDone, TaskRun
 
 
-async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> None:
+async def _deliver(group_done: Callable[[int], Awaitable[None]], i: int) -> None:
     """``group_done(i)``: the host's code (step log, ``on_task_done``). Whatever it raises fails the step;
     a BaseException of its own (its own CancelledError, SystemExit, KeyboardInterrupt) as a RuntimeError,
     so that it neither passes for a cancelled batch nor ends the process. The step's own cancellation
@@ -33,12 +33,12 @@ async def _handed_on(group_done: Callable[[int], Awaitable[None]], i: int) -> No
         raise RuntimeError(f"handing on group {i} (step log, on_task_done) raised {type(e).__name__}: {e}") from e
 
 
-class Handing:
-    """``run_all``'s hand-on of finished groups: ``finished(i)`` hands group ``i`` on (``group_done``) and
-    counts it in the step status once handed on; a step complete after ``complete_after`` groups
-    hands on no more and cancels its ``batches``. A plain ``group_done`` runs at once; a coroutine
-    function's hand-on is a coroutine for the batch to await, doing all of it (a task cancelled
-    before it starts hands nothing on and counts nothing)."""
+class GroupDelivery:
+    """``run_all``'s delivery of finished groups: ``finished(i)`` hands group ``i`` on (``group_done``) and
+    counts it in the step status once delivered; a step complete after ``complete_after`` groups
+    delivers no more and cancels its ``batches``. A plain ``group_done`` runs at once; a coroutine
+    function's delivery is a coroutine for the batch to await, doing all of it (a task cancelled
+    before it starts delivers nothing and counts nothing)."""
 
     __slots__ = ("at_once", "bar", "batches", "began", "complete_after", "group_done", "groups", "status")
 
@@ -48,11 +48,11 @@ class Handing:
         self.at_once = not inspect.iscoroutinefunction(group_done)
         self.complete_after = complete_after
         self.batches: list[asyncio.Task] = []
-        self.began = 0  # groups whose hand-on began
+        self.began = 0  # groups whose delivery began
 
     def finished(self, i: int) -> Awaitable[None] | None:
         if not self.at_once:
-            return self._handed_on(i)
+            return self._deliver(i)
         if self._begin():
             self.group_done(i)
             self._counted(i)
@@ -64,9 +64,9 @@ class Handing:
         self.began += 1
         return True
 
-    async def _handed_on(self, i: int) -> None:
+    async def _deliver(self, i: int) -> None:
         if self._begin():
-            await _handed_on(self.group_done, i)
+            await _deliver(self.group_done, i)
             self._counted(i)  # a callback that raised did not finish its task
 
     def _counted(self, i: int) -> None:

@@ -1,7 +1,7 @@
 import pytest
 from conftest import ended
 
-from rayapp.core.metrics import eval_metrics, failure_summary, pass_at_k
+from rayapp.core.step_metrics import eval_metrics, failure_summary, pass_at_k
 from rayapp.types import Sample
 
 

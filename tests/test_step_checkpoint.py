@@ -1,5 +1,5 @@
 """Mid-rollout checkpoints: msgpack files of typed records, written atomically, read back whole or
-skipped (``rayapp.training.checkpoint``; the scheduler-level resume is tests/test_training_resume.py)."""
+skipped (``rayapp.steps.checkpoint``; the scheduler-level resume is tests/test_step_resume.py)."""
 
 import asyncio
 import logging
@@ -14,13 +14,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-import rayapp.training.checkpoint as checkpoint
+import rayapp.steps.checkpoint as checkpoint
 from rayapp.core.agent import FunctionAgent
 from rayapp.core.convert import InputError
 from rayapp.core.scheduler import SchedulerConfig, TaskScheduler
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.record import EpisodeRecord, EpisodeTiming, Placement, TerminationReason, TurnRecord
-from rayapp.training.checkpoint import CheckpointGroup, ResumableRollouts, RolloutCheckpoint
+from rayapp.steps.checkpoint import CheckpointGroup, ResumableRollouts, RolloutCheckpoint
 from rayapp.types import AgentResult, EvaluatorSpec, Sample, Status, Task, TaskConfig
 
 
@@ -140,8 +140,8 @@ def test_group_of_a_stale_begin_is_skipped(tmp_path, caplog):
 def test_killed_process_leaves_only_whole_groups(tmp_path):
     child = textwrap.dedent(f"""
         import os
-        import rayapp.training.files as files
-        from rayapp.training.checkpoint import RolloutCheckpoint
+        import rayapp.steps.atomic_files as files
+        from rayapp.steps.checkpoint import RolloutCheckpoint
         from rayapp.types import Sample
         ckpt = RolloutCheckpoint({str(tmp_path)!r})
         ckpt.begin(1, {{"seed": 3}})

@@ -24,8 +24,8 @@ from msgspec import Meta
 
 from rayapp.core.contracts import EvalResult, RolloutResult
 from rayapp.core.convert import InputError, decode
-from rayapp.training.files import atomic_write
-from rayapp.training.trainer_tasks import tasks_named
+from rayapp.steps.atomic_files import atomic_write
+from rayapp.trainers.step_tasks import tasks_named
 from rayapp.types import StepKind
 
 log = logging.getLogger(__name__)

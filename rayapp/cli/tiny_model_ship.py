@@ -1,6 +1,6 @@
 """The tiny model's shipped build (``rayapp.inference.tiny_model.SHIPPED``), kept equal to what its
-recipe (``tiny_recipe``) builds: ``write`` rebuilds it in place (``make tiny-model``, after a change to the recipe),
-``check`` rebuilds it aside and says how the two differ (``make check-tiny-model``)."""
+recipe (``rayapp.envs.tiny_model_recipe``) builds: ``write`` rebuilds it in place (``make tiny-model``,
+after a change to the recipe), ``check`` rebuilds it aside and says how the two differ (``make check-tiny-model``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rayapp.envs.tiny_model_recipe import TRAINING
 from rayapp.inference.tiny_model import (
     MANIFEST,
     MODEL_NAME,
@@ -19,7 +20,6 @@ from rayapp.inference.tiny_model import (
     ensure_built,
     is_complete,
 )
-from rayapp.training.tiny_recipe import TRAINING
 
 
 def compare_builds(shipped: Path, fresh: Path) -> list[str]:
@@ -51,7 +51,7 @@ def compare_builds(shipped: Path, fresh: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """``write``: build the recipe into ``SHIPPED`` (``make tiny-model``); ``check``: build it aside
     and compare with ``SHIPPED`` (``make check-tiny-model``)."""
-    parser = argparse.ArgumentParser(prog="python -m rayapp.training.tiny_model_ship", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rayapp.cli.tiny_model_ship", description=main.__doc__)
     parser.add_argument("action", choices=["write", "check"])
     action = parser.parse_args(argv).action
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """The recipe's environment keys checked before anything starts: each evaluator's ``env``, ``agent``,
 ``verifier`` and ``tools``, and each dataset's ``env``, ``path``, ``source`` and ``fields``. Built-in
-names are looked up, import paths resolved (``rayapp.envs.plugins``: the module imported, the object
+names are looked up, import paths resolved (``rayapp.envs.plugin_import``: the module imported, the object
 checked against its kind's protocol), and every problem is (JSON path, reason), first problem first,
 as ``check_recipe`` reports them. Dataset files are read by the manager at its start; only
 ``check_dataset_files`` (``load_recipe``, on the user's side: ``rayapp validate``) reads them ahead.
@@ -14,7 +14,7 @@ from typing import Any
 from rayapp.envs import watch
 from rayapp.envs.datasets.files import load_file, repeated_columns
 from rayapp.envs.datasets.rows import DatasetError
-from rayapp.envs.plugins import PluginError, load_agent_factory, load_rows, load_tool, load_verifier
+from rayapp.envs.plugin_import import PluginError, load_agent_factory, load_rows, load_tool, load_verifier
 from rayapp.envs.protocol import Env
 from rayapp.envs.registry import ENVS, get_env
 

@@ -1,4 +1,4 @@
-"""How a step hands its finished groups on (``core.handing``): a task per group only where there is
+"""How a step hands its finished groups on (``core.group_delivery``): a task per group only where there is
 something to await, and the same step either way."""
 
 import asyncio

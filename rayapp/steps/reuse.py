@@ -120,7 +120,7 @@ async def rollout_or_reuse(rollout_id: int, save_dir: str | os.PathLike, run: An
     """One iteration under the reuse policy: the saved groups, or ``await run()``'s groups saved
     where the policy says. File work runs in a thread, off the event loop."""
     # Trajectory files are torch.save files: torch (the hf or sglang extra) is needed only once one is read or written.
-    from rayapp.training.trajectories import load_trajectories, save_trajectories
+    from rayapp.steps.trajectories import load_trajectories, save_trajectories
 
     decision = (policy or ReusePolicy()).decide(rollout_id, save_dir)
     if not decision.fresh:

@@ -13,7 +13,7 @@ must never hold it). No ``from __future__ import annotations``: FastAPI must see
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from rayapp.gateway.http import gateway_response
+from rayapp.gateway.routes import gateway_response
 from rayapp.gateway.service import Gateway
 
 router = APIRouter()

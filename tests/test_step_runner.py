@@ -16,11 +16,11 @@ from rayapp.envs.arithmetic import ArithmeticSource, arithmetic_spec
 from rayapp.envs.datasets.source import DatasetSpec, MultiDataSource
 from rayapp.recipe import FiltersConfig
 from rayapp.record import Actor, EpisodeRecord
-from rayapp.training.artifacts import EvalDetailsWriter, read_jsonl
-from rayapp.training.checkpoint import RolloutCheckpoint
-from rayapp.training.filters import FinishOnlyFilter, RejectionFilter
-from rayapp.training.reuse import MAIN_FILE, ReusePolicy
-from rayapp.training.step import StepRunner, filter_step
+from rayapp.steps.artifacts import EvalDetailsWriter, read_jsonl
+from rayapp.steps.checkpoint import RolloutCheckpoint
+from rayapp.steps.filters import FinishOnlyFilter, RejectionFilter
+from rayapp.steps.reuse import MAIN_FILE, ReusePolicy
+from rayapp.steps.runner import StepRunner, filter_step
 from rayapp.types import AgentResult, Sample, Status
 
 ONE_NODE = '{"n0": {"gpus": [0], "cpu": 8, "memory_gb": 64}}'

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rayapp.record import EpisodeTiming
-from rayapp.training.files import atomic_write
+from rayapp.steps.atomic_files import atomic_write
 from rayapp.types import Sample, Status, TaskKey
 
 QUEUE = "pool queue"

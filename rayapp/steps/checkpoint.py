@@ -34,10 +34,10 @@ from rayapp.core.contracts import (
     require_async,
 )
 from rayapp.core.convert import InputError, decode
-from rayapp.core.landing import landed
 from rayapp.core.scheduler import TaskScheduler
-from rayapp.training.files import atomic_write, fsync_dir
-from rayapp.training.trainer_tasks import tasks_named
+from rayapp.core.uncancellable import run_to_end
+from rayapp.steps.atomic_files import atomic_write, fsync_dir
+from rayapp.trainers.step_tasks import tasks_named
 from rayapp.types import Sample, Task
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class CheckpointState(msgspec.Struct, tag_field="format", tag="rayapp.rollout_ch
     rollout_id: RolloutId
     run: str  # the begin() this folder's groups belong to
     source_state: dict[str, Any]
-    tasks_digest: str | None = None  # the trainer-chosen tasks it runs (training.trainer_tasks); None: fetched
+    tasks_digest: str | None = None  # the trainer-chosen tasks it runs (trainers.step_tasks); None: fetched
 
 
 class CheckpointGroup(msgspec.Struct, tag_field="format", tag="rayapp.rollout_checkpoint.group",
@@ -232,9 +232,9 @@ class RolloutCheckpoint:
 
 async def in_thread(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a thread (blocking I/O with fsync), awaited to its end even when the caller is
-    cancelled meanwhile (``core.landing``): a thread cannot be stopped, and a checkpoint write must
+    cancelled meanwhile (``core.uncancellable``): a thread cannot be stopped, and a checkpoint write must
     never be written after the step that made it has returned."""
-    return await landed(asyncio.to_thread(fn, *args))
+    return await run_to_end(asyncio.to_thread(fn, *args))
 
 
 class _Recorder:

@@ -2,7 +2,7 @@
 URL says how it stands. Plain asyncio, so the manager only translates.
 
 - ``start(kind, id, run)`` starts ``run()`` as a job, or returns the job of that step when one is
-  in flight or done (a repeated POST joins it: steps are idempotent underneath, ``step_results``);
+  in flight or done (a repeated POST joins it: steps are idempotent underneath, ``steps.results``);
   a POST for another id of the same kind while one is in flight is a ``StepConflict`` (the steps
   would queue behind each other, which over HTTP is most often a client's mistake);
 - ``get(kind, id)``: the job, or None; a job is ``running``, ``done`` (its result), ``failed`` (its

@@ -23,8 +23,8 @@ import msgspec
 import torch
 
 from rayapp.core.convert import InputError, convert
-from rayapp.training.converters import stored_sample, trainer_sample
-from rayapp.training.files import atomic_write
+from rayapp.steps.atomic_files import atomic_write
+from rayapp.trainers.converters import stored_sample, trainer_sample
 from rayapp.types import Sample
 
 log = logging.getLogger(__name__)

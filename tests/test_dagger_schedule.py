@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rayapp.recipe.environment import read_environment
 from rayapp.record import Iteration
-from rayapp.training.dagger import (
+from rayapp.steps.dagger_schedule import (
     ENV_BETA,
     ENV_EVAL_BETA,
     ENV_ROLLOUT_ID,
@@ -21,7 +21,7 @@ from rayapp.training.dagger import (
     DAggerSchedule,
     add_dagger_args,
 )
-from rayapp.training.stacx_env import StacxEnv, env_values
+from rayapp.steps.stacx_env import StacxEnv, env_values
 from rayapp.types import StepKind
 
 
@@ -293,7 +293,7 @@ def test_bad_values_through_the_other_paths():
 
 def test_roll_in_metrics_count_who_acted_and_the_labels():
     from rayapp.record import Actor, DaggerLabel, EpisodeRecord, TurnRecord
-    from rayapp.training.dagger import roll_in_metrics
+    from rayapp.steps.dagger_schedule import roll_in_metrics
     from rayapp.types import Sample
 
     def s(actors, labels=0):  # a sample with the record of a roll-in

@@ -173,10 +173,26 @@ def test_closing_an_episode_aborts_its_call_in_flight_at_the_engine(tok):
     assert log.calls == 0 and log.segments == [] and ctx.record.turns is None
 
 
+class PairedEngine(EchoEngine):
+    """Answers neither of the first two calls before both have reached it: the two calls are then at once
+    however the machine's load orders their HTTP requests."""
+
+    def __init__(self, tok):
+        super().__init__(tok)
+        self.arrived, self.both = 0, asyncio.Event()
+
+    async def generate(self, req, timeout_s=None):
+        self.arrived += 1
+        if self.arrived == 2:
+            self.both.set()
+        await self.both.wait()
+        return await super().generate(req, timeout_s)
+
+
 def test_two_calls_of_one_episode_at_once_give_a_counted_concurrent_segment(tok):
     async def main():
         async with served() as gw:
-            c, ctx = open_episode(gw, "both", EchoEngine(tok), tok)
+            c, ctx = open_episode(gw, "both", PairedEngine(tok), tok)
             asks = [[{"role": "user", "content": "secret-1"}, {"role": "user", "content": q}] for q in "ab"]
             await asyncio.gather(*(c.chat.completions.create(model="m", messages=m) for m in asks))
             return ctx, await gw.close("both")

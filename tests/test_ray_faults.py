@@ -6,6 +6,7 @@ finish, and the pool ends where it began."""
 import asyncio
 
 import pytest
+from ray_helpers import pool_service
 
 from rayapp.trainers.converters import trainer_metadata
 from rayapp.types import EvaluatorSpec, Resource, Status, Task, TaskConfig
@@ -16,15 +17,13 @@ LAYOUT = '{"127.0.0.1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 4}}'
 @pytest.fixture
 def pool(ray_session):
     from rayapp.actors.pool_client import PoolClient
-    from rayapp.actors.pool_service import PlacementPoolService
 
     ray = ray_session
-    actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=5.0)
-    initial = ray.get(actor.snapshot.remote(), timeout=60)
-    yield PoolClient(actor, "faults")
-    assert ray.get(actor.snapshot.remote(), timeout=60) == initial, "the pool did not end where it began"
-    assert ray.get(actor.placement.remote(), timeout=60)["batches"] == {}
-    ray.kill(actor)
+    with pool_service(ray, LAYOUT) as actor:
+        initial = ray.get(actor.snapshot.remote(), timeout=60)
+        yield PoolClient(actor, "faults")
+        assert ray.get(actor.snapshot.remote(), timeout=60) == initial, "the pool did not end where it began"
+        assert ray.get(actor.placement.remote(), timeout=60)["batches"] == {}
 
 
 class Source:
@@ -105,38 +104,36 @@ def test_work_sent_to_a_lost_bundle_is_a_sandbox_fault_at_once(ray_session):
     there at once, as infra_sandbox, instead of leaving it waiting for a bundle that never returns."""
     ray = ray_session
     from rayapp.actors.pool_client import PoolClient
-    from rayapp.actors.pool_service import PlacementPoolService, run_in_bundle
+    from rayapp.actors.pool_service import run_in_bundle
     from rayapp.actors.sandbox import open_sandbox
     from rayapp.core.termination import AbortReason, SandboxError, classify_abort
     from rayapp.types import BatchRequest
 
-    actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=5.0)
-    client = PoolClient(actor, "lost")
-    per_sample = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
-    request = BatchRequest(Resource(gpu=0.5, concurrency=2, cpu=1, memory_gb=0.5), per_sample, 2, label="lost")
+    with pool_service(ray, LAYOUT) as actor:
+        client = PoolClient(actor, "lost")
+        per_sample = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
+        request = BatchRequest(Resource(gpu=0.5, concurrency=2, cpu=1, memory_gb=0.5), per_sample, 2, label="lost")
 
-    async def scenario():
-        tokens = await client.acquire_batch(request)
-        try:
-            assert await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60) == 3  # the bundle works
-            ray.util.remove_placement_group(ray.util.get_placement_group(tokens[0].placement_group))
-            with pytest.raises(SandboxError, match=r"bundle rayapp/node/127\.0\.0\.1@\w+\[\d\] on 127\.0\.0\.1 is"):
-                await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60)
-            with pytest.raises(SandboxError, match=r"is (lost|gone)"):
-                await open_sandbox(tokens[1])
-            placement = await client.placement()
-            assert placement["lost_nodes"] == ["127.0.0.1"] and placement["cordoned"] == ["127.0.0.1"]
-        finally:
-            await client.release_batch(tokens)
-        # Sent again once the group is removed (as a restarted pool removes it): the same class.
-        for attempt in (run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60), open_sandbox(tokens[1])):
-            with pytest.raises(SandboxError, match=r"is (lost|gone)") as info:
-                await attempt
-            assert classify_abort(info.value) is AbortReason.INFRA_SANDBOX
+        async def scenario():
+            tokens = await client.acquire_batch(request)
+            try:
+                assert await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60) == 3  # the bundle works
+                ray.util.remove_placement_group(ray.util.get_placement_group(tokens[0].placement_group))
+                with pytest.raises(SandboxError, match=r"bundle rayapp/node/127\.0\.0\.1@\w+\[\d\] on 127\.0\.0\.1 is"):
+                    await run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60)
+                with pytest.raises(SandboxError, match=r"is (lost|gone)"):
+                    await open_sandbox(tokens[1])
+                placement = await client.placement()
+                assert placement["lost_nodes"] == ["127.0.0.1"] and placement["cordoned"] == ["127.0.0.1"]
+            finally:
+                await client.release_batch(tokens)
+            # Sent again once the group is removed (as a restarted pool removes it): the same class.
+            for attempt in (run_in_bundle(tokens[0], sum, [1, 2], timeout_s=60), open_sandbox(tokens[1])):
+                with pytest.raises(SandboxError, match=r"is (lost|gone)") as info:
+                    await attempt
+                assert classify_abort(info.value) is AbortReason.INFRA_SANDBOX
 
-    asyncio.run(scenario())
-    ray.kill(actor)
-
+        asyncio.run(scenario())
 
 
 # ---- work waiting on a bundle whose group Ray reports lost ---------------------------------------------

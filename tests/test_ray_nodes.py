@@ -2,6 +2,7 @@
 engines leave free; never more than a node has)."""
 
 import pytest
+from ray_helpers import stop
 
 from rayapp.types import BatchRequest, Resource
 
@@ -74,5 +75,5 @@ def test_a_layout_read_off_the_live_cluster_counts_only_what_the_engines_leave_f
         assert len(tokens) == 3
         ray.get(service.release_batch.remote(tokens), timeout=60)
     finally:
-        ray.kill(service)
+        stop(ray, service)
         ray.kill(engine)

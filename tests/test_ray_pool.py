@@ -4,6 +4,7 @@ import asyncio
 import time
 
 import pytest
+from ray_helpers import pool_service, stop
 
 from rayapp.types import BatchRequest, Resource
 
@@ -13,15 +14,12 @@ QUARTER = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
 
 @pytest.fixture
 def pool(ray_session):
-    from rayapp.actors.pool_service import PlacementPoolService
-
     ray = ray_session
-    actor = ray.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=2.0)
-    initial = ray.get(actor.snapshot.remote(), timeout=30)
-    yield actor
-    assert ray.get(actor.snapshot.remote(), timeout=30) == initial, "the pool did not return to its initial state"
-    assert ray.get(actor.placement.remote(), timeout=30)["batches"] == {}
-    ray.kill(actor)
+    with pool_service(ray, LAYOUT) as actor:
+        initial = ray.get(actor.snapshot.remote(), timeout=30)
+        yield actor
+        assert ray.get(actor.snapshot.remote(), timeout=30) == initial, "the pool did not return to its initial state"
+        assert ray.get(actor.placement.remote(), timeout=30)["batches"] == {}
 
 
 class _NodeGroup(str):
@@ -176,7 +174,7 @@ def test_a_restarted_service_removes_what_its_dead_predecessor_left_and_makes_it
     # a group left by the one-group-per-batch design (it cannot fit: the node group holds every GPU)
     stray = ray.util.placement_group([{"GPU": 1}], name="rayapp/rollout0/b0/math/1")
     (old_id,) = [i for i, (name, _) in live_groups(ray).items() if name == GROUP]
-    ray.kill(old)
+    stop(ray, old)
     new = service.remote(LAYOUT, pg_ready_timeout_s=10.0)
     try:
         tokens = ray.get(new.acquire_batch.remote(BatchRequest(budget, QUARTER, 4, label="fresh")), timeout=30)
@@ -194,7 +192,7 @@ def test_a_restarted_service_removes_what_its_dead_predecessor_left_and_makes_it
         assert all(t.placement_group == GROUP for t in tokens)
         ray.get(new.release_batch.remote(tokens), timeout=30)
     finally:
-        ray.kill(new)
+        stop(ray, new)
 
 
 def test_a_second_service_refuses_to_start_beside_a_live_one_and_leaves_its_groups_alone(ray_session):
@@ -219,7 +217,7 @@ def test_a_second_service_refuses_to_start_beside_a_live_one_and_leaves_its_grou
         assert asyncio.run(run_in_bundle(tokens[0], sum, [1, 2], timeout_s=30)) == 3
         ray.get(first.release_batch.remote(tokens), timeout=30)
     finally:
-        ray.kill(first)
+        stop(ray, first)
 
 
 def test_a_restarted_owner_frees_what_its_predecessor_held(ray_session, pool):

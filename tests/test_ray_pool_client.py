@@ -5,6 +5,7 @@ import asyncio
 
 import msgspec
 import pytest
+from ray_helpers import pool_service
 
 from rayapp.types import BatchRequest, Resource
 
@@ -15,13 +16,10 @@ QUARTER = Resource(gpu=0.25, cpu=0.5, memory_gb=0.25)
 @pytest.fixture
 def pool(ray_session):
     """A service on the whole layout that must end with nothing held."""
-    from rayapp.actors.pool_service import PlacementPoolService
-
-    actor = ray_session.remote(PlacementPoolService).options(num_cpus=0).remote(LAYOUT, pg_ready_timeout_s=30.0)
-    initial = ray_session.get(actor.snapshot.remote(), timeout=30)
-    yield actor
-    assert ray_session.get(actor.snapshot.remote(), timeout=30) == initial, "tokens left held"
-    ray_session.kill(actor)
+    with pool_service(ray_session, LAYOUT) as actor:
+        initial = ray_session.get(actor.snapshot.remote(), timeout=30)
+        yield actor
+        assert ray_session.get(actor.snapshot.remote(), timeout=30) == initial, "tokens left held"
 
 
 def test_the_service_reads_its_groups_states_once_per_period_however_often_it_admits(monkeypatch):

@@ -140,8 +140,14 @@ def test_a_step_starts_on_policy_raises_the_rewarded_samples_and_the_engine_serv
         engine, model_dir, tmp_path):
     torch.manual_seed(0)
     samples = _rollouts(engine, ["What is 40 + 2?"], 4, 1.0)
+    # the first sample's answer is rewarded, every other answer not: two samples that drew the same tokens
+    # get the same reward (sampling at temperature 1 can repeat an answer)
+    answers = [tuple(s.tokens[-s.response_length:]) for s in samples]
+    rewarded = [i for i, a in enumerate(answers) if a == answers[0]]
+    others = [i for i, a in enumerate(answers) if a != answers[0]]
+    assert others, answers
     for i, s in enumerate(samples):
-        s.reward = {"score": 1.0 if i < 2 else 0.0}
+        s.reward = {"score": 1.0 if i in rewarded else 0.0}
     model = _model(model_dir)
     trainer = GRPOTrainer(model, lr=1e-2, micro_steps=1)
     before = make_batch(samples, [0.0] * 4)
@@ -152,7 +158,7 @@ def test_a_step_starts_on_policy_raises_the_rewarded_samples_and_the_engine_serv
     with torch.no_grad():
         new = (token_logprobs(model, before.ids, before.attention) * before.mask).sum(-1)
     moved = new - old
-    assert moved[:2].min() > moved[2:].max()  # rewarded responses gained against the others
+    assert moved[rewarded].min() > moved[others].max()  # rewarded responses gained against the others
 
     folder = trainer.save(tmp_path / "step-1")
     version_before = engine._version

@@ -158,10 +158,10 @@ def test_fork_bomb_is_contained():
 
 def test_runaway_loop_is_stopped_by_cpu_limit():
     async def main():
-        async with LocalProcessSandbox(SandboxLimits(cpu_seconds=1, wall_seconds=20), name="spin") as sb:
+        # the wall limit far above the CPU one: on a loaded machine a CPU second takes many wall seconds
+        async with LocalProcessSandbox(SandboxLimits(cpu_seconds=1, wall_seconds=300), name="spin") as sb:
             res = await sb.exec(["python3", "-c", "while True: pass"])
             assert res.exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and not res.timed_out
-            assert res.duration_s < 10
 
     run(main())
 

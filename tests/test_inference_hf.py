@@ -212,7 +212,8 @@ def test_update_weights_from_disk_changes_outputs_and_back(backend, model_dir, g
 
     assert run(backend.update_weights_from_disk(str(model_dir)))["version"] == version + 2
     back = run(backend.generate(GenerateRequest(prompt, GREEDY)))
-    assert (back.output_ids, back.logprobs) == (greedy.output_ids, greedy.logprobs)
+    assert back.output_ids == greedy.output_ids  # the same weights again: the same answer, and its log-probs
+    assert back.logprobs == pytest.approx(greedy.logprobs, abs=1e-5)  # to float noise (CPU threads' sums)
 
 
 def test_bad_checkpoints_raise_and_change_nothing(backend, model_dir, greedy, prompt, tmp_path):

@@ -45,11 +45,13 @@ demo-core: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check rayapp tests bench recipes
 
-# tests/isolated connects to Ray clusters of its own (one shared head for the Serve apps), so it runs in a second
-# pytest process after the main one (side by side, the main run's Ray tests missed their time limits on 2 cores).
+# The main run over 4 pytest-xdist workers (whole files per worker; the files on the session's local Ray all on one
+# worker: tests/conftest.py): most of it waits on subprocesses, sockets and timeouts, and alone it kept half a core
+# busy. Then tests/isolated in a second pytest process (its own Ray head for the Serve apps); beside the main run it
+# gained nothing on 2 cores (it is CPU-bound) and made timing-sensitive tests fail. docs/testing.md has the figures.
 # The SGLang lane is `make test-sglang`.
 test: lint $(VENV)/.test-extras
-	$(BIN)/python -m pytest --ignore=tests/isolated --ignore=tests/sglang_engine
+	$(BIN)/python -m pytest --ignore=tests/isolated --ignore=tests/sglang_engine -n 4 --dist loadgroup
 	$(BIN)/python -m pytest tests/isolated
 
 # What only the tests need, out of $(STAMP) so that `make demo` installs none of it: the 'gym' extra (SkyRL-gym,

@@ -134,6 +134,7 @@ def connect(address: str = "auto", app: str = "rayapp", *, namespace: str | None
     replicas' and workers' lines into this process; a driver started beside ``serve run`` leaves it
     off, since ``serve run`` prints them already."""
     import ray
+    from ray import serve  # noqa: F401 (imported before quiet_serve_logger: the import sets Serve's logger up)
 
     ray.init(address=address, namespace=namespace, logging_level=logging.INFO if verbose else logging.WARNING,
              log_to_driver=verbose if worker_logs is None else worker_logs)

@@ -30,7 +30,10 @@ def wait_with_progress(handle, response, what: str, timeout_s: float):
                 if time.monotonic() - started > timeout_s:
                     response.cancel()
                     raise TimeoutError(f"{what} did not finish within {timeout_s}s") from None
-                st = handle.status.remote().result(timeout_s=30)
+                try:
+                    st = handle.status.remote().result(timeout_s=30)
+                except TimeoutError:  # a busy manager's progress answer is late: only the progress line waits
+                    continue
                 line = (f"  {what}: {st.get('tasks_done', 0)}/{st.get('tasks', '?')} tasks, "
                         f"{st.get('samples_done', 0)} samples done, {st.get('batches_running', 0)} batches "
                         f"running, {st.get('batches_waiting', 0)} waiting")

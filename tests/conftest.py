@@ -95,3 +95,13 @@ def tok(model_dir):
     from rayapp.inference.tiny_model import load_tokenizer
 
     return load_tokenizer(model_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    """How `make test` spreads the files over pytest-xdist's workers (``--dist loadgroup``): each file whole
+    on one worker (its module fixtures set up once), and every file that uses the session's local Ray on
+    the same worker, one after the other, as a plain run has them (side by side, one file's pool service
+    would meet another's on the shared cluster)."""
+    on_ray = {item.path for item in items if "ray_session" in getattr(item, "fixturenames", ())}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("ray" if item.path in on_ray else str(item.path)))

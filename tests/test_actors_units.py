@@ -144,3 +144,23 @@ def test_the_manager_serves_the_gateway_routes_from_their_own_module_each_bound_
     assert issubclass(SchedulerRolloutManager, gateway_ingress.GatewayRoutes)
     own = {name for name, v in vars(SchedulerRolloutManager).items() if callable(v)}
     assert not {n for n in own if n.startswith("gateway_")}, "the gateway's routes belong to gateway_ingress.py"
+
+
+def test_serve_run_gets_sigint_back_when_this_process_ignores_it():
+    """A background job of a shell without job control ignores SIGINT, and a child inherits that: ``local_app``
+    starts ``serve run`` through ``with_default_sigint`` so its Ctrl-C path (a clean shutdown) still works."""
+    import signal
+    import subprocess
+    import sys
+
+    from rayapp.cli.local_cluster import with_default_sigint
+
+    probe = [sys.executable, "-c",
+             "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        plain = subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.strip()
+        wrapped = subprocess.run(with_default_sigint(probe), capture_output=True, text=True, timeout=60).stdout.strip()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert (plain, wrapped) == ("False", "True")

@@ -308,7 +308,7 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
                 address = start_head(num_gpus, num_cpus, temp_dir, dashboard_port or free_port(), out, verbose)
             # On a cluster of the user's, an app of that name may be running already: only a later deployment counts.
             before = None if own_head else app_status(address, "rayapp")[3]
-            serve_cmd = [_bin("serve"), "run", f"--address={address}", str(recipe)]
+            serve_cmd = with_default_sigint([_bin("serve"), "run", f"--address={address}", str(recipe)])
             if verbose:  # through a pipe, copied line by line to the log and the terminal
                 # errors="replace": a line that is not UTF-8 must not stop the copy (serve run would block)
                 proc = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -330,6 +330,17 @@ def local_app(recipe: str | Path, temp_dir: Path, log: Path, *, num_gpus: int = 
                 left = stop_cluster(temp_dir)
                 print("shut down: " + ("no Ray process left" if not left else
                                        f"{len(left)} Ray processes left: {left}"))
+
+
+# A process started in the background by a shell without job control ignores SIGINT, and its children inherit
+# that: `serve run` would then ignore the Ctrl-C that takes its clean shutdown path. This exec puts it back.
+_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def with_default_sigint(argv: list[str]) -> list[str]:
+    """``argv`` run with SIGINT at its default disposition, whatever this process inherited."""
+    return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]
 
 
 def delete_app(address: str, app: str) -> None:

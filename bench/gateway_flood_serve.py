@@ -121,6 +121,24 @@ class Watch(threading.Thread):
                 self.done.wait(max(0.0, 0.25 - (time.monotonic() - t)))
 
 
+def pin(temp_dir: Path, proxy_cpus: set[int], other_cpus: set[int]) -> dict[str, int]:
+    """``--pin``: every thread of Serve's proxy on ``proxy_cpus`` (the flood client joins it there), every other
+    process of the cluster (engine, manager, pool, Ray's own) on ``other_cpus``: then what the flood costs the
+    proxy and its client cannot be taken from the step's CPU. Returns how many processes went where."""
+    placed = {"proxy": 0, "rest": 0}
+    for pid in ray_processes(temp_dir):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            cpus, who = (proxy_cpus, "proxy") if title.startswith("ray::ProxyActor") else (other_cpus, "rest")
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(int(tid), cpus)
+            placed[who] += 1
+        except OSError:
+            continue
+    return placed
+
+
 def run(args: argparse.Namespace) -> None:
     os.environ.update(LOCAL_ENV)  # before Ray's import (127.0.0.1 stays 127.0.0.1)
     for k, v in SLOW_MACHINE_ENV.items():
@@ -143,6 +161,8 @@ def run(args: argparse.Namespace) -> None:
         watch, client, stop = Watch(url, temp_dir), None, tmp / "stop"
         try:
             handle = manager_handle("rayapp", 300)
+            if args.pin:
+                print(f"pinned (proxy on CPU 1, the rest on CPU 0): {pin(temp_dir, {1}, {0})}", flush=True)
             watch.start()
             t = time.monotonic()
             handle.generate.remote(0).result(timeout_s=STEP_TIMEOUT_S)
@@ -151,7 +171,8 @@ def run(args: argparse.Namespace) -> None:
             for phase in ("quiet", "flood"):
                 watch.phase = phase
                 if phase == "flood":
-                    client = subprocess.Popen([sys.executable, __file__, "--client", url, str(args.unauth), str(stop)],
+                    cmd = [sys.executable, __file__, "--client", url, str(args.unauth), str(stop)]
+                    client = subprocess.Popen(["taskset", "-c", "1", *cmd] if args.pin else cmd,
                                               stdout=subprocess.PIPE, text=True)
                     time.sleep(1.0)  # the first round under way
                 for _ in range(args.steps):
@@ -200,6 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="timed rollout steps per phase")
     parser.add_argument("--unauth", type=int, default=8, help="30 MB bodies without a key per round")
+    parser.add_argument("--pin", action="store_true", help="Serve's proxy and the flood client on CPU 1, the rest of "
+                        "the cluster on CPU 0, in both phases: the flood then cannot take the step's CPU")
     run(parser.parse_args())
 
 
